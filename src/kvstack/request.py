@@ -1,0 +1,219 @@
+"""Requests, their sampling parameters, and the outputs returned to callers.
+
+Field names follow vLLM (``SamplingParams``, ``RequestOutput``, ``CompletionOutput``) so
+code written for vLLM's offline API reads the same here.
+
+Token accounting of one request (vLLM v1 style: no separate prefill/decode phases)::
+
+    |<------------- all_token_ids = prompt + output ------------->|
+    |<--- num_computed_tokens --->|<- scheduled this step ->|
+    |   KV already in the cache   |  KV written this step   |
+
+A request samples a new token in a step exactly when, after that step,
+``num_computed_tokens == num_tokens`` (its whole sequence has KV).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvstack.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to sample a completion (vLLM's names and defaults).
+
+    ``validate()`` raises ``InvalidRequestError`` with a clear message for any value out
+    of range; the engine calls it before a request is queued.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad(f"top_k must be 0 or -1 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop strings must be non-empty strings")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        for tok, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= int(tok) < vocab_size:
+                raise bad(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= float(bias) <= 100.0:
+                raise bad(f"logit_bias values must be in [-100, 100], got {bias}")
+        if vocab_size is not None:
+            for tok in self.stop_token_ids:
+                if not 0 <= tok < vocab_size:
+                    raise bad(f"stop token id {tok} is outside the vocabulary [0, {vocab_size})")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass
+class Request:
+    """One sequence being generated. ``n > 1`` is fanned out into n Requests by the engine.
+
+    Invariants: ``0 <= num_computed_tokens <= num_tokens``; ``block_ids`` (owned by the
+    KV cache manager) covers at least ``num_computed_tokens`` slots while running.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (first schedule)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # Sampled-token log-probabilities, filled only when sampling_params.logprobs is set.
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        """Resolved max_tokens (the engine fills a None from the context length)."""
+        mt = self.sampling_params.max_tokens
+        assert mt is not None, "engine must resolve max_tokens before queueing"
+        return mt
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token, with its rank (1 = most likely) and decoded text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns and ``LLMEngine.step`` streams, one per request id."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None
