@@ -1,0 +1,210 @@
+"""Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+Follows vLLM v1's unified scheduler: there are no prefill and decode phases, only
+requests whose ``num_computed_tokens`` lags ``num_tokens``. Each step:
+
+1. Running requests, oldest first, get the tokens they still lack (1 for a decoding
+   request, a chunk of the prompt for a long prefill), capped by the step's token
+   budget (``max_num_batched_tokens``). When the pool has no block for one of them, the
+   *newest* running request is preempted (FCFS priority): its blocks are freed, its
+   ``num_computed_tokens`` reset to 0, and it goes back to the front of the waiting
+   queue; later it recomputes prompt + generated tokens and continues where it left
+   off (vLLM's "recompute" preemption).
+2. If nobody was preempted, waiting requests are admitted in arrival order while the
+   budget, ``max_num_seqs`` and free blocks allow. A prompt longer than the remaining
+   budget is admitted with a chunk (chunked prefill) and continues next step.
+
+Requests that could never run (longer than the context or the whole pool) are refused
+by ``add_request`` so they cannot block the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvstack.config import SchedulerConfig
+from kvstack.errors import InvalidRequestError
+from kvstack.kv.manager import KVCacheManager
+from kvstack.request import Request, RequestStatus
+from kvstack.sched.output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ admission
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``InvalidRequestError`` if such a request could never be served."""
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens but the model's context length "
+                f"(max_model_len) is {self.max_model_len}; at least one token must be generated"
+            )
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if not self.kv.can_ever_fit(total):
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens needs "
+                f"{self.kv.num_blocks_for(total)} KV blocks but the cache has only "
+                f"{self.kv.num_blocks} (block size {self.kv.block_size}); "
+                "raise --kv-cache-memory/--num-blocks or lower max_tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {req.request_id} has nothing to compute"
+            block_ids = self.kv.allocate_slots(req, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is req:
+                    break
+                block_ids = self.kv.allocate_slots(req, num_new)
+            if block_ids is None:
+                break
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted_request_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                num_new = req.num_tokens - req.num_computed_tokens
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                block_ids = self.kv.allocate_slots(req, num_new)
+                if block_ids is None:
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(
+                    ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids)
+                )
+                budget -= num_new
+
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token, apply token-level stop rules, free finished requests.
+
+        Returns the requests that received a token (finished ones included).
+        """
+        changed: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished() or req.request_id not in sampled:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            changed.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return changed
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, abort, error) a request wherever it is; frees its blocks. Idempotent."""
+        assert status.finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        req.status = status
+        self._finished_ids.append(request_id)
+        return req
+
+    # ------------------------------------------------------------------ introspection
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert not running_ids & waiting_ids, "request both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "request table out of sync"
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+            assert 0 < r.num_computed_tokens <= r.num_tokens
+            held = len(self.kv.get_block_ids(r.request_id)) * self.kv.block_size
+            assert held >= r.num_computed_tokens, f"{r.request_id} lacks KV slots"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0
+            assert not self.kv.get_block_ids(r.request_id), f"waiting {r.request_id} holds blocks"
+        for rid in self.kv.req_blocks:
+            assert rid in running_ids, f"blocks held by non-running request {rid}"
