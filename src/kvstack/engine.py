@@ -1,0 +1,205 @@
+"""LLMEngine: add requests, step, stream outputs (nano-vllm / vLLM v1 shape).
+
+``step()`` = ``scheduler.schedule()`` -> ``runner.execute()`` ->
+``scheduler.update_from_output()`` -> detokenize and check stop strings. Everything a
+user can get wrong is rejected in ``add_request`` before any state changes, so a bad
+request never disturbs the others; an unexpected model error fails only the requests
+of that step and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.storage import KVStorage
+from kvstack.model.llama import LlamaModel
+from kvstack.model.registry import load_model, load_tokenizer
+from kvstack.model.runner import ModelRunner, RunnerOutput
+from kvstack.output_processor import OutputProcessor, ParentState
+from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
+from kvstack.sched.output import SchedulerOutput
+from kvstack.sched.scheduler import Scheduler
+
+logger = logging.getLogger("kvstack.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        loaded = load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.dtype = DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype)
+        del loaded
+
+        mc = self.model_config
+        max_len = config.scheduler.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {max_len} exceeds the model's context "
+                f"{mc.max_position_embeddings}"
+            )
+        self.max_model_len = max_len
+        cc = config.cache
+        if cc.num_blocks is not None:
+            num_blocks = cc.num_blocks
+        else:
+            memory = cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            num_blocks = KVStorage.num_blocks_for_memory(mc, cc.block_size, self.dtype, memory)
+            if num_blocks < 1:
+                raise ConfigError(f"kv_cache_memory {memory} B holds not even one KV block")
+        self.kv_storage = KVStorage(mc, num_blocks, cc.block_size, self.dtype)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
+        self.runner = ModelRunner(self.model, self.kv_storage)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._next_id = 0
+        self.num_steps = 0
+        logger.info(
+            "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, "
+            "%.1f MiB",
+            mc.name, config.dtype, mc.num_layers, time.perf_counter() - t0, num_blocks,
+            cc.block_size, num_blocks * cc.block_size, self.kv_storage.nbytes / 2**20,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ``InvalidRequestError``."""
+        sp = replace(sampling_params) if sampling_params is not None else SamplingParams()
+        rid = request_id if request_id is not None else self.new_request_id()
+        if rid in self.outputs.parents:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        text: str | None = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                text = prompt
+                prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
+            elif isinstance(prompt, list):
+                prompt_token_ids = prompt
+            else:
+                raise InvalidRequestError("a prompt (text or token ids) is required")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        sp.validate(vocab)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens, more than the model's context length "
+                f"(max_model_len {self.max_model_len}) allows"
+            )
+        if sp.max_tokens is None:
+            sp.max_tokens = self.max_model_len - len(ids)
+        self.scheduler.check_fits(len(ids), sp.max_tokens)
+
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        children = []
+        for i in range(sp.n):
+            csp = replace(sp, n=1)
+            if sp.n > 1 and sp.seed is not None:
+                csp.seed = sp.seed + i
+            cid = rid if sp.n == 1 else f"{rid}#{i}"
+            children.append(Request(cid, ids, csp, eos_token_ids=eos))
+        self.outputs.add(ParentState(rid, text, ids), children)
+        for child in children:
+            if child.sampling_params.prompt_logprobs is not None:
+                child.prompt_logprobs = [None]
+            self.scheduler.add_request(child)
+        return rid
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests (by the id given to ``add_request``); frees their KV at once."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            for cid in self.outputs.children_of(rid) or [rid]:
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                self.outputs.mark_finished(cid, RequestStatus.FINISHED_ABORTED)
+        self.outputs.release_finished()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs of requests that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:  # never let one bad step kill the engine loop
+            logger.exception("model step failed; failing its %d requests", len(out.scheduled))
+            return self._fail_step(out, f"internal error: {exc}")
+        self._record_logprobs(out, result)
+        now = time.monotonic()
+        changed = self.scheduler.update_from_output(out, result.sampled)
+        touched: set[str] = set()
+        for req in changed:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if self.outputs.on_new_token(req):
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            touched.add(req.request_id)
+        outputs = self.outputs.outputs_for(touched)
+        self.outputs.release_finished()
+        return outputs
+
+    def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        for rid, lp in result.logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            token = result.sampled.get(rid)
+            if req is None or token is None:
+                continue
+            req.output_logprobs.append(lp)
+            if token in lp:
+                req.cumulative_logprob += lp[token].logprob
+        for rid, (_, entries) in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(entries)
+
+    def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
+        ids = set()
+        for s in out.scheduled:
+            s.request.error = message
+            self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
+            ids.add(s.request.request_id)
+        outputs = self.outputs.outputs_for(ids)
+        self.outputs.release_finished()
+        return outputs
+
+    # ------------------------------------------------------------------ introspection
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.num_free_blocks

@@ -1,0 +1,153 @@
+"""``LLM``: offline batch generation with vLLM's API (``generate``, ``chat``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstack.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvstack.engine import LLMEngine
+from kvstack.errors import InvalidRequestError
+from kvstack.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """Offline engine: ``LLM(model="default").generate(prompts, SamplingParams(...))``.
+
+    Keyword arguments mirror the CLI options (``dtype``, ``block_size``, ``num_blocks``,
+    ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+    ``enable_chunked_prefill``, ``seed``, ``tokenizer``).
+    """
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        dtype: str = "bfloat16",
+        tokenizer: str | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: str | int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            tokenizer=tokenizer,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[list[int]] | None = None,
+        use_tqdm: bool = False,
+        check_integrity: bool = False,
+        on_step: Callable[[], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of the prompts.
+
+        All prompts are validated before any runs: one bad prompt raises
+        ``InvalidRequestError`` and nothing is queued.
+        """
+        items: list[Any]
+        if prompt_token_ids is not None:
+            items = [list(p) for p in prompt_token_ids]
+        elif isinstance(prompts, str):
+            items = [prompts]
+        elif prompts is not None:
+            items = list(prompts)
+        else:
+            raise InvalidRequestError("generate() needs prompts or prompt_token_ids")
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(items):
+                raise InvalidRequestError("one SamplingParams per prompt, or a single one")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(items)
+
+        ids: list[str] = []
+        try:
+            for item, sp in zip(items, params, strict=True):
+                rid = self.engine.new_request_id()
+                if isinstance(item, list):
+                    self.engine.add_request(rid, None, sp, prompt_token_ids=item)
+                else:
+                    self.engine.add_request(rid, item, sp)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm, check_integrity, on_step)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one or several conversations and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_ids = []
+        for conv in convs:
+            ids = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            assert isinstance(ids, list)
+            token_ids.append(ids)
+        return self.generate(
+            sampling_params=sampling_params, prompt_token_ids=token_ids, use_tqdm=use_tqdm
+        )
+
+    def _run(
+        self,
+        ids: list[str],
+        use_tqdm: bool,
+        check_integrity: bool,
+        on_step: Callable[[], None] | None,
+    ) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if check_integrity:
+                    self.engine.check_integrity()
+                if on_step is not None:
+                    on_step()
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids if i in results]

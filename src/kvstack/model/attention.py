@@ -1,0 +1,118 @@
+"""Attention over the paged KV cache, for a flattened batch of prefill and decode tokens.
+
+Rows of one step are ordered decodes first, then prefill chunks::
+
+    rows:  [d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 p1 | ...]
+            one token each      chunk of req p0, chunk of req p1
+
+* Decode rows (one new token, any context length) attend together: the keys of all D
+  requests are gathered once per layer through their block tables into ``[D, L]`` and
+  attention is two grouped-query matmuls with a length mask (DESIGN.md: CPU SDPA is
+  12x slower at q_len 1).
+* A prefill chunk that starts a sequence (no earlier KV) attends to its own fresh K/V
+  with causal SDPA; a chunk that continues one (chunked prefill, recompute after
+  preemption, or a prefix hit) gathers the earlier KV from its blocks. Query ``i`` of a
+  chunk of ``q`` tokens ending at context length ``c`` sees keys ``0 .. c - q + i``::
+
+        keys:    0 1 2 3 4 5 6 7      (c = 8, q = 3)
+        query 0: x x x x x x          position 5
+        query 1: x x x x x x x        position 6
+        query 2: x x x x x x x x      position 7
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int  # first row of this chunk in the flattened batch
+    q_len: int
+    ctx_len: int  # tokens with KV after this step (earlier + this chunk)
+    block_ids: torch.Tensor | None  # [n_blocks] long; None when ctx_len == q_len
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend; None if pure causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long, where each new token's K/V goes
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
+    decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], 0 or -inf
+    prefills: list[PrefillSeq]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[D, H, d]``; caches ``[num_blocks, bs, KVH, d]``; returns ``[D, H, d]``."""
+    d_, h, hd = q.shape
+    kvh = k_cache.shape[2]
+    keys = k_cache[block_tables].view(d_, -1, kvh, hd).transpose(1, 2)  # [D, KVH, L, d]
+    vals = v_cache[block_tables].view(d_, -1, kvh, hd).transpose(1, 2)
+    qg = q.view(d_, kvh, h // kvh, hd)  # [D, KVH, G, d]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + bias
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, vals).view(d_, h, hd)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[q, H, d]``, k/v ``[c, KVH, d]``; causal when ``mask`` is None (q == c)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for all rows of a step. The new K/V must already be in the cache.
+
+    q ``[T, H, d]``, k/v ``[T, KVH, d]`` (this step's), caches one layer's
+    ``[num_blocks, bs, KVH, d]``. Returns ``[T, H, d]``.
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_bias is not None
+        out[:nd] = decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale
+        )
+    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+    for p in meta.prefills:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        if p.block_ids is None:
+            kk, vv = k[rows], v[rows]
+        else:
+            kk = k_cache[p.block_ids].view(-1, kvh, hd)[: p.ctx_len]
+            vv = v_cache[p.block_ids].view(-1, kvh, hd)[: p.ctx_len]
+        out[rows] = prefill_attention(q[rows], kk, vv, p.mask, scale)
+    return out

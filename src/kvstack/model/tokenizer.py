@@ -1,0 +1,393 @@
+"""Tokenizer: byte-level BPE from GGUF metadata or a Hugging Face ``tokenizer.json``, and chat.
+
+A GGUF file carries the tokenizer as metadata (llama.cpp key names)::
+
+    tokenizer.ggml.model       "gpt2"  (byte-level BPE; the only kind supported from GGUF)
+    tokenizer.ggml.pre         pre-tokenizer name ("smollm", "llama-bpe", "qwen2", ...)
+    tokenizer.ggml.tokens      [str]   vocabulary, spelled in GPT-2's byte alphabet
+    tokenizer.ggml.merges      [str]   "a b" merge rules, best first
+    tokenizer.ggml.token_type  [int]   1 normal, 3 control, 4 user-defined, ...
+    tokenizer.ggml.{bos,eos,unknown,padding}_token_id, add_bos_token, add_eos_token
+    tokenizer.chat_template    Jinja2 template
+
+It is rebuilt with the ``tokenizers`` library the way transformers rebuilds it, so token ids
+match ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``. Control tokens become special
+added tokens, so ``"<|im_start|>"`` in text encodes to its single id.
+
+Chat templates are rendered by ``kvstack.model.chat_template`` (a sandboxed Jinja2
+environment configured like transformers').
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+from kvstack.errors import InvalidRequestError, ModelLoadError
+from kvstack.model.chat_template import render_chat_template
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+# Tokens that end a chat turn in common templates; counted as EOS when the template uses them.
+TURN_END_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+)
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# ``tokenizer.ggml.pre`` values whose split regex differs from GPT-2's; others use GPT-2's.
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_backend_from_gguf(md: Mapping[str, Any]) -> BackendTokenizer:
+    """A ``tokenizers.Tokenizer`` equivalent to the byte-level BPE the metadata describes."""
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+            "load the model from a Hugging Face folder with a tokenizer.json instead"
+        )
+    tokens: list[str] = md.get("tokenizer.ggml.tokens") or []
+    merges_raw: list[str] = md.get("tokenizer.ggml.merges") or []
+    if not tokens:
+        raise ModelLoadError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens")
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
+    }
+    merges = []
+    for m in merges_raw:
+        left, sep, right = m.partition(" ")
+        if sep:
+            merges.append((left, right))
+    backend = BackendTokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    split = PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+
+    types: list[int] = md.get("tokenizer.ggml.token_type") or []
+    special_ids = {
+        md[f"tokenizer.ggml.{k}_token_id"]
+        for k in ("bos", "eos", "unknown", "padding")
+        if isinstance(md.get(f"tokenizer.ggml.{k}_token_id"), int)
+    }
+    special = [
+        AddedToken(t, normalized=False, special=True)
+        for i, (t, ty) in enumerate(zip(tokens, types, strict=False))
+        if (ty == TOKEN_TYPE_CONTROL or i in special_ids) and set(t) <= alphabet
+    ]
+    backend.add_special_tokens(special)
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, types, strict=False)
+        if ty == TOKEN_TYPE_USER_DEFINED and t in vocab
+    ]
+    backend.add_tokens(user)
+
+    _set_post_processor(backend, md, tokens)
+    return backend
+
+
+def _set_post_processor(
+    backend: BackendTokenizer, md: Mapping[str, Any], tokens: list[str]
+) -> None:
+    """Add BOS/EOS around encoded text when the GGUF asks for it (``add_bos_token``...)."""
+    around: dict[str, tuple[str, int] | None] = {"bos": None, "eos": None}
+    for key in around:
+        tid = md.get(f"tokenizer.ggml.{key}_token_id")
+        if md.get(f"tokenizer.ggml.add_{key}_token") and isinstance(tid, int):
+            around[key] = (tokens[tid], tid)
+    bos, eos = around["bos"], around["eos"]
+    if bos is None and eos is None:
+        return
+
+    def seq(x: str, type_id: int) -> str:
+        parts = [f"{bos[0]}:{type_id}"] if bos else []
+        return " ".join([*parts, f"${x}:{type_id}", *([f"{eos[0]}:{type_id}"] if eos else [])])
+
+    backend.post_processor = processors.TemplateProcessing(
+        single=seq("A", 0),
+        pair=f"{seq('A', 0)} {seq('B', 1)}",
+        special_tokens=list(dict.fromkeys(t for t in (bos, eos) if t is not None)),
+    )
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+class Tokenizer:
+    """Token ids <-> text, special tokens, EOS set and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        unk_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+        source: str = "",
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.unk_token_id = unk_token_id
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        self.source = source
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        eos = set(extra_eos_token_ids)
+        if eos_token_id is not None:
+            eos.add(eos_token_id)
+        for piece in TURN_END_TOKENS:
+            tid = backend.token_to_id(piece)
+            if tid is not None and chat_template and piece in chat_template:
+                eos.add(tid)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_gguf_metadata(cls, md: Mapping[str, Any], source: str = "gguf") -> Tokenizer:
+        """Build from a GGUF file's ``tokenizer.*`` metadata."""
+        backend = build_backend_from_gguf(md)
+        ids = {
+            k: md.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")
+        }
+        return cls(
+            backend,
+            bos_token_id=ids["bos"],
+            eos_token_id=ids["eos"],
+            unk_token_id=ids["unknown"],
+            pad_token_id=ids["padding"],
+            chat_template=md.get("tokenizer.chat_template"),
+            source=source,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build from the metadata of the GGUF file at ``path``."""
+        from kvstack.model.gguf import GGUFFile
+
+        with GGUFFile.open(path) as g:
+            return cls.from_gguf_metadata(g.metadata, source=str(path))
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
+        """Build from a Hugging Face folder's ``tokenizer.json`` (+ ``tokenizer_config.json``,
+        ``chat_template.jinja``, ``generation_config.json``, ``config.json`` when present)."""
+        root = Path(folder)
+        if not (root / "tokenizer.json").is_file():
+            raise ModelLoadError(f"{root}: no tokenizer.json (a fast tokenizer file is required)")
+        try:
+            backend = BackendTokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as e:  # the Rust side raises plain Exception on bad JSON
+            raise ModelLoadError(f"{root / 'tokenizer.json'}: cannot be parsed ({e})") from e
+
+        def read_json(name: str) -> dict[str, Any]:
+            p = root / name
+            if not p.is_file():
+                return {}
+            try:
+                data = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"{p}: invalid JSON ({e})") from e
+            return data if isinstance(data, dict) else {}
+
+        tcfg, gen, mcfg = (
+            read_json(n) for n in ("tokenizer_config.json", "generation_config.json", "config.json")
+        )
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+
+        def token_id(key: str) -> int | None:
+            piece = _token_str(tcfg.get(key))
+            tid = backend.token_to_id(piece) if piece is not None else None
+            if tid is None and isinstance(mcfg.get(f"{key}_id"), int):
+                tid = mcfg[f"{key}_id"]
+            return tid
+
+        extra: list[int] = []
+        for src in (gen, mcfg):
+            value = src.get("eos_token_id")
+            extra += (
+                [value]
+                if isinstance(value, int)
+                else [v for v in value or [] if isinstance(v, int)]
+            )
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            unk_token_id=token_id("unk_token"),
+            pad_token_id=token_id("pad_token"),
+            chat_template=template if isinstance(template, str) else None,
+            extra_eos_token_ids=extra,
+            source=str(root),
+        )
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (Hugging Face layout)."""
+        root = Path(folder)
+        root.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(root / "tokenizer.json"))
+        cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for key, tid in (
+            ("bos_token", self.bos_token_id),
+            ("eos_token", self.eos_token_id),
+            ("unk_token", self.unk_token_id),
+            ("pad_token", self.pad_token_id),
+        ):
+            cfg[key] = self.backend.id_to_token(tid) if tid is not None else None
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
+        (root / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+    # ----------------------------------------------------------------- ids <-> text
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS as the model asks."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}")
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def is_special(self, token_id: int) -> bool:
+        """True for special/control tokens (skipped by ``decode(skip_special_tokens=True)``)."""
+        return token_id in self._special_ids
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id`` (byte-level spelling, e.g. ``"Ġworld"``)."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
+        return str(piece)
+
+    def piece_to_id(self, piece: str) -> int | None:
+        """The id of a vocabulary entry, or None."""
+        tid = self.backend.token_to_id(piece)
+        return None if tid is None else int(tid)
+
+    # ----------------------------------------------------------------- chat
+    def special_tokens_map(self) -> dict[str, str]:
+        """``bos_token``/``eos_token``/``unk_token``/``pad_token`` strings, for templates."""
+        out = {}
+        for key, tid in (
+            ("bos_token", self.bos_token_id),
+            ("eos_token", self.eos_token_id),
+            ("unk_token", self.unk_token_id),
+            ("pad_token", self.pad_token_id),
+        ):
+            if tid is not None and (piece := self.backend.id_to_token(tid)) is not None:
+                out[key] = piece
+        return out
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render ``messages`` with the model's chat template, like transformers does.
+
+        With ``tokenize=True`` returns ids (encoded without adding BOS/EOS: the template
+        writes whatever special tokens it wants).
+        """
+        source = chat_template or self.chat_template
+        if not source:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt (completions) instead"
+            )
+        text = render_chat_template(
+            source,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            **{**self.special_tokens_map(), **kwargs},
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, source={self.source!r})"

@@ -1,0 +1,131 @@
+"""Turns sampled tokens into text and ``RequestOutput``s: detokenization and stop strings.
+
+vLLM v1 keeps this out of the engine core; here it is a plain object the engine calls
+after each step. Text shown to a client never contains a stop string (unless
+``include_stop_str_in_output``) and never ends in half a UTF-8 character: while a
+request runs, the last ``max(len(stop)) - 1`` characters are held back because they
+could be the start of a stop string::
+
+    text so far:  "... the answer is 42\\n\\nQ"      stop = ["\\n\\nQ:"]
+    visible:      "... the answer is 42"            held back: "\\n\\nQ"
+
+The incremental detokenizer (``model/detokenizer.py``) does the holding back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstack.model.detokenizer import IncrementalDetokenizer
+from kvstack.model.tokenizer import Tokenizer
+from kvstack.request import CompletionOutput, Request, RequestOutput, RequestStatus
+
+
+@dataclass
+class SequenceState:
+    request: Request
+    detok: IncrementalDetokenizer
+
+    def visible_text(self) -> str:
+        return self.detok.text
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.seqs: dict[str, SequenceState] = {}
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(self, parent: ParentState, children: list[Request]) -> None:
+        self.parents[parent.request_id] = parent
+        for child in children:
+            sp = child.sampling_params
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=sp.skip_special_tokens,
+                stop=sp.stop,
+                include_stop_str_in_output=sp.include_stop_str_in_output,
+                prompt_ids=child.prompt_token_ids,
+            )
+            self.seqs[child.request_id] = SequenceState(child, detok)
+            self.child_to_parent[child.request_id] = parent.request_id
+            parent.children.append(child.request_id)
+
+    def on_new_token(self, req: Request) -> bool:
+        """Detokenize ``req``'s newest token; True if a stop string now ends it."""
+        seq = self.seqs[req.request_id]
+        seq.detok.add_tokens(req.output_token_ids[-1])
+        if seq.detok.stopped:
+            req.stop_reason = seq.detok.stop_reason
+            return True
+        if req.is_finished():
+            seq.detok.finish()
+        return False
+
+    def outputs_for(self, request_ids: set[str]) -> list[RequestOutput]:
+        """RequestOutputs (cumulative text) of the parents of the given child ids."""
+        parents = {self.child_to_parent[r] for r in request_ids if r in self.child_to_parent}
+        return [self._build(self.parents[p]) for p in sorted(parents)]
+
+    def _build(self, parent: ParentState) -> RequestOutput:
+        outs = []
+        cached = 0
+        prompt_logprobs = None
+        for i, cid in enumerate(parent.children):
+            seq = self.seqs[cid]
+            req = seq.request
+            sp = req.sampling_params
+            cached = max(cached, req.num_cached_tokens)
+            if prompt_logprobs is None:
+                prompt_logprobs = req.prompt_logprobs
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=seq.visible_text(),
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
+                    logprobs=list(req.output_logprobs) if sp.logprobs is not None else None,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+        children = [self.seqs[c].request for c in parent.children]
+        errors = [r.error for r in children if r.error]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outs,
+            finished=all(r.is_finished() for r in children),
+            num_cached_tokens=cached,
+            prompt_logprobs=prompt_logprobs,
+            error=errors[0] if errors else None,
+        )
+
+    def release_finished(self) -> None:
+        """Forget parents whose children have all finished (after their last output)."""
+        for pid in [p for p, st in self.parents.items() if self._all_done(st)]:
+            for cid in self.parents.pop(pid).children:
+                self.seqs.pop(cid, None)
+                self.child_to_parent.pop(cid, None)
+
+    def _all_done(self, parent: ParentState) -> bool:
+        return all(self.seqs[c].request.is_finished() for c in parent.children)
+
+    def children_of(self, parent_id: str) -> list[str]:
+        st = self.parents.get(parent_id)
+        return list(st.children) if st else []
+
+    def mark_finished(self, request_id: str, status: RequestStatus) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.request.is_finished():
+            seq.request.status = status
