@@ -21,8 +21,17 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         main(["generate", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--kv-cache-memory", "--num-blocks", "--block-size", "--max-num-batched-tokens",
-                "--max-num-seqs", "--max-model-len", "--dtype", "--temperature", "--top-p"):
+    for opt in (
+        "--kv-cache-memory",
+        "--num-blocks",
+        "--block-size",
+        "--max-num-batched-tokens",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--dtype",
+        "--temperature",
+        "--top-p",
+    ):
         assert opt in out
 
 
@@ -40,7 +49,7 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 def test_errors_are_one_line_exit_2(
     capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
 ) -> None:
-    code, out, err = run(capsys, *argv)
+    code, _, err = run(capsys, *argv)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvstack: error:"), err
@@ -57,14 +66,25 @@ def test_non_utf8_input_file(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_generate_jsonl(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_text(
-        json.dumps({"prompt": "The capital of France is"}) + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "Hi!"}]}) + "\n",
+        json.dumps({"prompt": "The capital of France is"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi!"}]})
+        + "\n",
         encoding="utf-8",
     )
     out_path = tmp_path / "out.jsonl"
     code, _, err = run(
-        capsys, "generate", "Hello there", "--input", str(inp), "--output", str(out_path),
-        "--max-tokens", "6", "--token-ids", "-q",
+        capsys,
+        "generate",
+        "Hello there",
+        "--input",
+        str(inp),
+        "--output",
+        str(out_path),
+        "--max-tokens",
+        "6",
+        "--token-ids",
+        "-q",
     )
     assert code == 0, err
     recs = [json.loads(line) for line in out_path.read_text(encoding="utf-8").splitlines()]

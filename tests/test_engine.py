@@ -110,7 +110,9 @@ def test_seeded_sampling_is_reproducible_and_n(llm: LLM) -> None:
     first = llm.generate("Write a word:", sp)[0]
     assert len(first.outputs) == 3
     # The same seeded request alone, and inside a batch with other requests.
-    again = llm.generate(["Another prompt", "Write a word:"], [SamplingParams(temperature=1.0, max_tokens=5), sp])[1]
+    again = llm.generate(
+        ["Another prompt", "Write a word:"], [SamplingParams(temperature=1.0, max_tokens=5), sp]
+    )[1]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "children should differ"
     assert_clean(llm)
@@ -134,7 +136,9 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
 
 
 def test_chat_and_eos(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64))
+    out = llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64)
+    )
     comp = out[0].outputs[0]
     assert comp.text.strip()
     if comp.finish_reason == "stop":

@@ -53,7 +53,9 @@ def prompt_ids(llm_fp32: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_reference: Any, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def reference(
+    hf_reference: Any, prompt_ids: list[list[int]]
+) -> list[tuple[list[int], list[float]]]:
     """(greedy tokens, top-2 gap at each step) from transformers, one prompt at a time.
 
     A plain greedy loop over the model's forward with its own KV cache: no logits
@@ -89,8 +91,10 @@ def assert_matches(name: str, refs: list[tuple[list[int], list[float]]], outs: l
                     f"{name}: prompt {i} diverges from transformers at token {step} "
                     f"({a} vs {b}) where the reference top-2 gap is {gaps[step]:.2e}"
                 )
-                print(f"{name}: prompt {i} diverges at token {step} on a numerical tie "
-                      f"(reference top-2 gap {gaps[step]:.1e}); accepted")
+                print(
+                    f"{name}: prompt {i} diverges at token {step} on a numerical tie "
+                    f"(reference top-2 gap {gaps[step]:.1e}); accepted"
+                )
                 break
 
 
@@ -98,7 +102,9 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def test_logits_match_transformers(hf_reference: Any, llm_fp32: LLM, prompt_ids: list[list[int]]) -> None:
+def test_logits_match_transformers(
+    hf_reference: Any, llm_fp32: LLM, prompt_ids: list[list[int]]
+) -> None:
     from kvstack.model.attention import AttentionMetadata, PrefillSeq
 
     engine = llm_fp32.engine
@@ -107,21 +113,27 @@ def test_logits_match_transformers(hf_reference: Any, llm_fp32: LLM, prompt_ids:
             ref = hf_reference(torch.tensor([ids])).logits[0].float()
         n = len(ids)
         meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillSeq(0, n, n, None, None)])
-        got = engine.model.forward(torch.tensor(ids), torch.arange(n), meta, engine.kv_storage, None)
+        got = engine.model.forward(
+            torch.tensor(ids), torch.arange(n), meta, engine.kv_storage, None
+        )
         diff = (got - ref).abs().max().item()
         assert diff < LOGIT_ATOL, f"max |logit diff| {diff:.2e} >= {LOGIT_ATOL}"
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 def test_single_requests_match(llm_fp32: LLM, prompt_ids: list[list[int]], reference: Any) -> None:
-    outs = [llm_fp32.generate(prompt_token_ids=[ids], sampling_params=greedy())[0] for ids in prompt_ids]
+    outs = [
+        llm_fp32.generate(prompt_token_ids=[ids], sampling_params=greedy())[0] for ids in prompt_ids
+    ]
     assert_matches("single", reference, outs)
     llm_fp32.engine.check_integrity()
     assert llm_fp32.engine.num_free_blocks == llm_fp32.engine.kv_manager.num_blocks
 
 
 def test_batch_matches(llm_fp32: LLM, prompt_ids: list[list[int]], reference: Any) -> None:
-    outs = llm_fp32.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(), check_integrity=True)
+    outs = llm_fp32.generate(
+        prompt_token_ids=prompt_ids, sampling_params=greedy(), check_integrity=True
+    )
     assert_matches("batch", reference, outs)
 
 

@@ -166,9 +166,7 @@ def test_stop_rules() -> None:
 def test_random_workload_never_leaks(seed: int) -> None:
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks=rng.randint(8, 24), block_size=rng.choice([1, 2, 4, 16]))
-    cfg = SchedulerConfig(
-        max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 48)
-    )
+    cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 48))
     sched = Scheduler(cfg, kv, max_model_len=64)
     reqs = []
     for i in range(20):
@@ -184,7 +182,9 @@ def test_random_workload_never_leaks(seed: int) -> None:
         sampled = {s.request.request_id: 7 for s in out.scheduled if s.samples}
         sched.update_from_output(out, sampled)
         if rng.random() < 0.05 and sched.running:
-            sched.finish_request(rng.choice(sched.running).request_id, RequestStatus.FINISHED_ABORTED)
+            sched.finish_request(
+                rng.choice(sched.running).request_id, RequestStatus.FINISHED_ABORTED
+            )
         sched.check_integrity()
         steps += 1
         assert steps < 5000

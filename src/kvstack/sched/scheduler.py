@@ -168,11 +168,8 @@ class Scheduler:
             return None
         if req in self.running:
             self.running.remove(req)
-        else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        elif req in self.waiting:
+            self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
         self._finished_ids.append(request_id)
