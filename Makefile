@@ -4,11 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvstack-installed
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint pytest bench bench-peers clean
 
 setup: $(STAMP)
 
-# Idempotent: re-runs only when pyproject.toml changes.
+# Idempotent: re-runs only when pyproject.toml changes. torch is pinned and installed
+# first so pip takes the local CPU build, never a CUDA one.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -20,16 +21,21 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(BIN)/kvstack chat
 
-test: setup
-	$(BIN)/python -m pytest
-
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+pytest: setup
+	$(BIN)/python -m pytest
+
+test: lint pytest
+
+bench-peers:
+	bash benchmarks/setup_peers.sh
+
 bench: setup
-	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python benchmarks/offline_throughput.py --write-readme
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -112,7 +112,14 @@ def test_logits_match_transformers(
         with torch.no_grad():
             ref = hf_reference(torch.tensor([ids])).logits[0].float()
         n = len(ids)
-        meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillSeq(0, n, n, None, None)])
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n),
+            num_decodes=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            decode_bias=None,
+            prefills=[PrefillSeq(0, n, n, None, None)],
+        )
         got = engine.model.forward(
             torch.tensor(ids), torch.arange(n), meta, engine.kv_storage, None
         )

@@ -5,10 +5,11 @@ Rows of one step are ordered decodes first, then prefill chunks::
     rows:  [d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 p1 | ...]
             one token each      chunk of req p0, chunk of req p1
 
-* Decode rows (one new token, any context length) attend together: the keys of all D
-  requests are gathered once per layer through their block tables into ``[D, L]`` and
-  attention is two grouped-query matmuls with a length mask (DESIGN.md: CPU SDPA is
-  12x slower at q_len 1).
+* Decode rows (one new token, any context length) attend together. With the C++
+  kernel (``csrc/paged_attention.cpp``) K/V are read in place through the block
+  tables. The PyTorch fallback gathers the keys of all D requests once per layer into
+  ``[D, L]`` and runs two grouped-query matmuls with a length mask (DESIGN.md: CPU
+  SDPA is 12x slower at q_len 1).
 * A prefill chunk that starts a sequence (no earlier KV) attends to its own fresh K/V
   with causal SDPA; a chunk that continues one (chunked prefill, recompute after
   preemption, or a prefix hit) gathers the earlier KV from its blocks. Query ``i`` of a
@@ -23,6 +24,7 @@ Rows of one step are ordered decodes first, then prefill chunks::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +44,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long, where each new token's K/V goes
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
-    decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], 0 or -inf
+    decode_context_lens: torch.Tensor | None  # [D] long (context incl. the new token)
+    decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size]; fallback path only
     prefills: list[PrefillSeq]
+    kernels: ModuleType | None = None  # compiled kernels (model/kernels.py) if available
 
 
 def decode_attention(
@@ -102,10 +106,22 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_block_tables is not None and meta.decode_bias is not None
-        out[:nd] = decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale
-        )
+        assert meta.decode_block_tables is not None
+        if meta.kernels is not None:
+            assert meta.decode_context_lens is not None
+            out[:nd] = meta.kernels.paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+            )
+        else:
+            assert meta.decode_bias is not None
+            out[:nd] = decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale
+            )
     kvh, hd = k_cache.shape[2], k_cache.shape[3]
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)

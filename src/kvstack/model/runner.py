@@ -13,6 +13,7 @@ import torch
 
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, PrefillSeq
+from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.request import Logprob, Request
@@ -52,6 +53,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler()
+        self.kernels = load_kernels()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.is_empty:
@@ -85,7 +87,7 @@ class ModelRunner:
                 prefill_meta.append(PrefillSeq(row, n, c + n, table, mask))
             row += n
 
-        dec_tables = dec_bias = None
+        dec_tables = dec_bias = dec_lens = None
         if decodes:
             ctx = [s.num_computed_tokens + 1 for s in decodes]
             max_blocks = -(-max(ctx) // bs)
@@ -94,18 +96,21 @@ class ModelRunner:
                 for s in decodes
             ]
             dec_tables = torch.tensor(table_rows, dtype=torch.long)
-            lens = torch.tensor(ctx)
-            over = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
-            dec_bias = torch.zeros(over.shape, dtype=torch.float32).masked_fill_(
-                over, float("-inf")
-            )[:, None, None, :]
+            dec_lens = torch.tensor(ctx, dtype=torch.long)
+            if self.kernels is None:
+                over = torch.arange(max_blocks * bs)[None, :] >= dec_lens[:, None]
+                dec_bias = torch.zeros(over.shape, dtype=torch.float32).masked_fill_(
+                    over, float("-inf")
+                )[:, None, None, :]
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decodes=len(decodes),
             decode_block_tables=dec_tables,
+            decode_context_lens=dec_lens,
             decode_bias=dec_bias,
             prefills=prefill_meta,
+            kernels=self.kernels,
         )
 
         # Rows whose logits we need: the last row of each sampling request, plus whole
