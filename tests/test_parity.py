@@ -144,11 +144,23 @@ def test_batch_matches(llm_fp32: LLM, prompt_ids: list[list[int]], reference: An
     assert_matches("batch", reference, outs)
 
 
-def test_chunked_prefill_matches(prompt_ids: list[list[int]], reference: Any) -> None:
+def test_chunked_prefill_matches(
+    llm_fp32: LLM, prompt_ids: list[list[int]], reference: Any
+) -> None:
     llm = LLM("default", dtype="float32", max_num_batched_tokens=7, max_num_seqs=4, block_size=4)
     outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(), check_integrity=True)
     assert_matches("chunked", reference, outs)
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
+    # Prompt logprobs computed chunk by chunk equal those of one whole-prompt step.
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    whole = llm_fp32.generate(prompt_token_ids=prompt_ids[-1:], sampling_params=sp)[0]
+    chunked = llm.generate(prompt_token_ids=prompt_ids[-1:], sampling_params=sp)[0]
+    assert whole.prompt_logprobs is not None and chunked.prompt_logprobs is not None
+    assert len(whole.prompt_logprobs) == len(chunked.prompt_logprobs) == len(prompt_ids[-1])
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
+        assert a is not None and b is not None and a.keys() == b.keys()
+        for tok in a:
+            assert abs(a[tok].logprob - b[tok].logprob) < 1e-3
 
 
 def test_preemption_matches(prompt_ids: list[list[int]], reference: Any) -> None:

@@ -81,6 +81,7 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        self.qk_heads = config.num_heads + config.num_kv_heads
 
     @torch.inference_mode()
     def forward(
@@ -99,10 +100,11 @@ class LlamaModel:
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            # RoPE on q and k heads in one call: [T, H + KVH, d].
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.qk_heads, cfg.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             kv.write(li, meta.slot_mapping, k, v)
             a = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, self.scale)
             h = h + layer.o(a.reshape(t, self.q_size))

@@ -38,12 +38,18 @@ def _tokens(req: Request, start: int, n: int) -> list[int]:
 
 
 def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
+    """True if this chunk covers prompt positions whose logprobs are still missing.
+
+    ``request.prompt_logprobs`` holds entries for prompt positions ``0 .. len - 1``
+    (position 0 is None); row j of the chunk predicts position ``c + j + 1``. After a
+    preemption the recomputed chunks skip positions already recorded.
+    """
     req = s.request
-    return (
-        req.sampling_params.prompt_logprobs is not None
-        and s.num_computed_tokens < req.num_prompt_tokens - 1
-        and req.num_preemptions == 0
-    )
+    have = req.prompt_logprobs
+    if req.sampling_params.prompt_logprobs is None or have is None:
+        return False
+    end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+    return end >= len(have)
 
 
 class ModelRunner:
@@ -166,11 +172,14 @@ class ModelRunner:
     def _prompt_logprobs(
         self, s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput
     ) -> None:
-        """Row j (position c + j) predicts prompt token c + j + 1 while that is in the prompt."""
+        """Row j (position c + j) predicts prompt token c + j + 1; record the missing ones."""
         req = s.request
+        assert req.prompt_logprobs is not None
         c = s.num_computed_tokens
         k = req.sampling_params.prompt_logprobs or 0
-        n_valid = min(s.num_new_tokens, req.num_prompt_tokens - 1 - c)
-        targets = torch.tensor(req.prompt_token_ids[c + 1 : c + 1 + n_valid], dtype=torch.long)
-        entries = compute_prompt_logprobs(logits[:n_valid], targets, k)
-        result.prompt_logprobs[req.request_id] = (c + 1, entries)
+        first = len(req.prompt_logprobs)  # first prompt position still without an entry
+        end = min(c + s.num_new_tokens, req.num_prompt_tokens - 1)  # last row's target + 1
+        rows = slice(first - 1 - c, end - c)
+        targets = torch.tensor(req.prompt_token_ids[first : end + 1], dtype=torch.long)
+        entries = compute_prompt_logprobs(logits[rows], targets, k)
+        result.prompt_logprobs[req.request_id] = (first, entries)
