@@ -32,11 +32,18 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSeq:
+    """One prefill chunk, or ``num_seqs`` fresh prompts of equal length run as one batch.
+
+    With ``num_seqs > 1`` the rows ``q_start .. q_start + num_seqs * q_len`` hold that
+    many whole prompts (no earlier KV) back to back: one causal SDPA call covers them.
+    """
+
     q_start: int  # first row of this chunk in the flattened batch
     q_len: int
     ctx_len: int  # tokens with KV after this step (earlier + this chunk)
     block_ids: torch.Tensor | None  # [n_blocks] long; None when ctx_len == q_len
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend; None if pure causal
+    num_seqs: int = 1
 
 
 @dataclass
@@ -75,18 +82,20 @@ def prefill_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    num_seqs: int = 1,
 ) -> torch.Tensor:
-    """q ``[q, H, d]``, k/v ``[c, KVH, d]``; causal when ``mask`` is None (q == c)."""
+    """q ``[S*q, H, d]``, k/v ``[S*c, KVH, d]`` for S sequences; causal when ``mask`` is None."""
+    s = num_seqs
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        q.unflatten(0, (s, -1)).transpose(1, 2),
+        k.unflatten(0, (s, -1)).transpose(1, 2),
+        v.unflatten(0, (s, -1)).transpose(1, 2),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
-    return out.squeeze(0).transpose(0, 1)
+    return out.transpose(1, 2).flatten(0, 1)
 
 
 def paged_attention(
@@ -124,11 +133,11 @@ def paged_attention(
             )
     kvh, hd = k_cache.shape[2], k_cache.shape[3]
     for p in meta.prefills:
-        rows = slice(p.q_start, p.q_start + p.q_len)
+        rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
         if p.block_ids is None:
             kk, vv = k[rows], v[rows]
         else:
             kk = k_cache[p.block_ids].view(-1, kvh, hd)[: p.ctx_len]
             vv = v_cache[p.block_ids].view(-1, kvh, hd)[: p.ctx_len]
-        out[rows] = prefill_attention(q[rows], kk, vv, p.mask, scale)
+        out[rows] = prefill_attention(q[rows], kk, vv, p.mask, scale, p.num_seqs)
     return out

@@ -66,7 +66,11 @@ class ModelRunner:
             return RunnerOutput()
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_new_tokens != 1]
+        # Fresh prompts of equal length sit side by side so attention batches them.
+        prefills = sorted(
+            (s for s in out.scheduled if s.num_new_tokens != 1),
+            key=lambda s: (s.num_computed_tokens > 0, s.num_new_tokens),
+        )
         ordered = decodes + prefills
 
         ids: list[int] = []
@@ -87,7 +91,11 @@ class ModelRunner:
             slots.extend((table[p // bs] * bs + p % bs).tolist())
             pos.extend(range(c, c + n))
             if c == 0:
-                prefill_meta.append(PrefillSeq(row, n, n, None, None))
+                last = prefill_meta[-1] if prefill_meta else None
+                if last is not None and last.block_ids is None and last.q_len == n:
+                    last.num_seqs += 1
+                else:
+                    prefill_meta.append(PrefillSeq(row, n, n, None, None))
             else:
                 mask = torch.arange(c + n)[None, :] <= p[:, None]
                 prefill_meta.append(PrefillSeq(row, n, c + n, table, mask))
