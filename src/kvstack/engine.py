@@ -139,11 +139,11 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort requests (by the id given to ``add_request``); frees their KV at once."""
         ids = [request_id] if isinstance(request_id, str) else request_id
-        for rid in ids:
-            for cid in self.outputs.children_of(rid) or [rid]:
-                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
-                self.outputs.mark_finished(cid, RequestStatus.FINISHED_ABORTED)
-        self.outputs.release_finished()
+        children = [c for rid in ids for c in (self.outputs.children_of(rid) or [rid])]
+        for cid in children:
+            self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+            self.outputs.mark_finished(cid, RequestStatus.FINISHED_ABORTED)
+        self.outputs.release_finished(children)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -152,8 +152,12 @@ class LLMEngine:
         return len(self.scheduler.requests)
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return outputs of requests that progressed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs of requests that progressed.
+
+        ``final_only`` (offline generation) returns only finished requests and skips
+        detokenizing intermediate text where no stop string needs it.
+        """
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -170,11 +174,11 @@ class LLMEngine:
         for req in changed:
             if req.first_token_time is None:
                 req.first_token_time = now
-            if self.outputs.on_new_token(req):
+            if self.outputs.on_new_token(req, stream=not final_only):
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             touched.add(req.request_id)
-        outputs = self.outputs.outputs_for(touched)
-        self.outputs.release_finished()
+        outputs = self.outputs.outputs_for(touched, final_only)
+        self.outputs.release_finished(touched)
         return outputs
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
@@ -198,7 +202,7 @@ class LLMEngine:
             self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
             ids.add(s.request.request_id)
         outputs = self.outputs.outputs_for(ids)
-        self.outputs.release_finished()
+        self.outputs.release_finished(ids)
         return outputs
 
     # ------------------------------------------------------------------ introspection

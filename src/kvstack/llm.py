@@ -137,7 +137,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

@@ -14,6 +14,7 @@ The incremental detokenizer (``model/detokenizer.py``) does the holding back.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvstack.model.detokenizer import IncrementalDetokenizer
@@ -60,10 +61,17 @@ class OutputProcessor:
             self.child_to_parent[child.request_id] = parent.request_id
             parent.children.append(child.request_id)
 
-    def on_new_token(self, req: Request) -> bool:
-        """Detokenize ``req``'s newest token; True if a stop string now ends it."""
+    def on_new_token(self, req: Request, stream: bool = True) -> bool:
+        """Detokenize ``req``'s new tokens; True if a stop string now ends it.
+
+        With ``stream=False`` and no stop strings, text is only decoded once the request
+        finishes (offline generation needs no intermediate text).
+        """
         seq = self.seqs[req.request_id]
-        seq.detok.add_tokens(req.output_token_ids[-1])
+        if not (stream or req.sampling_params.stop or req.is_finished()):
+            return False
+        fed = len(seq.detok.token_ids)
+        seq.detok.add_tokens(req.output_token_ids[fed:])
         if seq.detok.stopped:
             req.stop_reason = seq.detok.stop_reason
             return True
@@ -71,9 +79,14 @@ class OutputProcessor:
             seq.detok.finish()
         return False
 
-    def outputs_for(self, request_ids: set[str]) -> list[RequestOutput]:
-        """RequestOutputs (cumulative text) of the parents of the given child ids."""
+    def outputs_for(self, request_ids: set[str], final_only: bool = False) -> list[RequestOutput]:
+        """RequestOutputs (cumulative text) of the parents of the given child ids.
+
+        ``final_only`` returns only parents whose children have all finished.
+        """
         parents = {self.child_to_parent[r] for r in request_ids if r in self.child_to_parent}
+        if final_only:
+            parents = {p for p in parents if self._all_done(self.parents[p])}
         return [self._build(self.parents[p]) for p in sorted(parents)]
 
     def _build(self, parent: ParentState) -> RequestOutput:
@@ -111,9 +124,10 @@ class OutputProcessor:
             error=errors[0] if errors else None,
         )
 
-    def release_finished(self) -> None:
-        """Forget parents whose children have all finished (after their last output)."""
-        for pid in [p for p, st in self.parents.items() if self._all_done(st)]:
+    def release_finished(self, child_ids: Iterable[str]) -> None:
+        """Forget the parents of ``child_ids`` whose children have all finished."""
+        parents = {self.child_to_parent[c] for c in child_ids if c in self.child_to_parent}
+        for pid in [p for p in parents if self._all_done(self.parents[p])]:
             for cid in self.parents.pop(pid).children:
                 self.seqs.pop(cid, None)
                 self.child_to_parent.pop(cid, None)
