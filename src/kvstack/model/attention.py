@@ -28,6 +28,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 
 @dataclass
@@ -118,14 +119,12 @@ def paged_attention(
         assert meta.decode_block_tables is not None
         if meta.kernels is not None:
             assert meta.decode_context_lens is not None
-            out[:nd] = meta.kernels.paged_decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                scale,
-            )
+            # Named region so torch.profiler attributes the C++ kernel's time to it.
+            with record_function("kvstack::paged_decode_attention"):
+                out[:nd] = meta.kernels.paged_decode_attention(
+                    q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                    meta.decode_context_lens, scale,
+                )  # fmt: skip
         else:
             assert meta.decode_bias is not None
             out[:nd] = decode_attention(
