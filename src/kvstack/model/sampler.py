@@ -265,8 +265,13 @@ def _logprob_dicts(
     out: list[dict[int, Logprob]] = []
     for i, n in enumerate(num_top):
         d = {tok_list[i]: Logprob(tok_lp_list[i], ranks[i])}
+        rank = 0
         for j in range(min(n, len(top_ids[i]) if top_ids else 0)):
-            d[top_ids[i][j]] = Logprob(top_lp[i][j], j + 1)
+            # Tied values share a rank (1 + number strictly more likely), as the sampled
+            # token's rank does; the sampled token keeps the entry computed above.
+            if j == 0 or top_lp[i][j] != top_lp[i][j - 1]:
+                rank = j + 1
+            d.setdefault(top_ids[i][j], Logprob(top_lp[i][j], rank))
         out.append(d)
     return out
 
