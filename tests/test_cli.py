@@ -97,3 +97,15 @@ def test_generate_jsonl(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
 def test_empty_prompt_cli(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "generate", "", "--max-tokens", "2", "-q")
     assert code == 2 and "empty" in err
+
+
+def test_chat_streams_and_exits_on_eof(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 2+2?\n/reset\n\nName a colour.\n"))
+    code, out, _ = run(capsys, "chat", "--max-tokens", "8", "--temperature", "0")
+    assert code == 0
+    replies = [line for line in out.splitlines() if "bot> " in line]
+    assert len(replies) == 2 and all(r.split("bot> ", 1)[1].strip() for r in replies)

