@@ -154,3 +154,13 @@ def test_abort_status_visible(llm: LLM) -> None:
     eng.abort_request(rid)
     assert req.status == RequestStatus.FINISHED_ABORTED
     assert_clean(llm)
+
+
+def test_colliding_child_id_is_rejected_whole(llm: LLM) -> None:
+    eng = llm.engine
+    eng.add_request("x#1", "Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request("x", "Hello", SamplingParams(max_tokens=2, n=2))
+    assert "x#0" not in eng.scheduler.requests
+    eng.abort_request("x#1")
+    assert_clean(llm)

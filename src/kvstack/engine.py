@@ -129,6 +129,9 @@ class LLMEngine:
                 csp.seed = sp.seed + i
             cid = rid if sp.n == 1 else f"{rid}#{i}"
             children.append(Request(cid, ids, csp, eos_token_ids=eos))
+        for child in children:
+            if child.request_id in self.scheduler.requests:
+                raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
         self.outputs.add(ParentState(rid, text, ids), children)
         for child in children:
             if child.sampling_params.prompt_logprobs is not None:
