@@ -291,3 +291,22 @@ def write_json(obj: Any, path: str | Path | None) -> None:
         sys.stdout.flush()
     else:
         Path(path).write_text(text + "\n")
+
+
+def measure_scheduled(
+    name: str,
+    generate: GenerateFn,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    *,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    **measure_kw: Any,
+) -> dict[str, Any]:
+    """Log an engine's scheduler limits, then time it with :func:`measure` (vllm, kvstack)."""
+    log(
+        f"{name}: {len(prompt_ids)} prompts x {max_new_tokens} new, {dtype}, "
+        f"max_num_seqs {max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens}"
+    )
+    return measure(generate, prompt_ids, max_new_tokens, **measure_kw)

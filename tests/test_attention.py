@@ -9,8 +9,9 @@ import torch
 from kvstack.config import ModelConfig
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, PrefillSeq, decode_attention
-from kvstack.model.kernels import load_kernels
+from kvstack.model.kernels import kernels_disabled, load_kernels
 from kvstack.model.llama import LlamaModel
+from kvstack.model.testing import hf_config_dict, tiny_llama_config
 
 BS = 4
 BLOCKS = [7, 3, 9, 1, 12, 5]  # a shuffled block table: logical order != physical order
@@ -44,33 +45,12 @@ def meta(
 
 @pytest.fixture(scope="module")
 def models() -> tuple[torch.nn.Module, LlamaModel, ModelConfig]:
+    """transformers' LlamaForCausalLM with random weights, and kvstack's model on them."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hc = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-    )
-    hf = transformers.LlamaForCausalLM(hc).eval()
+    cfg = tiny_llama_config(vocab_size=300, max_position_embeddings=256)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_dict(cfg))).eval()
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    cfg = ModelConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-    )
     return hf, LlamaModel(cfg, weights, torch.float32), cfg
 
 
@@ -123,9 +103,10 @@ def test_prefill_chunked_and_decode_match_transformers(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype) -> None:
+    if kernels_disabled():
+        pytest.skip("KVSTACK_NO_KERNELS is set: the C++ kernel is switched off on purpose")
     kernels = load_kernels()
-    if kernels is None:
-        pytest.skip("C++ kernels could not be built here (see the warning in the log)")
+    assert kernels is not None, "the C++ decode kernel failed to build (see the log warning)"
     g = torch.Generator().manual_seed(0)
     d, h, kvh, hd, bs, nb = 8, 9, 3, 64, 16, 64
     kc = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)

@@ -112,13 +112,8 @@ class LLMEngine:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         sp.validate(vocab)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens, more than the model's context length "
-                f"(max_model_len {self.max_model_len}) allows"
-            )
         if sp.max_tokens is None:
-            sp.max_tokens = self.max_model_len - len(ids)
+            sp.max_tokens = max(1, self.max_model_len - len(ids))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         eos = frozenset(self.tokenizer.eos_token_ids)
@@ -145,7 +140,6 @@ class LLMEngine:
         children = [c for rid in ids for c in (self.outputs.children_of(rid) or [rid])]
         for cid in children:
             self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
-            self.outputs.mark_finished(cid, RequestStatus.FINISHED_ABORTED)
         self.outputs.release_finished(children)
 
     def has_unfinished_requests(self) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvstack.model.detokenizer import IncrementalDetokenizer
 from kvstack.model.tokenizer import Tokenizer
-from kvstack.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from kvstack.request import CompletionOutput, Request, RequestOutput
 
 
 @dataclass
@@ -138,8 +138,3 @@ class OutputProcessor:
     def children_of(self, parent_id: str) -> list[str]:
         st = self.parents.get(parent_id)
         return list(st.children) if st else []
-
-    def mark_finished(self, request_id: str, status: RequestStatus) -> None:
-        seq = self.seqs.get(request_id)
-        if seq is not None and not seq.request.is_finished():
-            seq.request.status = status

@@ -90,9 +90,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                     )
                 parts.append(part["text"])
             content = "\n".join(parts)
-        elif content is None and role == "assistant" and msg.get("tool_calls"):
-            pass
-        elif not isinstance(content, str):
+        elif not isinstance(content, str) and not (
+            content is None and role == "assistant" and msg.get("tool_calls")
+        ):  # None content is allowed only on an assistant message carrying tool calls
             raise InvalidRequestError(
                 f"messages[{i}].content must be a string, got {type(content).__name__}"
             )
