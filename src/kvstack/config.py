@@ -74,10 +74,32 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
+    # Era 3 prefix reuse: "hash" (vLLM v1 hash chain), "radix" (SGLang radix tree), "none".
+    prefix_cache: str = "hash"
+    eviction_policy: str = "lru"  # lru | lfu | adaptive (kv/policies.py)
+    max_pinned_fraction: float = 0.5  # pins may hold at most this share of the blocks
+    # "paged" (era 2+), or the era-1 baselines "contiguous" (max_model_len slab per
+    # request) and "contiguous-request" (prompt + max_tokens slab); kv/contiguous.py.
+    kv_layout: str = "paged"
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        from kvstack.kv.policies import POLICIES
+
+        bs = self.block_size
+        if bs <= 0 or bs & (bs - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {bs}")
+        choices = {
+            "prefix_cache": (self.prefix_cache, ("hash", "radix", "none")),
+            "eviction_policy": (self.eviction_policy, tuple(POLICIES)),
+            "kv_layout": (self.kv_layout, ("paged", "contiguous", "contiguous-request")),
+        }
+        for name, (value, valid) in choices.items():
+            if value not in valid:
+                raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(valid)}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ConfigError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
+            )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

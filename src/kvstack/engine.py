@@ -17,6 +17,8 @@ import torch
 
 from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.contiguous import ContiguousKVManager
+from kvstack.kv.events import KVEventLog
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.storage import KVStorage
 from kvstack.model.llama import LlamaModel
@@ -26,6 +28,7 @@ from kvstack.output_processor import OutputProcessor, ParentState
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
 from kvstack.sched.scheduler import Scheduler
+from kvstack.stats import EngineStats, UsageTracker
 
 logger = logging.getLogger("kvstack.engine")
 
@@ -59,16 +62,30 @@ class LLMEngine:
             num_blocks = KVStorage.num_blocks_for_memory(mc, cc.block_size, self.dtype, memory)
             if num_blocks < 1:
                 raise ConfigError(f"kv_cache_memory {memory} B holds not even one KV block")
+        if cc.block_size > max_len:
+            raise ConfigError(f"block_size {cc.block_size} exceeds max_model_len {max_len}")
         self.kv_storage = KVStorage(mc, num_blocks, cc.block_size, self.dtype)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size)
+        self.kv_manager: KVCacheManager | ContiguousKVManager
+        if cc.kv_layout == "paged":
+            self.kv_manager = KVCacheManager(
+                num_blocks,
+                cc.block_size,
+                prefix_cache=cc.prefix_cache,
+                eviction_policy=cc.eviction_policy,
+                max_pinned_fraction=cc.max_pinned_fraction,
+                model_id=mc.name,
+            )
+        else:
+            self.kv_manager = ContiguousKVManager(num_blocks, cc.block_size, max_len, cc.kv_layout)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
+        self.usage_tracker = UsageTracker()
         self.runner = ModelRunner(self.model, self.kv_storage)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
         logger.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB",
+            "%.1f MiB; layout %s, prefix cache %s (eviction %s)",
             mc.name,
             config.dtype,
             mc.num_layers,
@@ -77,6 +94,9 @@ class LLMEngine:
             cc.block_size,
             num_blocks * cc.block_size,
             self.kv_storage.nbytes / 2**20,
+            cc.kv_layout,
+            cc.prefix_cache if cc.kv_layout == "paged" else "none",
+            cc.eviction_policy,
         )
 
     # ------------------------------------------------------------------ requests
@@ -90,8 +110,13 @@ class LLMEngine:
         prompt: str | list[int] | None,
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ``InvalidRequestError``."""
+        """Validate and queue a request; returns its id. Raises ``InvalidRequestError``.
+
+        ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
+        salt share cached KV.
+        """
         sp = replace(sampling_params) if sampling_params is not None else SamplingParams()
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.outputs.parents:
@@ -123,7 +148,7 @@ class LLMEngine:
             if sp.n > 1 and sp.seed is not None:
                 csp.seed = sp.seed + i
             cid = rid if sp.n == 1 else f"{rid}#{i}"
-            children.append(Request(cid, ids, csp, eos_token_ids=eos))
+            children.append(Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt))
         for child in children:
             if child.request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
@@ -157,8 +182,12 @@ class LLMEngine:
         """
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.usage_tracker.pause()
             return []
         self.num_steps += 1
+        kv = self.kv_manager
+        waste = kv.waste_slots(self.scheduler.running) / (kv.num_blocks * kv.block_size)
+        self.usage_tracker.record(kv.usage, waste)
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # never let one bad step kill the engine loop
@@ -193,6 +222,9 @@ class LLMEngine:
                 req.prompt_logprobs.extend(entries)
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
+        # Blocks were registered in the prefix cache when scheduled; their KV may be
+        # half written now, so nothing cached may be trusted.
+        self.kv_manager.reset_prefix_cache()
         ids = set()
         for s in out.scheduled:
             s.request.error = message
@@ -202,7 +234,49 @@ class LLMEngine:
         self.outputs.release_finished(ids)
         return outputs
 
+    # ------------------------------------------------------------------ prefix cache
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and pin (running requests keep their blocks)."""
+        self.kv_manager.reset_prefix_cache()
+        logger.info("prefix cache reset")
+
+    def pin_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Pin an already cached prefix (see ``LLM.pin_prefix``); returns tokens pinned."""
+        return self.kv_manager.pin_prefix(token_ids, cache_salt)
+
+    def unpin_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> bool:
+        return self.kv_manager.unpin_prefix(token_ids, cache_salt)
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """Stream of BlockStored / BlockRemoved / AllBlocksCleared (``kv/events.py``)."""
+        return self.kv_manager.events
+
     # ------------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        kv = self.kv_manager.stats()
+        sched = self.scheduler
+        return EngineStats(
+            num_steps=self.num_steps,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            max_num_running=sched.max_num_running,
+            num_preemptions=sched.num_preemptions_total,
+            prefill_tokens_computed=sched.num_prefill_tokens_computed,
+            prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            prefix_hit_rate=kv.prefix_hit_tokens / kv.prefix_query_tokens
+            if kv.prefix_query_tokens
+            else 0.0,
+            num_evicted_blocks=kv.num_evicted_blocks,
+            num_cached_blocks=kv.num_cached_blocks,
+            num_pinned_blocks=kv.num_pinned_blocks,
+            kv_usage=kv.usage,
+            kv_usage_avg=self.usage_tracker.usage_avg,
+            kv_waste_avg=self.usage_tracker.waste_avg,
+            kv_waste_peak=self.usage_tracker.waste_peak,
+        )
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

@@ -9,6 +9,7 @@ from kvstack.config import CacheConfig, EngineConfig, SchedulerConfig, parse_siz
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
 from kvstack.request import RequestOutput, SamplingParams
+from kvstack.stats import EngineStats
 
 
 class LLM:
@@ -16,7 +17,9 @@ class LLM:
 
     Keyword arguments mirror the CLI options (``dtype``, ``block_size``, ``num_blocks``,
     ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``enable_chunked_prefill``, ``seed``, ``tokenizer``).
+    ``enable_chunked_prefill``, ``seed``, ``tokenizer``, and the KV-cache choices
+    ``prefix_cache`` (hash | radix | none), ``eviction_policy`` (lru | lfu | adaptive),
+    ``max_pinned_fraction`` and ``kv_layout`` (paged | contiguous | contiguous-request)).
     """
 
     def __init__(
@@ -33,6 +36,10 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        prefix_cache: str = "hash",
+        eviction_policy: str = "lru",
+        max_pinned_fraction: float = 0.5,
+        kv_layout: str = "paged",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -43,6 +50,10 @@ class LLM:
                 block_size=block_size,
                 num_blocks=num_blocks,
                 kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+                prefix_cache=prefix_cache,
+                eviction_policy=eviction_policy,
+                max_pinned_fraction=max_pinned_fraction,
+                kv_layout=kv_layout,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -98,6 +109,41 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm, check_integrity, on_step)
+
+    # ------------------------------------------------------------------ prefix cache
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and pin (e.g. before a timed benchmark run)."""
+        self.engine.reset_prefix_cache()
+
+    def pin_prefix(self, prefix: str | list[int], cache_salt: str | None = None) -> int:
+        """Compute ``prefix`` (text or token ids) if needed and pin its full blocks.
+
+        A pinned prefix (a system prompt, a tool schema) is never evicted until
+        ``unpin_prefix``. Returns the number of tokens pinned (block-aligned). Raises
+        ``InvalidRequestError`` if it is shorter than a block, longer than the pin limit
+        (``max_pinned_fraction`` of the pool) or no prefix cache is enabled.
+        """
+        ids = self._prefix_ids(prefix)
+        self.engine.kv_manager.check_pinnable(len(ids))
+        rid = self.engine.new_request_id()
+        self.engine.add_request(
+            rid, None, SamplingParams(max_tokens=1), prompt_token_ids=ids, cache_salt=cache_salt
+        )
+        self._run([rid], False, False, None)
+        return self.engine.pin_prefix(ids, cache_salt)
+
+    def unpin_prefix(self, prefix: str | list[int], cache_salt: str | None = None) -> bool:
+        """Release a pin; returns False when that prefix was not pinned."""
+        return self.engine.unpin_prefix(self._prefix_ids(prefix), cache_salt)
+
+    def _prefix_ids(self, prefix: str | list[int]) -> list[int]:
+        if isinstance(prefix, str):
+            return self.tokenizer.encode(prefix, add_special_tokens=False)
+        return list(prefix)
+
+    def get_stats(self) -> EngineStats:
+        """Engine counters: prefix hits, evictions, preemptions, KV usage and waste."""
+        return self.engine.stats()
 
     def chat(
         self,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvstack.model.detokenizer import IncrementalDetokenizer
 from kvstack.model.tokenizer import Tokenizer
-from kvstack.request import CompletionOutput, Request, RequestOutput
+from kvstack.request import CompletionOutput, Request, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -113,6 +113,15 @@ class OutputProcessor:
             )
         children = [self.seqs[c].request for c in parent.children]
         errors = [r.error for r in children if r.error]
+        firsts = [r.first_token_time for r in children if r.first_token_time is not None]
+        scheds = [r.first_scheduled_time for r in children if r.first_scheduled_time is not None]
+        done = [r.finished_time for r in children if r.finished_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=min(r.arrival_time for r in children),
+            first_scheduled_time=min(scheds) if scheds else None,
+            first_token_time=min(firsts) if firsts else None,
+            finished_time=max(done) if len(done) == len(children) else None,
+        )
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -122,6 +131,7 @@ class OutputProcessor:
             num_cached_tokens=cached,
             prompt_logprobs=prompt_logprobs,
             error=errors[0] if errors else None,
+            metrics=metrics,
         )
 
     def release_finished(self, child_ids: Iterable[str]) -> None:

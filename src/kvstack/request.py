@@ -158,6 +158,12 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+    # Extra key of the prefix-cache hash chain: requests only share KV with the same salt.
+    cache_salt: str | None = None
+    # Chained hashes of the full blocks of all_token_ids, extended by the KV manager.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -205,6 +211,25 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timestamps (``time.monotonic``) of one request, as vLLM's ``RequestOutput.metrics``.
+
+    For ``n > 1`` the earliest first-token and the latest finish over the children.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token in seconds (queueing + prefill)."""
+        t = self.first_token_time
+        return None if t is None else t - self.arrival_time
+
+
 @dataclass
 class RequestOutput:
     """What ``LLM.generate`` returns and ``LLMEngine.step`` streams, one per request id."""
@@ -217,3 +242,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
+    metrics: RequestMetrics | None = None

@@ -6,21 +6,22 @@ each block (a reference count), and an O(1) LRU queue of free blocks.
 
 Invariants (checked by ``check_integrity``):
 
-* every block is either in the free queue (``ref_cnt == 0``) or held (``ref_cnt > 0``),
-  never both; ``num_free + num_held == num_blocks``;
+* every block is exactly one of: plain free (in the free queue, no hash), held
+  (``ref_cnt > 0``), or cached-evictable (``ref_cnt == 0`` with a prefix hash, owned
+  by the prefix cache); ``num_free + num_held == num_blocks``;
 * no reference count is negative;
 * the free queue is a well-formed doubly-linked list of exactly the free blocks.
 
-The free queue is intrusive (``KVCacheBlock.prev_free`` / ``next_free``), so removing a
-block from the middle (when a cached block is reused, era 3) costs O(1). Blocks are
-allocated from the head; freed blocks are appended at the tail, so the head holds the
-least recently freed block (LRU eviction order).
+The free queue is intrusive (``KVCacheBlock.prev_free`` / ``next_free``): O(1) popleft,
+append and remove. Cached blocks do not sit in it (unlike vLLM v1, where one LRU queue
+holds both): their eviction order belongs to a pluggable policy (``kv/policies.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(slots=True, eq=False)
@@ -100,41 +101,66 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks of one engine, with reference counts.
 
-    ``allocate`` hands out blocks with ``ref_cnt == 1``; ``free`` decrements and returns
-    blocks that reach zero to the free queue's tail.
+    A block with ``ref_cnt == 0`` is *available*: either plain free (in ``free_queue``)
+    or cached and evictable (owned by the prefix cache, ordered by its eviction
+    policy). ``allocate`` takes plain free blocks first and asks the cache to evict
+    only for the shortfall (SGLang evicts on demand the same way); ``free`` hands a
+    block that reaches zero back to the cache if it holds a prefix hash, else to the
+    free queue's tail.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, cache: PrefixCacheLike | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cache = cache
+        self.num_evicted_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        """Blocks an allocation can obtain: plain free plus evictable cached ones."""
+        evictable = self.cache.num_evictable if self.cache is not None else 0
+        return self.free_queue.num_free_blocks + evictable
+
+    @property
+    def num_held_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (0..1), vLLM's ``kv_cache_usage_perc``."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of blocks held by requests or pins (0..1), vLLM's ``kv_cache_usage_perc``."""
+        return self.num_held_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks from the head of the free queue; raises if fewer are free."""
+        """Return ``n`` blocks with ``ref_cnt == 1``; raises if fewer are available."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
-            assert block.ref_cnt == 0
+        take = min(n, self.free_queue.num_free_blocks)
+        for _ in range(take):
+            out.append(self.free_queue.popleft())
+        if take < n:
+            assert self.cache is not None
+            evicted = self.cache.evict(n - take)
+            self.num_evicted_blocks += len(evicted)
+            out.extend(evicted)
+        for block in out:
+            assert block.ref_cnt == 0 and block.block_hash is None
             block.ref_cnt = 1
-            block.block_hash = None
-            out.append(block)
         return out
 
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on cached blocks (a prefix hit or a pin)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                assert self.cache is not None and block.block_hash is not None
+                self.cache.on_acquire(block)
+            block.ref_cnt += 1
+
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching zero become free.
+        """Drop one reference from each block; blocks reaching zero become available.
 
         Callers pass a request's blocks in reverse order so that the tail of a chain
         is evicted before its head (vLLM v1).
@@ -143,16 +169,52 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is not None and self.cache is not None:
+                    self.cache.on_release(block)
+                else:
+                    self.free_queue.append(block)
+
+    def reclaim(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Return blocks the cache dropped (``ref_cnt == 0``, hash cleared) to the free queue."""
+        for block in blocks:
+            assert block.ref_cnt == 0 and block.block_hash is None
+            self.free_queue.append(block)
 
     def check_integrity(self) -> None:
         self.free_queue.check_integrity()
-        num_free = 0
+        num_plain = 0
+        num_cached_free = 0
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"negative ref count on block {block.block_id}"
             if block.in_free_queue:
                 assert block.ref_cnt == 0, f"free block {block.block_id} has refs"
-                num_free += 1
-            else:
-                assert block.ref_cnt > 0, f"block {block.block_id} neither free nor held"
-        assert num_free == self.num_free_blocks
+                assert block.block_hash is None, f"free block {block.block_id} keeps a hash"
+                num_plain += 1
+            elif block.ref_cnt == 0:
+                assert block.block_hash is not None, (
+                    f"block {block.block_id} neither free, held nor cached"
+                )
+                num_cached_free += 1
+        assert num_plain == self.free_queue.num_free_blocks
+        evictable = self.cache.num_evictable if self.cache is not None else 0
+        assert num_cached_free == evictable, (
+            f"{num_cached_free} cached unreferenced blocks but the cache counts {evictable} "
+            "evictable"
+        )
+        if self.cache is not None:
+            self.cache.check_integrity()
+
+
+class PrefixCacheLike(Protocol):
+    """What the pool needs from a prefix cache (``kv/prefix_cache.py``)."""
+
+    @property
+    def num_evictable(self) -> int: ...
+
+    def evict(self, n: int) -> list[KVCacheBlock]: ...
+
+    def on_acquire(self, block: KVCacheBlock) -> None: ...
+
+    def on_release(self, block: KVCacheBlock) -> None: ...
+
+    def check_integrity(self) -> None: ...

@@ -1,23 +1,47 @@
 """KVCacheManager: which blocks each request holds (vLLM v1 ``kv_cache_manager.py``).
 
-The scheduler asks ``allocate_slots(request, num_new_tokens)`` before scheduling a
-request's tokens; the manager grows the request's block table so it covers
-``num_computed_tokens + num_new_tokens`` slots, or returns None (and changes nothing)
-when the pool is too small, so the scheduler can preempt someone and retry.
+The scheduler asks ``get_computed_blocks(request)`` when it admits a request (the
+longest cached prefix, era 3), then ``allocate_slots(request, num_new_tokens,
+computed)`` before scheduling tokens; the manager grows the request's block table so
+it covers ``num_computed_tokens + num_new_tokens`` slots, or returns None (and changes
+nothing) when the pool is too small, so the scheduler can preempt someone and retry.
 
-Block table of a request with block_size 4 after computing 10 tokens::
+Block table of a request with block_size 4 after a 4-token prefix hit and 6 computed
+tokens::
 
     slots:   [0 1 2 3][4 5 6 7][8 9 . .]
     blocks:   b17      b3       b42        <- block_ids, logical order
-                                   ^ 2 slots still free in the last block
+              ^ shared (prefix hit)   ^ 2 slots still free in the last block
+
+Blocks are registered in the prefix cache *when they are scheduled*, not after the
+step: the runner writes every new K/V of a step before any attention reads, so a
+request admitted later in the same step can already reuse them (vLLM v1 does the
+same). That is what stops 32 simultaneous prompts with one system prompt from all
+computing it. A step that fails must therefore reset the cache (``LLMEngine``).
+
+The last prompt token is always computed (a hit covers at most ``num_tokens - 1``
+tokens, block-aligned), so there are logits to sample from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
+from kvstack.kv.events import KVEventLog
+from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvstack.kv.policies import make_policy
+from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
+from kvstack.kv.radix import RadixPrefixCache
 from kvstack.request import Request
+
+PREFIX_CACHES: dict[str, type[PrefixCache] | None] = {
+    "hash": HashPrefixCache,
+    "radix": RadixPrefixCache,
+    "none": None,
+}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,16 +51,48 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class KVCacheStats:
     num_blocks: int
-    num_free_blocks: int
-    usage: float  # 0..1
+    num_free_blocks: int  # plain free + evictable cached
+    num_cached_blocks: int  # blocks holding reusable prefix KV (held or not)
+    num_pinned_blocks: int
+    usage: float  # 0..1, held blocks / all blocks
     num_requests: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evicted_blocks: int
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """Paged KV bookkeeping with an optional prefix cache (``hash``, ``radix``, ``none``)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_cache: str = "hash",
+        eviction_policy: str = "lru",
+        max_pinned_fraction: float = 0.5,
+        model_id: str = "",
+        events: KVEventLog | None = None,
+    ) -> None:
+        if prefix_cache not in PREFIX_CACHES:
+            raise ConfigError(
+                f"unknown prefix cache {prefix_cache!r}; choose one of: {', '.join(PREFIX_CACHES)}"
+            )
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.events = events if events is not None else KVEventLog()
+        policy = make_policy(eviction_policy, num_blocks)
+        cls = PREFIX_CACHES[prefix_cache]
+        self.cache: PrefixCache | None = (
+            cls(block_size, policy, self.events) if cls is not None else None
+        )
+        self.pool = BlockPool(num_blocks, self.cache)
+        self.model_id = model_id
+        self.max_pinned_fraction = max_pinned_fraction
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_inserted: dict[str, int] = {}
+        self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> chain
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -50,28 +106,92 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache is not None
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` fits in an otherwise empty pool."""
-        return self.num_blocks_for(num_tokens) <= self.pool.num_blocks
+        """Whether a sequence of ``num_tokens`` fits in the pool next to the pins."""
+        return self.num_blocks_for(num_tokens) <= self.pool.num_blocks - self.num_pinned_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Ensure slots for ``request.num_computed_tokens + num_new_tokens`` tokens.
+    # ------------------------------------------------------------------ hashing
+    def _root(self, request: Request) -> BlockHash:
+        return root_hash(self.model_id, request.cache_salt)
 
-        Returns the request's whole block-id table, or None when there are not enough
-        free blocks (nothing is allocated in that case).
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of every full block of the request's tokens (extended lazily)."""
+        have = request.block_hashes
+        if len(have) < request.num_tokens // self.block_size:
+            have.extend(
+                hash_blocks(
+                    request.all_token_ids, self.block_size, self._root(request), len(have), have
+                )
+            )
+        return have
+
+    # ------------------------------------------------------------------ allocation
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Blocks of the longest cached prefix of ``request`` (changes nothing).
+
+        Requests that want prompt logprobs need every prompt position computed, so
+        they skip the lookup (as in vLLM).
         """
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if needed > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_blocks[request.request_id]
+        if self.cache is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request)[:max_blocks]
+        return self.cache.match(request.all_token_ids, hashes, self._root(request))
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Ensure slots for ``num_computed_tokens + len(computed) * bs + num_new_tokens``.
+
+        ``computed`` (admission only) are prefix-hit blocks from ``get_computed_blocks``;
+        they are adopted and the caller advances ``num_computed_tokens`` past them.
+        Returns the request's whole block-id table, or None when there are not enough
+        free blocks (nothing changes in that case).
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        assert not (computed and blocks), "prefix hits are adopted only at admission"
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = self.num_blocks_for(num_tokens) - len(blocks) - len(computed)
+        # Adopting an evictable hit removes it from the free count.
+        available = self.pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
+        if needed > available:
             return None
+        if self.cache is not None and request.num_computed_tokens == 0 and not blocks:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += len(computed) * self.block_size
+        if computed:
+            self.pool.touch(computed)
+            assert self.cache is not None
+            self.cache.on_hit(computed)
+        blocks = self.req_blocks.setdefault(rid, blocks)
+        blocks.extend(computed)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
+        self._cache_full_blocks(request, num_tokens)
         return [b.block_id for b in blocks]
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks completely covered by the first ``num_tokens`` tokens."""
+        if self.cache is None:
+            return
+        num_full = num_tokens // self.block_size
+        rid = request.request_id
+        if num_full <= self._num_inserted.get(rid, 0):
+            return
+        hashes = self.block_hashes(request)[:num_full]
+        self.cache.insert(request.all_token_ids, hashes, self.req_blocks[rid], self._root(request))
+        self._num_inserted[rid] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -80,25 +200,120 @@ class KVCacheManager:
         """Release all blocks of a request (tail first). Idempotent."""
         rid = request if isinstance(request, str) else request.request_id
         blocks = self.req_blocks.pop(rid, None)
+        self._num_inserted.pop(rid, None)
         if blocks:
             self.pool.free(reversed(blocks))
 
+    def waste_slots(self, running: Iterable[Request]) -> int:
+        """Reserved slots not (yet) written: each request's tail-block slack."""
+        bs = self.block_size
+        return sum(
+            len(self.req_blocks.get(r.request_id, ())) * bs - r.num_computed_tokens
+            for r in running
+            if r.request_id in self.req_blocks
+        )
+
+    # ------------------------------------------------------------------ pins & reset
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len({b.block_id for chain in self.pins.values() for b in chain})
+
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Hold the cached blocks of ``token_ids`` so they are never evicted; returns tokens pinned.
+
+        Only full blocks are pinned. Raises ``InvalidRequestError`` when the prefix is
+        not cached (compute it first, as ``LLM.pin_prefix`` does), is shorter than a
+        block, or would push pinned blocks past ``max_pinned_fraction`` of the pool.
+        """
+        self.check_pinnable(len(token_ids))
+        hashes = self._prefix_hashes(token_ids, cache_salt)
+        if hashes[-1] in self.pins:
+            return len(hashes) * self.block_size
+        assert self.cache is not None
+        root = root_hash(self.model_id, cache_salt)
+        blocks = self.cache.match(token_ids, hashes, root)
+        if len(blocks) < len(hashes):
+            raise InvalidRequestError(
+                f"only {len(blocks) * self.block_size} of the prefix's "
+                f"{len(hashes) * self.block_size} block-aligned tokens are cached; "
+                "run the prefix through the engine before pinning it"
+            )
+        pinned = {b.block_id for chain in self.pins.values() for b in chain}
+        after = len(pinned | {b.block_id for b in blocks})
+        limit = int(self.max_pinned_fraction * self.num_blocks)
+        if after > limit:
+            raise InvalidRequestError(
+                f"pinning would hold {after} blocks, over the limit of {limit} "
+                f"(max_pinned_fraction {self.max_pinned_fraction} of {self.num_blocks} blocks)"
+            )
+        self.pool.touch(blocks)
+        self.pins[hashes[-1]] = blocks
+        return len(hashes) * self.block_size
+
+    def _prefix_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        return hash_blocks(token_ids, self.block_size, root_hash(self.model_id, cache_salt))
+
+    def check_pinnable(self, num_tokens: int) -> None:
+        if self.cache is None:
+            raise InvalidRequestError("pinning needs a prefix cache (--prefix-cache hash|radix)")
+        if num_tokens < self.block_size:
+            raise InvalidRequestError(
+                f"a pinned prefix needs at least one full block ({self.block_size} tokens), "
+                f"got {num_tokens}"
+            )
+        limit = int(self.max_pinned_fraction * self.num_blocks)
+        if num_tokens // self.block_size > limit:
+            raise InvalidRequestError(
+                f"prefix of {num_tokens} tokens needs {num_tokens // self.block_size} blocks; "
+                f"pins may hold at most {limit} (max_pinned_fraction "
+                f"{self.max_pinned_fraction} of {self.num_blocks} blocks)"
+            )
+
+    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+        """Release a pin made by ``pin_prefix``; returns False if it was not pinned."""
+        if len(token_ids) < self.block_size:
+            return False
+        hashes = self._prefix_hashes(token_ids, cache_salt)
+        blocks = self.pins.pop(hashes[-1], None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and pin (``LLM.reset_prefix_cache``)."""
+        if self.cache is None:
+            return
+        for blocks in self.pins.values():
+            self.pool.free(reversed(blocks))
+        self.pins.clear()
+        self.pool.reclaim(self.cache.reset())
+        self._num_inserted.clear()
+
+    # ------------------------------------------------------------------ introspection
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,
+            num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
+            num_pinned_blocks=self.num_pinned_blocks,
             usage=self.pool.usage,
             num_requests=len(self.req_blocks),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            num_evicted_blocks=self.pool.num_evicted_blocks,
         )
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
-            for b in blocks:
+        for chain in (*self.req_blocks.values(), *self.pins.values()):
+            for b in chain:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
-                f"{held.get(block.block_id, 0)} request references"
+                f"{held.get(block.block_id, 0)} request and pin references"
             )
+        for rid, blocks in self.req_blocks.items():
+            assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"

@@ -11,8 +11,11 @@ requests whose ``num_computed_tokens`` lags ``num_tokens``. Each step:
    queue; later it recomputes prompt + generated tokens and continues where it left
    off (vLLM's "recompute" preemption).
 2. If nobody was preempted, waiting requests are admitted in arrival order while the
-   budget, ``max_num_seqs`` and free blocks allow. A prompt longer than the remaining
-   budget is admitted with a chunk (chunked prefill) and continues next step.
+   budget, ``max_num_seqs`` and free blocks allow. An admitted request first adopts
+   the longest cached prefix of its tokens (era 3, ``kv/manager.py``), then
+   computes the rest; a remainder longer than the budget is admitted with a chunk
+   (chunked prefill) and continues next step. A preempted request re-admitted later
+   finds its own earlier blocks in the cache unless they were evicted meanwhile.
 
 Requests that could never run (longer than the context or the whole pool) are refused
 by ``add_request`` so they cannot block the queue.
@@ -20,10 +23,12 @@ by ``add_request`` so they cannot block the queue.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from kvstack.config import SchedulerConfig
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.request import Request, RequestStatus
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
@@ -31,7 +36,10 @@ from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager | ContiguousKVManager,
+        max_model_len: int,
     ) -> None:
         self.config = config
         self.kv = kv_manager
@@ -41,6 +49,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.num_prefill_tokens_computed = 0  # prompt positions run through the model
+        self.max_num_running = 0  # peak concurrency seen
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -100,14 +110,22 @@ class Scheduler:
         if not out.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                num_new = req.num_tokens - req.num_computed_tokens
+                # Era 3: adopt the longest cached prefix; compute only the rest.
+                computed = self.kv.get_computed_blocks(req)
+                num_cached = len(computed) * self.kv.block_size
+                num_new = req.num_tokens - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                block_ids = self.kv.allocate_slots(req, num_new)
+                block_ids = self.kv.allocate_slots(req, num_new, computed)
                 if block_ids is None:
                     break
                 self.waiting.popleft()
+                req.num_computed_tokens = num_cached
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = num_cached
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(
@@ -116,7 +134,11 @@ class Scheduler:
                 budget -= num_new
 
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            req = s.request
+            p, c = req.num_prompt_tokens, s.num_computed_tokens
+            self.num_prefill_tokens_computed += min(c + s.num_new_tokens, p) - min(c, p)
+            req.num_computed_tokens += s.num_new_tokens
+        self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -172,6 +194,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
+        req.finished_time = time.monotonic()
         self._finished_ids.append(request_id)
         return req
 

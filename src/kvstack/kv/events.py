@@ -1,0 +1,107 @@
+"""KV cache events: which prefix blocks a cache stored and removed (vLLM ``kv_events``).
+
+A router (KV-aware routing) or the cache analyzer keeps its own index of what each
+engine holds by consuming this stream instead of polling. The shapes follow vLLM's
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``:
+
+* ``BlockStored``: consecutive full blocks of one sequence became reusable. Their
+  hashes form a chain: ``block_hashes[0]``'s parent is ``parent_block_hash`` (None for
+  the first block of a sequence); ``token_ids`` holds ``len(block_hashes) * block_size``
+  tokens.
+* ``BlockRemoved``: these hashes are no longer served by ``medium`` (evicted or dropped).
+* ``AllBlocksCleared``: the medium's cache was reset.
+
+``KVEventLog`` buffers events (bounded: the oldest are dropped and counted when nobody
+drains them) and calls subscribers synchronously.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    medium: str = "device"
+
+    def to_dict(self) -> dict[str, Any]:
+        parent = self.parent_block_hash
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h.hex() for h in self.block_hashes],
+            "parent_block_hash": None if parent is None else parent.hex(),
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "medium": self.medium,
+        }
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    medium: str = "device"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [h.hex() for h in self.block_hashes],
+            "medium": self.medium,
+        }
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    medium: str = "device"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared", "medium": self.medium}
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    ts: float
+    events: list[KVEvent]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ts": self.ts, "events": [e.to_dict() for e in self.events]}
+
+
+@dataclass
+class KVEventLog:
+    """Bounded buffer of events plus synchronous subscribers."""
+
+    max_buffered: int = 100_000
+    enabled: bool = True
+    _buffer: deque[KVEvent] = field(default_factory=deque)
+    _subscribers: list[Callable[[KVEvent], None]] = field(default_factory=list)
+    num_dropped: int = 0
+
+    def publish(self, event: KVEvent) -> None:
+        if not self.enabled:
+            return
+        for fn in self._subscribers:
+            fn(event)
+        if len(self._buffer) >= self.max_buffered:
+            self._buffer.popleft()
+            self.num_dropped += 1
+        self._buffer.append(event)
+
+    def subscribe(self, fn: Callable[[KVEvent], None]) -> None:
+        self._subscribers.append(fn)
+
+    def drain(self) -> KVEventBatch:
+        """Return and forget everything buffered since the last drain."""
+        events = list(self._buffer)
+        self._buffer.clear()
+        return KVEventBatch(time.time(), events)
