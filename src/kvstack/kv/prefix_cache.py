@@ -92,9 +92,25 @@ class PrefixCache(abc.ABC):
     def on_acquire(self, block: KVCacheBlock) -> None:
         """``block`` (cached, unreferenced) is being referenced again."""
 
-    @abc.abstractmethod
     def evict(self, n: int) -> list[KVCacheBlock]:
-        """Drop ``n`` evictable blocks from the cache and return them (hash cleared)."""
+        """Drop ``n`` evictable blocks, in the policy's order; return them (hash cleared)."""
+        out: list[KVCacheBlock] = []
+        removed: list[BlockHash] = []
+        for _ in range(n):
+            h = self.policy.victim()
+            assert isinstance(h, bytes)
+            self.policy.on_remove(h)
+            block = self._detach(h)
+            assert block.ref_cnt == 0 and block.block_hash == h
+            block.block_hash = None
+            out.append(block)
+            removed.append(h)
+        self._removed(removed)
+        return out
+
+    @abc.abstractmethod
+    def _detach(self, block_hash: BlockHash) -> KVCacheBlock:
+        """Unlink the victim ``block_hash`` from the index; return its block."""
 
     @abc.abstractmethod
     def _drop_all(self) -> list[KVCacheBlock]:
@@ -204,20 +220,8 @@ class HashPrefixCache(PrefixCache):
         assert block.block_hash is not None
         self.policy.on_acquire(block.block_hash)
 
-    def evict(self, n: int) -> list[KVCacheBlock]:
-        out: list[KVCacheBlock] = []
-        removed: list[BlockHash] = []
-        for _ in range(n):
-            h = self.policy.victim()
-            assert isinstance(h, bytes)
-            self.policy.on_remove(h)
-            block = self.table.pop(h)
-            assert block.ref_cnt == 0
-            block.block_hash = None
-            out.append(block)
-            removed.append(h)
-        self._removed(removed)
-        return out
+    def _detach(self, block_hash: BlockHash) -> KVCacheBlock:
+        return self.table.pop(block_hash)
 
     def _drop_all(self) -> list[KVCacheBlock]:
         freed = [b for b in self.table.values() if b.ref_cnt == 0]

@@ -179,37 +179,26 @@ class RadixPrefixCache(PrefixCache):
         if block.block_hash in self.policy:
             self.policy.on_acquire(block.block_hash)
 
-    def evict(self, n: int) -> list[KVCacheBlock]:
-        out: list[KVCacheBlock] = []
-        removed: list[BlockHash] = []
-        for _ in range(n):
-            h = self.policy.victim()
-            assert isinstance(h, bytes)
-            self.policy.on_remove(h)
-            block = self.by_hash.pop(h)
-            node = self.node_of.pop(block.block_id)
-            assert block.ref_cnt == 0 and node.is_leaf and node.blocks[-1] is block
-            key = node.chunks[0]
-            node.blocks.pop()
-            node.chunks.pop()
-            block.block_hash = None
-            self._num_unreferenced -= 1
-            out.append(block)
-            removed.append(h)
-            if node.blocks:
-                exposed: RadixNode | None = node
-            else:
-                parent = node.parent
-                assert parent is not None
-                del parent.children[key]
-                exposed = parent if parent.parent is not None and parent.is_leaf else None
-            if exposed is not None:
-                tail = exposed.blocks[-1]
-                if tail.ref_cnt == 0:
-                    assert tail.block_hash is not None
-                    self.policy.on_release(tail.block_hash)
-        self._removed(removed)
-        return out
+    def _detach(self, block_hash: BlockHash) -> KVCacheBlock:
+        """Peel the victim (a leaf's last block) and expose the next candidate, if any."""
+        block = self.by_hash.pop(block_hash)
+        node = self.node_of.pop(block.block_id)
+        assert node.is_leaf and node.blocks[-1] is block
+        key = node.chunks[0]
+        node.blocks.pop()
+        node.chunks.pop()
+        self._num_unreferenced -= 1
+        exposed: RadixNode | None = node
+        if not node.blocks:
+            parent = node.parent
+            assert parent is not None
+            del parent.children[key]
+            exposed = parent if parent.parent is not None and parent.is_leaf else None
+        if exposed is not None and exposed.blocks[-1].ref_cnt == 0:
+            tail = exposed.blocks[-1].block_hash
+            assert tail is not None
+            self.policy.on_release(tail)
+        return block
 
     def _drop_all(self) -> list[KVCacheBlock]:
         freed = [b for b in self.by_hash.values() if b.ref_cnt == 0]
