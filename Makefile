@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(BIN)/kvstack chat
+	$(BIN)/kvstack serve
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -15,6 +15,7 @@ from typing import Any
 from kvstack.config import parse_size
 from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
+from kvstack.serve.cli import add_serve_args, cmd_serve
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -307,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     add_engine_args(c)
     c.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=256)
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
+        description="Serve the model over HTTP with the OpenAI API and Prometheus metrics.",
+    )
+    add_serve_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 
@@ -314,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

@@ -1,7 +1,7 @@
 """Exception types. Every error a user can cause is one of these, with a clear message.
 
 The CLI turns any ``KvstackError`` into one line on stderr and exit code 2; the server
-(later) into an OpenAI-style error object with status 400.
+into an OpenAI-style error object with status 400.
 """
 
 from __future__ import annotations
@@ -20,4 +20,11 @@ class ModelLoadError(KvstackError):
 
 
 class InvalidRequestError(KvstackError, ValueError):
-    """A request's prompt or sampling parameters are invalid; nothing was scheduled."""
+    """A request's prompt or sampling parameters are invalid; nothing was scheduled.
+
+    ``param`` names the offending request field when known (OpenAI's error ``param``).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

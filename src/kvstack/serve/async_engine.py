@@ -1,0 +1,320 @@
+"""AsyncEngine: one engine loop in a background thread, many asyncio clients.
+
+The HTTP handlers never run the model. They hand commands (add, abort, any callable)
+to the engine thread, which runs them between steps, so the engine's state is only
+ever touched by one thread (as vLLM's ``AsyncLLM`` keeps it in one core process)::
+
+    handler --add/abort--> command queue --> [engine thread: commands, step(), dispatch]
+       ^                                                            |
+       +---- asyncio.Queue per request <-- call_soon_threadsafe ----+
+
+Torch releases the GIL inside its kernels, so the event loop keeps accepting and
+streaming while a step runs. Each step's outputs are routed to their request's queue;
+a finished request's queue gets its last output and the stream ends. A client that
+goes away is aborted at once, which frees its KV blocks in the next command round.
+
+Admission control: at most ``max_waiting`` requests may wait for a first schedule;
+past that ``add`` raises ``QueueFullError`` (the server answers 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvstack.engine import LLMEngine
+from kvstack.request import RequestOutput, SamplingParams
+from kvstack.serve.metrics import ServerMetrics
+from kvstack.stats import EngineStats
+
+logger = logging.getLogger("kvstack.serve")
+T = TypeVar("T")
+
+
+class QueueFullError(Exception):
+    """Too many requests are waiting; retry later."""
+
+
+class RequestTimeoutError(Exception):
+    """The request ran past its deadline and was aborted."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop stopped; no request can be served."""
+
+
+@dataclass
+class RequestInfo:
+    """What the request log and the metrics need to know about a request."""
+
+    endpoint: str
+    session_id: str | None = None
+    arrival_wall: float = field(default_factory=time.time)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    info: RequestInfo
+
+
+class OutputStream:
+    """Async iterator over one request's outputs; ``close()`` (or an early exit) aborts it.
+
+    Raises ``RequestTimeoutError`` (after aborting) when the deadline passes.
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, stream: _Stream, timeout_s: float | None
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self.finished = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        try:
+            if left is not None and left <= 0:
+                raise TimeoutError
+            item = await asyncio.wait_for(self._stream.queue.get(), left)
+        except TimeoutError:
+            self.close()
+            raise RequestTimeoutError(f"request timed out after {self._timeout_s} s") from None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def final(self) -> RequestOutput:
+        """Wait for the finished output."""
+        last = None
+        async for out in self:
+            last = out
+        assert last is not None and last.finished
+        return last
+
+    def close(self) -> None:
+        """Abort the request unless it finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting: int = 1024,
+        metrics: ServerMetrics | None = None,
+        request_log: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._log_file = open(request_log, "a", encoding="utf-8") if request_log else None  # noqa: SIM115
+        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._stop = False
+        self.stats: EngineStats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="kvstack-engine", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Let running requests finish for up to ``grace_s``, abort the rest, stop."""
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.info("shutdown: aborting %d unfinished requests", len(self._streams))
+            for rid in list(self._streams):
+                self.abort(rid)
+            await asyncio.sleep(0.1)
+        self._stop = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        if self._log_file is not None:
+            self._log_file.close()
+
+    # ------------------------------------------------------------------ commands
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` in the engine thread between steps; returns a future of its result."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # delivered to the caller
+                    fut.set_exception(exc)
+
+        if not self.alive:
+            fut.set_exception(EngineDeadError("the engine loop is not running"))
+            return fut
+        self._cmds.put(run)
+        self._wake.set()
+        return fut
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent); its blocks are freed in the next command round."""
+        self._streams.pop(request_id, None)
+        if self.alive:
+            self.call(lambda: self.engine.abort_request(request_id))
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        info: RequestInfo,
+        *,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> OutputStream:
+        """Queue a request; returns the stream of its outputs.
+
+        Raises ``InvalidRequestError`` (nothing queued), ``QueueFullError`` or
+        ``EngineDeadError`` before anything is queued.
+        """
+        with self._lock:
+            if self.stats.num_waiting + self._pending_adds >= self.max_waiting:
+                raise QueueFullError(f"{self.max_waiting} requests are already waiting")
+            self._pending_adds += 1
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), info)
+        self._streams[request_id] = stream
+
+        def add() -> None:
+            with self._lock:
+                self._pending_adds -= 1
+            self.engine.add_request(
+                request_id, None, params, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt
+            )
+
+        try:
+            await self.run(add)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return OutputStream(self, request_id, stream, timeout_s)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while not self._stop:
+            self._wake.clear()
+            while True:
+                try:
+                    self._cmds.get_nowait()()
+                except queue.Empty:
+                    break
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug, not bad input: fail everyone, keep serving
+                    logger.exception("engine step failed; aborting all requests")
+                    self._fail_all(exc)
+                    outputs = []
+                now = time.monotonic()
+                for out in outputs:
+                    self._dispatch(out, now)
+                self._snapshot()
+            else:
+                self._snapshot()
+                if self._cmds.empty():
+                    self._wake.wait(0.5)
+        logger.info("engine loop stopped")
+
+    def _snapshot(self) -> None:
+        self.stats = self.engine.stats()
+        if self.metrics is not None:
+            self.metrics.update_engine(self.stats, self.engine.kv_manager.stats())
+
+    def _dispatch(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        info = stream.info
+        n = sum(len(c.token_ids) for c in out.outputs)
+        new = n - info.num_tokens
+        if new > 0 and self.metrics is not None:
+            if info.first_token is None:
+                self.metrics.ttft.observe(now - info.arrival)
+            elif info.last_token is not None:
+                self.metrics.itl.observe(now - info.last_token)
+        if new > 0:
+            info.first_token = info.first_token or now
+            info.last_token = now
+            info.num_tokens = n
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+            self._finish(out, info, now)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _finish(self, out: RequestOutput, info: RequestInfo, now: float) -> None:
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        if self.metrics is not None:
+            self.metrics.on_finished(out, now - info.arrival, reason or "error")
+        if self._log_file is not None:
+            record: dict[str, Any] = {
+                "timestamp": info.arrival_wall,
+                "request_id": out.request_id,
+                "endpoint": info.endpoint,
+                "session_id": info.session_id,
+                "prompt_token_ids": out.prompt_token_ids,
+                "num_prompt_tokens": len(out.prompt_token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "num_output_tokens": info.num_tokens,
+                "ttft_s": None if info.first_token is None else info.first_token - info.arrival,
+                "e2e_s": now - info.arrival,
+                "finish_reason": reason,
+            }
+            self._log_file.write(json.dumps(record) + "\n")
+            self._log_file.flush()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self._streams.pop(rid, None)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)

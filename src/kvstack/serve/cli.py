@@ -1,0 +1,113 @@
+"""``kvstack serve``: the OpenAI-compatible server on 127.0.0.1:8000 by default."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+
+from kvstack.errors import ConfigError
+
+logger = logging.getLogger("kvstack.serve")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send and /v1/models lists (default: the model file's name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSTACK_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* and cache endpoints "
+        "(default: $KVSTACK_API_KEY; none = open)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests that may wait for a first schedule; past it new ones get 429",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a request is aborted and answered 408 (default: none)",
+    )
+    g.add_argument(
+        "--request-log",
+        default=None,
+        help="append one JSON line per finished request (timestamps, prompt token ids, "
+        "session id, cached tokens, output length) for `kvstack analyze`",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="larger request bodies get 413 (default 8 MiB)",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them",
+    )
+
+
+def default_served_name(model: str) -> str:
+    """The model file's stem (``SmolLM2-135M-Instruct.Q4_1``) or the HF folder's name."""
+    from kvstack.model.registry import resolve_model_path
+
+    path = Path(resolve_model_path(model))
+    return path.stem if path.is_file() else path.name
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvstack.cli import build_llm
+    from kvstack.serve.app import ServerConfig, create_app
+    from kvstack.serve.async_engine import AsyncEngine
+    from kvstack.serve.metrics import ServerMetrics
+
+    if a.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be at least 1, got {a.max_waiting}")
+    if not 0 < a.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {a.port}")
+    logging.getLogger("kvstack").setLevel(logging.INFO)
+    llm = build_llm(a)
+    name = a.served_model_name or default_served_name(a.model)
+    metrics = ServerMetrics(name)
+    engine = AsyncEngine(
+        llm.engine, max_waiting=a.max_waiting, metrics=metrics, request_log=a.request_log
+    )
+    app = create_app(
+        engine,
+        ServerConfig(
+            model_name=name,
+            api_key=a.api_key,
+            max_body_bytes=a.max_body_bytes,
+            request_timeout_s=a.request_timeout,
+            shutdown_grace_s=a.shutdown_grace,
+        ),
+    )
+    logger.info("kvstack serving %s on http://%s:%d", name, a.host, a.port)
+    # uvicorn handles SIGTERM/SIGINT gracefully (stop accepting, let in-flight requests
+    # finish, run the lifespan shutdown) and then re-raises the signal to the handler
+    # that was installed before it; with this one the process then exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(
+        app,
+        host=a.host,
+        port=a.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(a.shutdown_grace) + 5,
+    )
+    return 0

@@ -1,0 +1,106 @@
+"""Prometheus metrics with the names of DESIGN.md (following vLLM's ``vllm:`` family).
+
+Engine-level values (KV usage, queue lengths, prefix-cache counters) are read from the
+latest ``EngineStats`` snapshot that the engine thread publishes after every step, so a
+scrape never touches the engine. Latency histograms are observed as tokens arrive.
+Operators scale on ``kvstack:kv_cache_usage_perc`` (it rises before the queue does)
+and watch ``kvstack:num_requests_waiting``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstack.kv.manager import KVCacheStats
+from kvstack.request import RequestOutput
+from kvstack.stats import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s, kv, name = self.m.stats, self.m.kv, self.m.model_name
+        if s is None or kv is None:
+            return
+        gauges = {
+            "kv_cache_usage_perc": ("KV blocks held by requests or pins (0-1)", s.kv_usage),
+            "num_requests_running": ("Requests in the running batch", s.num_running),
+            "num_requests_waiting": ("Requests waiting for a first schedule", s.num_waiting),
+            "kv_cache_num_blocks": ("KV blocks in the pool", kv.num_blocks),
+            "kv_cache_free_blocks": ("KV blocks free or evictable", kv.num_free_blocks),
+            "kv_cache_cached_blocks": ("KV blocks holding reusable prefixes", kv.num_cached_blocks),
+            "kv_cache_pinned_blocks": ("KV blocks held by pins", kv.num_pinned_blocks),
+            "kv_cache_waste_avg": ("Time-averaged reserved-but-unwritten KV share", s.kv_waste_avg),
+        }
+        for key, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
+            g.add_metric([name], float(value))
+            yield g
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up", s.prefix_query_tokens),
+            "prefix_cache_hits": ("Prompt tokens served from the cache", s.prefix_hit_tokens),
+            "num_preemptions": ("Requests preempted (recompute)", s.num_preemptions),
+            "evicted_blocks": ("Cached KV blocks evicted", s.num_evicted_blocks),
+            "prefill_tokens_computed": ("Prompt tokens computed", s.prefill_tokens_computed),
+        }
+        for key, (doc, value) in counters.items():
+            c = CounterMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
+            c.add_metric([name], float(value))
+            yield c
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.stats: EngineStats | None = None
+        self.kv: KVCacheStats | None = None
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(
+            "kvstack:time_to_first_token_seconds", "Time to first token", labels,
+            buckets=LATENCY_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.itl = Histogram(
+            "kvstack:inter_token_latency_seconds", "Time between output tokens", labels,
+            buckets=LATENCY_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.e2e = Histogram(
+            "kvstack:e2e_request_latency_seconds", "Request latency, arrival to finish", labels,
+            buckets=LATENCY_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "kvstack:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "kvstack:generation_tokens", "Generated tokens of finished requests", labels, registry=r
+        ).labels(model_name)
+        self.request_success = Counter(
+            "kvstack:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.http_errors = Counter(
+            "kvstack:http_errors", "Error responses by status", ["status"], registry=r
+        )
+        self.registry.register(_EngineCollector(self))
+
+    def update_engine(self, stats: EngineStats, kv: KVCacheStats) -> None:
+        self.stats, self.kv = stats, kv
+
+    def on_finished(self, out: RequestOutput, e2e_s: float, reason: str) -> None:
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        self.request_success.labels(self.model_name, reason).inc()

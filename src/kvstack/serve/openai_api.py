@@ -1,0 +1,312 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: engine outputs to OpenAI responses.
+
+A completions request with several prompts becomes one engine request per prompt;
+choice ``i * n + j`` is completion ``j`` of prompt ``i`` (OpenAI's order). Streaming
+sends, per step, each choice's new text as an SSE ``data:`` chunk, then the finish
+reason, an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``::
+
+    data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    data: {"choices": [{"index": 0, "delta": {"content": " Paris"}}]}
+    data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    data: {"choices": [], "usage": {...}}
+    data: [DONE]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstack.model.tokenizer import Tokenizer
+from kvstack.request import CompletionOutput, Logprob, RequestOutput
+from kvstack.serve.async_engine import AsyncEngine, OutputStream, RequestInfo
+from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+
+@dataclass
+class ApiContext:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    request_timeout_s: float | None = None
+
+
+@dataclass
+class _ChoiceState:
+    text_sent: int = 0
+    lp_sent: int = 0
+    role_sent: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Job:
+    """One prompt of a request: its stream and what has been streamed so far."""
+
+    index: int
+    stream: OutputStream
+    prompt_ids: list[int]
+    prompt_text: str | None
+    last: RequestOutput | None = None
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+
+
+def _token_str(tok: Tokenizer, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int
+) -> dict[str, Any]:
+    """OpenAI completions ``logprobs`` for tokens ``start..`` of ``c``."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = text_offset
+    for tid, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+        s = _token_str(tok, tid)
+        tokens.append(s)
+        token_lps.append(lps[tid].logprob if tid in lps else None)
+        tops.append({_token_str(tok, t): lp.logprob for t, lp in lps.items()})
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _top_entry(tok: Tokenizer, tid: int, lp: Logprob) -> dict[str, Any]:
+    s = _token_str(tok, tid)
+    return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+
+
+def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, k: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs.content`` for tokens ``start..`` of ``c``."""
+    content = []
+    for tid, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+        chosen = lps.get(tid)
+        ranked = sorted(lps.items(), key=lambda kv: -kv[1].logprob)[:k]
+        entry: dict[str, Any] = (
+            _top_entry(tok, tid, chosen) if chosen else {"token": _token_str(tok, tid)}
+        )
+        entry["top_logprobs"] = [_top_entry(tok, i, lp) for i, lp in ranked]
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(jobs: list[_Job]) -> dict[str, Any]:
+    prompt = sum(len(j.prompt_ids) for j in jobs)
+    completion = sum(len(c.token_ids) for j in jobs if j.last for c in j.last.outputs)
+    cached = sum(j.last.num_cached_tokens for j in jobs if j.last)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class OpenAIHandler:
+    def __init__(self, ctx: ApiContext) -> None:
+        self.ctx = ctx
+
+    async def start(
+        self,
+        prompts: list[tuple[list[int], str | None]],
+        req: CompletionRequest | ChatCompletionRequest,
+        endpoint: str,
+        session_id: str | None,
+    ) -> tuple[str, list[_Job]]:
+        """Queue every prompt; on any error abort those already queued and re-raise."""
+        sp = req.sampling_params()
+        base = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        jobs: list[_Job] = []
+        try:
+            for i, (ids, text) in enumerate(prompts):
+                rid = base if len(prompts) == 1 else f"{base}-{i}"
+                stream = await self.ctx.engine.add(
+                    rid,
+                    ids,
+                    sp,
+                    RequestInfo(endpoint, session_id),
+                    cache_salt=req.cache_salt,
+                    timeout_s=self.ctx.request_timeout_s,
+                )
+                jobs.append(_Job(i, stream, ids, text))
+        except BaseException:
+            for job in jobs:
+                job.stream.close()
+            raise
+        return base, jobs
+
+    # ------------------------------------------------------------------ non-streaming
+    async def complete(self, rid: str, jobs: list[_Job]) -> None:
+        try:
+            lasts = await asyncio.gather(*(j.stream.final() for j in jobs))
+        finally:
+            for j in jobs:
+                j.stream.close()
+        for job, last in zip(jobs, lasts, strict=True):
+            job.last = last
+
+    def completion_body(self, rid: str, req: CompletionRequest, jobs: list[_Job]) -> dict:
+        tok, n = self.ctx.tokenizer, req.n
+        choices = []
+        for job in jobs:
+            assert job.last is not None
+            prefix = (job.prompt_text or tok.decode(job.prompt_ids)) if req.echo else ""
+            for c in job.last.outputs:
+                lp = (
+                    completion_logprobs(tok, c, 0, len(prefix))
+                    if req.logprobs is not None
+                    else None
+                )
+                choices.append(
+                    {
+                        "index": job.index * n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage(jobs),
+        }
+
+    def chat_body(self, rid: str, req: ChatCompletionRequest, jobs: list[_Job]) -> dict:
+        tok = self.ctx.tokenizer
+        job = jobs[0]
+        assert job.last is not None
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(tok, c, 0, req.top_logprobs or 0)
+                if req.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in job.last.outputs
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage(jobs),
+        }
+
+    # ------------------------------------------------------------------ streaming
+    async def stream(
+        self,
+        rid: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        jobs: list[_Job],
+        chat: bool,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        merged: asyncio.Queue[tuple[_Job, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(job: _Job) -> None:
+            try:
+                async for out in job.stream:
+                    await merged.put((job, out))
+            except BaseException as exc:
+                await merged.put((job, exc))
+                return
+            await merged.put((job, None))
+
+        tasks = [asyncio.create_task(pump(j)) for j in jobs]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                job, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    msg = str(item) or type(item).__name__
+                    yield _sse(error_body(msg, "server_error", code=500))
+                    yield "data: [DONE]\n\n"
+                    return
+                job.last = item
+                choices = [
+                    ch
+                    for c in item.outputs
+                    if (ch := self._delta(job, c, req, chat)) is not None
+                ]  # fmt: skip
+                if item.error:
+                    yield _sse(error_body(item.error, "server_error", code=500))
+                if choices:
+                    yield _sse({"id": rid, "object": obj, "created": created,
+                                "model": self.ctx.model_name, "choices": choices})  # fmt: skip
+            if req.include_usage:
+                head = {"id": rid, "object": obj, "created": created, "model": self.ctx.model_name}
+                yield _sse({**head, "choices": [], "usage": usage(jobs)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for j in jobs:
+                j.stream.close()
+
+    def _delta(
+        self,
+        job: _Job,
+        c: CompletionOutput,
+        req: CompletionRequest | ChatCompletionRequest,
+        chat: bool,
+    ) -> dict | None:
+        st = job.choices.setdefault(c.index, _ChoiceState())
+        if st.done:
+            return None
+        tok = self.ctx.tokenizer
+        text = c.text[st.text_sent :]
+        prefix = ""
+        if not chat and isinstance(req, CompletionRequest) and req.echo and not st.role_sent:
+            prefix = job.prompt_text or tok.decode(job.prompt_ids)
+        lp: dict | None = None
+        n_lp = len(c.logprobs or [])
+        if c.logprobs is not None and n_lp > st.lp_sent:
+            if chat and isinstance(req, ChatCompletionRequest):
+                lp = chat_logprobs(tok, c, st.lp_sent, req.top_logprobs or 0)
+            else:
+                lp = completion_logprobs(tok, c, st.lp_sent, st.text_sent + len(prefix))
+        first = not st.role_sent
+        st.role_sent = True
+        st.text_sent = len(c.text)
+        st.lp_sent = n_lp
+        st.done = c.finish_reason is not None
+        if not (text or prefix or lp or first or st.done):
+            return None
+        index = c.index if chat else job.index * req.n + c.index
+        out: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": c.finish_reason}
+        if chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            out["delta"] = delta if (text or first) else {}
+        else:
+            out["text"] = prefix + text
+        if st.done:
+            out["stop_reason"] = c.stop_reason
+        return out
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

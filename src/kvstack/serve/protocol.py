@@ -1,0 +1,199 @@
+"""OpenAI request bodies (and vLLM's extra sampling fields), validated with pydantic.
+
+Unknown fields are rejected (``extra="forbid"``) the way OpenAI's API rejects an
+unrecognized argument, so a typo never silently changes sampling. Ranges that the
+engine already checks (``SamplingParams.validate``) are left to it, so there is one
+source of truth for what a valid request is.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from kvstack.errors import InvalidRequestError
+from kvstack.request import SamplingParams
+
+MAX_N = 16
+MAX_STOP = 8
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    cache_salt: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    def _max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def _sampling_params(self, logprobs: int | None) -> SamplingParams:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = float(value)
+            except ValueError:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=self._max_tokens(),
+            min_tokens=self.min_tokens,
+            logit_bias=bias,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptType
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    suffix: None = None  # not supported; present so the error names the field
+    best_of: None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list of texts or token-id lists (a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            text = m.text()
+            if not text and m.role != "assistant":
+                raise InvalidRequestError(
+                    f"messages[{i}] ({m.role}) has empty content", param=f"messages.{i}.content"
+                )
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self._sampling_params((self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class PinRequest(_Strict):
+    """``POST /v1/cache/pin`` and ``/v1/cache/unpin``: a prefix as text, ids or messages."""
+
+    model: str | None = None
+    prompt: str | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

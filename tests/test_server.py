@@ -1,0 +1,352 @@
+"""The real server (a `kvstack serve` process on a free loopback port) driven by `openai`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstack import LLM, SamplingParams
+from server_util import ServerProcess
+
+KEY = "test-key"
+SYSTEM = (
+    "You are the help desk of a small museum. You answer questions about opening hours, "
+    "tickets, guided tours, the cafe and accessibility, briefly and politely."
+)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    d = tmp_path_factory.mktemp("server")
+    args = [
+        "--api-key",
+        KEY,
+        "--max-model-len",
+        "512",
+        "--max-body-bytes",
+        "65536",
+        "--request-log",
+        str(d / "requests.jsonl"),
+        "--max-num-seqs",
+        "32",
+    ]
+    with ServerProcess(args, d / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def metric(srv: ServerProcess, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (
+            metric(srv, "kvstack:num_requests_running") == 0
+            and metric(srv, "kvstack:num_requests_waiting") == 0
+            and metric(srv, "kvstack:kv_cache_usage_perc") == 0
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError("server did not go idle (leaked KV blocks or a hung request?)")
+
+
+def test_completions_match_offline_engine(client: openai.OpenAI, srv: ServerProcess) -> None:
+    prompt = "The three primary colours are"
+    got = client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    llm = LLM("default", max_model_len=512, num_blocks=64)
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.usage is not None and got.usage.completion_tokens == 12
+    echo = client.completions.create(
+        model=srv_model(client), prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    c = echo.choices[0]
+    assert c.text.startswith(prompt) and c.logprobs is not None
+    assert len(c.logprobs.tokens or []) == 3
+    assert all(len(t) <= 3 for t in c.logprobs.top_logprobs or [])
+
+
+def srv_model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_chat_stream_n_stop_seed_logprobs(client: openai.OpenAI, srv: ServerProcess) -> None:
+    model = srv_model(client)
+    msgs: Any = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "When do you open?"},
+    ]
+    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
+    text = full.choices[0].message.content or ""
+    parts, usage = [], None
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+    assert "".join(parts) == text and usage is not None and usage.completion_tokens == 16
+    # The second identical prompt reuses the first one's prefix blocks.
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens
+    kw: Any = dict(model=model, messages=msgs, max_tokens=12, temperature=1.0, seed=7, n=2)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len(a.choices) == 2
+    words = text.split()
+    if len(words) > 2:
+        stopped = client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=16, temperature=0, stop=[words[2]]
+        )
+        assert stopped.choices[0].finish_reason == "stop"
+        assert words[2] not in (stopped.choices[0].message.content or "")
+    lp = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = lp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_32_concurrent_streams_complete(srv: ServerProcess) -> None:
+    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str | None, int]:
+        stream = await ac.chat.completions.create(
+            model=None,  # type: ignore[arg-type]
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Question number {i}: is the cafe open?"},
+            ],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        reason, tokens = None, 0
+        async for chunk in stream:
+            for ch in chunk.choices:
+                reason = ch.finish_reason or reason
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return reason, tokens
+
+    async def main() -> list[tuple[str | None, int]]:
+        ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+        finally:
+            await ac.close()
+
+    results = asyncio.run(main())
+    assert results == [("length", 16)] * 32
+    wait_idle(srv)
+
+
+def test_disconnect_frees_blocks(srv: ServerProcess) -> None:
+    body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    url, headers = srv.url + "/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(srv, "kvstack:kv_cache_usage_perc") > 0
+    wait_idle(srv)  # closing the stream aborted the request and freed its blocks
+
+
+BAD: list[tuple[str, Any, int, str]] = [
+    ("/v1/completions", b"{not json", 400, "malformed JSON"),
+    ("/v1/completions", b"\xff\xfe{}", 400, "UTF-8"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": "x" * 70000}, 413, "body"),
+    ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/nope", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD)
+def test_bad_input_gets_openai_errors(
+    srv: ServerProcess, path: str, body: Any, status: int, needle: str
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(srv.url + path, content=data, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() and {"type", "param", "code"} <= set(err)
+
+
+def test_auth_tokenize_pin_reset_and_request_log(srv: ServerProcess, client: openai.OpenAI) -> None:
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+    bad = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(srv.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert "Hello world" in text
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert httpx.get(srv.url + "/version").json()["version"]
+    assert httpx.post(srv.url + "/reset_prefix_cache", headers=auth).status_code == 200
+    sys_msg = [{"role": "system", "content": SYSTEM * 2}]
+    pin = httpx.post(
+        f"{srv.url}/v1/cache/pin", json={"messages": sys_msg}, headers=auth, timeout=60
+    )
+    assert pin.status_code == 200 and pin.json()["pinned_tokens"] >= 32, pin.text
+    r = client.chat.completions.create(
+        model=srv_model(client),
+        messages=[*sys_msg, {"role": "user", "content": "Tickets?"}],  # type: ignore[list-item]
+        max_tokens=2,
+    )
+    assert r.usage and r.usage.prompt_tokens_details
+    assert (r.usage.prompt_tokens_details.cached_tokens or 0) >= pin.json()["pinned_tokens"]
+    unpin = httpx.post(srv.url + "/v1/cache/unpin", json={"messages": sys_msg}, headers=auth)
+    assert unpin.json() == {"unpinned": True}
+    log = Path(srv.log_path.parent / "requests.jsonl").read_text().splitlines()
+    rec = json.loads(log[-1])
+    assert rec["prompt_token_ids"] and rec["num_cached_tokens"] >= 32 and rec["ttft_s"] > 0
+    wait_idle(srv)
+
+
+FLOATS = st.floats(allow_nan=False, allow_infinity=False)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | FLOATS | st.text(max_size=20),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
+    ),
+    max_leaves=10,
+)
+FIELDS = [
+    "prompt",
+    "messages",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "stream",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "logit_bias",
+    "model",
+    "user",
+    "extra",
+]
+BODY = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6).map(
+    lambda d: {**d, "max_tokens": 4}
+) | st.fixed_dictionaries(
+    {
+        "prompt": st.text(min_size=1, max_size=40),
+        "max_tokens": st.integers(-2, 6),
+        "n": st.integers(0, 3),
+        "temperature": st.floats(-1, 3),
+        "stop": st.lists(st.text(max_size=3)),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODY, chat=st.booleans())
+def test_fuzz_never_breaks_the_server(srv: ServerProcess, body: dict, chat: bool) -> None:
+    if chat and "prompt" in body:
+        body = {**body, "messages": [{"role": "user", "content": body.pop("prompt")}]}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(srv.url + path, json=body, headers=auth, timeout=60)
+    assert r.status_code in (200, 400, 404), r.text
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_zz_pool_clean_after_everything(srv: ServerProcess) -> None:
+    wait_idle(srv)
+
+
+def test_queue_limit_timeout_and_graceful_shutdown(tmp_path: Path) -> None:
+    args = [
+        "--max-waiting",
+        "1",
+        "--max-num-seqs",
+        "1",
+        "--request-timeout",
+        "4",
+        "--max-model-len",
+        "1024",
+    ]
+    with ServerProcess(args, tmp_path / "server.log") as s:
+        body = {"prompt": "Tell me a story.", "max_tokens": 48, "ignore_eos": True}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as ac:
+                return await asyncio.gather(
+                    *(ac.post(s.url + "/v1/completions", json=body) for _ in range(6))
+                )
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert 429 in codes and 200 in codes, codes
+        limited = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+        assert limited.headers.get("retry-after") and limited.json()["error"]["type"]
+        slow = httpx.post(s.url + "/v1/completions", timeout=60, json={**body, "max_tokens": 900})
+        assert slow.status_code == 408 and "timed out" in slow.json()["error"]["message"]
+        # SIGTERM while a request streams: it finishes, then the process exits 0.
+        result: dict[str, Any] = {}
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", s.url + "/v1/completions", timeout=60, json={**body, "stream": True}
+            ) as r:
+                result["lines"] = [ln for ln in r.iter_lines() if ln]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(1.0)
+        assert s.stop(signal.SIGTERM) == 0
+        t.join(30)
+        assert result["lines"][-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in result["lines"][-2]
