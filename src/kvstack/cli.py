@@ -16,6 +16,7 @@ from kvstack.config import parse_size
 from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
 from kvstack.serve.cli import add_serve_args, cmd_serve
+from kvstack.tools.bench import add_bench_serve_args, run_bench_serve
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -316,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("bench", help="benchmarks against a running server")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server with a workload and report latencies",
+        description="Async benchmark client for any OpenAI-compatible server (like vllm bench "
+        "serve): TTFT, TPOT, ITL, E2E latency and throughput.",
+    )
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=run_bench_serve)
     return p
 
 

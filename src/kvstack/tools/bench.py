@@ -38,7 +38,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -227,11 +227,10 @@ async def send_request(
     req: WorkloadRequest,
     timeout: float,
 ) -> RequestResult:
-    """Send one streaming request; never raises (except cancellation). ``start_time`` is
-    ``time.perf_counter()`` at sending."""
+    """Send one streaming request; never raises (except cancellation)."""
     res = RequestResult(req.request_id, req.session_id, req.round, len(req.prompt_token_ids))
     acc = StreamAccumulator()
-    start = res.start_time = time.perf_counter()
+    start = time.perf_counter()
     try:
         client_timeout = aiohttp.ClientTimeout(total=timeout)
         async with session.post(url, json=payload, headers=headers, timeout=client_timeout) as r:
@@ -314,8 +313,8 @@ async def run_schedule(
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Run ``send`` on every request at its offset, after its session dependencies, with at
-    most ``max_concurrency`` in flight. Returns the results in request order (their
-    ``start_time`` made relative to the start) and the duration in seconds."""
+    most ``max_concurrency`` in flight. Returns the results in request order (``start_time``
+    set to when ``send`` was called, from the start) and the duration in seconds."""
     if len(offsets) != len(requests):
         raise ValueError("one offset per request")
     deps = session_dependencies(requests)
@@ -330,15 +329,16 @@ async def run_schedule(
             for j in deps[i]:
                 await finished[j].wait()
             async with sem if sem is not None else contextlib.nullcontext():
+                sent = time.perf_counter()
                 try:
                     res = await send(req)
                 except Exception as e:  # send should not raise; never lose a request
                     res = RequestResult(req.request_id, req.session_id, req.round)
                     res.prompt_len = len(req.prompt_token_ids)
-                    res.start_time, res.error = time.perf_counter(), f"{type(e).__name__}: {e}"
+                    res.latency, res.error = time.perf_counter() - sent, f"{type(e).__name__}: {e}"
         finally:
             finished[i].set()
-        res.start_time -= t0
+        res.start_time = sent - t0
         if on_done is not None:
             on_done(res)
         return res
@@ -609,8 +609,6 @@ def load_requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
             raise ConfigError(f"workload file {args.dataset} has no requests")
         reqs = reqs[:n] if n is not None else reqs
         if args.max_tokens is not None:
-            from dataclasses import replace
-
             reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
         return reqs, Path(args.dataset).stem
     from kvstack.model.registry import load_tokenizer

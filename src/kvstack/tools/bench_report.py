@@ -318,7 +318,9 @@ def plot_latencies(result: BenchResult, path: str | Path, title: str = "") -> No
                 continue
             color = f"C{i}"
             xs = np.sort(np.asarray(values))
-            bins = int(min(50, max(5, len(xs) // 2)))
+            span = float(xs[-1] - xs[0])
+            wide = span > 1e-6 * max(1.0, abs(float(xs[-1])))  # else numpy finds no bins
+            bins = int(min(50, max(5, len(xs) // 2))) if wide else 1
             ax.hist(xs, bins=bins, alpha=0.45, color=color, label=f"{label} (n={len(xs)})")
             cdf.plot(xs, np.arange(1, len(xs) + 1) / len(xs), color=color, lw=1.5)
         ax.set_title(f"{name} (ms)")
