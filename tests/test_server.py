@@ -350,3 +350,34 @@ def test_queue_limit_timeout_and_graceful_shutdown(tmp_path: Path) -> None:
         t.join(30)
         assert result["lines"][-1] == "data: [DONE]"
         assert '"finish_reason": "length"' in result["lines"][-2]
+
+
+def test_bench_serve_against_the_server(srv: ServerProcess, tmp_path: Path) -> None:
+    from kvstack.cli import main
+
+    argv = [
+        "bench",
+        "serve",
+        "--base-url",
+        srv.url,
+        "--api-key",
+        KEY,
+        "--workload",
+        "shared-prefix",
+        "--num-prompts",
+        "8",
+        "--max-tokens",
+        "4",
+        "--request-rate",
+        "inf",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "r.json",
+        "--disable-tqdm",
+    ]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["completed"] == 8 and res["failed"] == 0 and res["cached_prompt_tokens"] > 0
+    wait_idle(srv)
