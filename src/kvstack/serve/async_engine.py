@@ -36,6 +36,7 @@ from kvstack.serve.metrics import ServerMetrics
 from kvstack.stats import EngineStats
 
 logger = logging.getLogger("kvstack.serve")
+LOG_INTERVAL_S = 10.0
 T = TypeVar("T")
 
 
@@ -143,6 +144,9 @@ class AsyncEngine:
         self._stop = False
         self.stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvstack-engine", daemon=True)
+        self._last_log = time.monotonic()
+        self._gen_tokens = 0
+        self._logged_prefill = self.stats.prefill_tokens_computed
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -264,9 +268,26 @@ class AsyncEngine:
         logger.info("engine loop stopped")
 
     def _snapshot(self) -> None:
-        self.stats = self.engine.stats()
+        self.stats = s = self.engine.stats()
         if self.metrics is not None:
-            self.metrics.update_engine(self.stats, self.engine.kv_manager.stats())
+            self.metrics.update_engine(s, self.engine.kv_manager.stats())
+        now = time.monotonic()
+        dt = now - self._last_log
+        if dt >= LOG_INTERVAL_S and (s.num_running or s.num_waiting or self._gen_tokens):
+            # vLLM-style periodic status line, so an operator sees what the server does.
+            logger.info(
+                "prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
+                "KV usage %.1f%%, prefix hit rate %.1f%%, preemptions %d in total",
+                (s.prefill_tokens_computed - self._logged_prefill) / dt,
+                self._gen_tokens / dt,
+                s.num_running,
+                s.num_waiting,
+                100 * s.kv_usage,
+                100 * s.prefix_hit_rate,
+                s.num_preemptions,
+            )
+            self._last_log, self._gen_tokens = now, 0
+            self._logged_prefill = s.prefill_tokens_computed
 
     def _dispatch(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -281,6 +302,7 @@ class AsyncEngine:
             elif info.last_token is not None:
                 self.metrics.itl.observe(now - info.last_token)
         if new > 0:
+            self._gen_tokens += new
             info.first_token = info.first_token or now
             info.last_token = now
             info.num_tokens = n
