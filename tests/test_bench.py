@@ -25,16 +25,15 @@ from kvstack.errors import ConfigError
 from kvstack.tools.bench import (
     DONE,
     StreamAccumulator,
-    add_bench_serve_args,
     arrival_offsets,
     build_payload,
     normalize_base_url,
     order_requests,
     parse_sse_line,
-    run_bench_serve,
     run_schedule,
     session_dependencies,
 )
+from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
 from kvstack.tools.bench_report import (
     RequestResult,
     calculate_metrics,

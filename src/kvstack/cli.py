@@ -16,7 +16,7 @@ from kvstack.config import parse_size
 from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
 from kvstack.serve.cli import add_serve_args, cmd_serve
-from kvstack.tools.bench import add_bench_serve_args, run_bench_serve
+from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -22,50 +22,40 @@ only after every request of rounds < k of the *same* session finished (failed on
 included); it waits for that after its release time and before taking a concurrency slot,
 so other sessions keep going. Its prompt is the workload's (synthetic assistant turns),
 not the server's replies.
+
+The command line (options, workload loading, report and result file) is
+:mod:`kvstack.tools.bench_cli`; :func:`run_benchmark` is the API for scripts.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
 import json
 import math
-import os
 import random
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from kvstack.errors import ConfigError, KvstackError
-from kvstack.tools.bench_report import (
-    SLO_KEYS,
-    BenchResult,
-    RequestResult,
-    calculate_metrics,
-    format_report,
-    plot_latencies,
-)
-from kvstack.tools.workloads import WORKLOADS, WorkloadRequest, _knob, make_workload, read_jsonl
+from kvstack.errors import ConfigError
+from kvstack.tools.bench_report import BenchResult, RequestResult
+from kvstack.tools.workloads import WorkloadRequest
 
 __all__ = [
     "BenchConfig",
     "BenchResult",
     "RequestResult",
     "StreamAccumulator",
-    "add_bench_serve_args",
     "arrival_offsets",
     "build_payload",
     "parse_sse_line",
-    "run_bench_serve",
     "run_benchmark",
     "run_schedule",
     "session_dependencies",
@@ -434,15 +424,7 @@ async def run_benchmark(
     return results, duration, model
 
 
-# ---------------------------------------------------------------- CLI
+if __name__ == "__main__":  # python -m kvstack.tools.bench: the command line's main
+    from kvstack.tools.bench_cli import main
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvstack.tools.bench ...``: :func:`kvstack.tools.bench_cli.main`."""
-    from kvstack.tools.bench_cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
     sys.exit(main())

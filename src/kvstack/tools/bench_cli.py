@@ -28,8 +28,13 @@ from kvstack.tools.bench import (
     order_requests,
     run_benchmark,
 )
-from kvstack.tools.bench_report import SLO_KEYS, BenchResult, calculate_metrics, format_report
-from kvstack.tools.bench_report import plot_latencies
+from kvstack.tools.bench_report import (
+    SLO_KEYS,
+    BenchResult,
+    calculate_metrics,
+    format_report,
+    plot_latencies,
+)
 from kvstack.tools.workloads import WORKLOADS, WorkloadRequest, _knob, make_workload, read_jsonl
 
 __all__ = [
@@ -42,6 +47,7 @@ __all__ = [
     "parse_slo",
     "run_bench_serve",
 ]
+
 
 def parse_rate(text: str) -> float:
     """``"inf"`` or a positive number of requests per second."""

@@ -1,0 +1,774 @@
+"""Serving benchmark: ``kvstack serve`` (and vLLM's OpenAI server) under ``kvstack bench serve``.
+
+Method. Workloads come from :mod:`kvstack.tools.workloads` (seed 0, kvstack's tokenizer):
+``shared-prefix`` (32 requests of 200 prompt tokens, 144 shared) and ``multi-turn`` (40
+requests = 8 conversations × 5 turns; turn k is sent only after turn k-1 of the same
+conversation finished). Each server is started as a child process on a free 127.0.0.1 port
+(``kvstack serve --max-num-seqs 16 --max-model-len 2048``; with ``--peers vllm``, vLLM's
+``vllm.entrypoints.openai.api_server`` from ``.bench-venvs/vllm`` with the same limits,
+prefix caching on and the environment ``benchmarks/offline_throughput.py`` gives vLLM), is
+ready when ``GET /health`` answers 200, and is stopped with SIGTERM at the end (its log goes
+to ``.bench-venvs/logs/serve-<server>.log``). Before the timed runs the script checks, with
+``POST /tokenize``, that the server's chat template turns every request's ``messages`` into
+exactly the workload's ``prompt_token_ids``, and sends a few short warm-up requests.
+
+Each (workload, request rate) is one run of the in-process client
+(:func:`kvstack.tools.bench.run_benchmark`: streaming chat completions, ``max_tokens`` 64,
+``ignore_eos``, temperature 0, Poisson arrivals of the given rate, seed 0; rate ``inf``
+sends everything at once with at most 16 requests in flight). Before every run the
+server's prefix cache is emptied (``POST /reset_prefix_cache``; vLLM needs
+``VLLM_SERVER_DEV_MODE=1`` for it, which is set) so the hit rate is the reuse within the
+run, and the script waits for the machine to be idle. During the run it measures the cores
+used by the server's processes, by this client, and by anything else (``others``); a run
+during which others used more than 0.15 core is repeated once. Reported per run (vLLM's
+definitions, :mod:`kvstack.tools.bench_report`): TTFT p50/p99, TPOT mean/p99, ITL p99,
+E2EL p50 (ms), output tok/s, requests/s and the cached-token hit rate.
+
+HTTP overhead. The offline engine (``LLM(max_num_seqs=16, max_model_len=2048)``, in its
+own process, before any server starts) generates for the shared-prefix prompts'
+``prompt_token_ids`` (identical to what the server prefills, see above) with the same
+sampling, timed by ``bench_common.measure``: one warm-up of the batch, then one timed run,
+the prefix cache emptied before each. Its output tok/s is compared with the server's
+shared-prefix run at rate inf (≤ 16 in flight); the issue asks for server / offline ≥ 0.8.
+The server run also pays for the client (same 2 cores) and for HTTP/SSE; the greedy texts
+of both are compared as a sanity check (bf16 batches of different shapes may flip a few).
+
+Output: ``benchmarks/results/serve-<date>.json`` (``--out``; merged: a rerun replaces the
+runs of the same server, workload and rate), a markdown table on stdout, the figure
+``benchmarks/results/serve-latency.png`` (TTFT and TPOT against the request rate; next to
+``--out`` as ``<stem>-latency.png`` with ``--out`` or ``--quick``) and, with
+``--write-readme``, the table in README.md between ``<!-- bench:serve -->`` and
+``<!-- /bench -->``.
+
+Examples::
+
+    .venv/bin/python benchmarks/serve.py --peers vllm --write-readme
+    .venv/bin/python benchmarks/serve.py --quick --out /tmp/serve-quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    BENCH_VENVS,
+    HF_MODEL_DIR,
+    REPO_ROOT,
+    RESULTS_DIR,
+    cpu_busy_seconds,
+    log,
+    measure,
+    venv_python,
+    wait_for_idle,
+    write_json,
+)
+from offline_throughput import machine_info, peer_command
+
+README_BEGIN, README_END = "<!-- bench:serve -->", "<!-- /bench -->"
+DEFAULT_PROMPTS = {"shared-prefix": 32, "multi-turn": 40}
+MAX_NUM_SEQS, MAX_MODEL_LEN, INF_CONCURRENCY = 16, 2048, 16
+MAX_OTHER_LOAD = 0.15  # cores others may use during a run before it is repeated (once)
+PERCENTILES = [50.0, 90.0, 99.0]
+LOG_DIR = BENCH_VENVS / "logs"
+
+# --------------------------------------------------------------------------- processes
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
+    """``(status, parsed JSON or text)`` of one request; status 0 when it failed."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (OSError, ValueError):
+        return 0, None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds used so far by process ``root`` and its live descendants."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(p for p, pp in parent.items() if pp == pid)
+    return total
+
+
+class Server:
+    """A server child process in its own process group, with its log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = LOG_DIR / f"serve-{name}.log"
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until ``GET /health`` answered 200; raises if the process died."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
+            if http("GET", f"{self.base}/health", timeout=5)[0] == 200:
+                return time.perf_counter() - t0
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 8) -> str:
+        return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, grace_s: float = 60.0) -> int | None:
+        """SIGTERM to the group, SIGKILL after ``grace_s``; the main process's exit code."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log(f"[{self.name}] still running {grace_s:.0f} s after SIGTERM: SIGKILL")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+        self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def kvstack_command(port: int) -> tuple[list[str], dict[str, str]]:
+    exe = Path(sys.executable).with_name("kvstack")
+    cmd = [str(exe), "serve", "--port", str(port)]
+    cmd += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN)]
+    return cmd, dict(os.environ)
+
+
+def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI server with offline_throughput's vLLM environment (VLLM_ENV, libiomp5)."""
+    _, env = peer_command("vllm", Path(os.devnull), Path(os.devnull))
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache
+    model = str(HF_MODEL_DIR)
+    cmd = [str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", model, "--tokenizer", model, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN)]
+    cmd += ["--max-num-batched-tokens", "2048", "--dtype", "bfloat16"]
+    cmd += ["--served-model-name", "smollm2", "--enable-prefix-caching"]
+    cmd += ["--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens
+    return cmd, env
+
+
+SERVERS: dict[str, tuple[Callable[[int], tuple[list[str], dict[str, str]]], float]] = {
+    "kvstack": (kvstack_command, 300.0),
+    "vllm": (vllm_command, 600.0),  # minutes to start on this machine
+}
+
+
+@contextlib.contextmanager
+def running(name: str) -> Iterator[tuple[Server, dict[str, Any]]]:
+    """Start server ``name``, wait for /health, yield it and its info; always stop it."""
+    make, health_timeout = SERVERS[name]
+    port = free_port()
+    cmd, env = make(port)
+    log(f"[{name}] starting on port {port} (log {LOG_DIR / f'serve-{name}.log'})")
+    server = Server(name, cmd, env, port)
+    env_set = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    unset = sorted(k for k in os.environ if k not in env)
+    info: dict[str, Any] = {"command": cmd, "env_set": env_set, "env_unset": unset}
+    info["log"] = str(server.log_path)
+    try:
+        info["startup_s"] = round(server.wait_healthy(health_timeout), 1)
+        info["version"] = (http("GET", f"{server.base}/version")[1] or {}).get("version")
+        log(f"[{name}] {info['version']} healthy after {info['startup_s']} s")
+        yield server, info
+    finally:
+        info["exit_code"] = server.stop()
+        log(f"[{name}] stopped (exit code {info['exit_code']})")
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def reset_cache(base: str) -> bool:
+    """Empty the server's prefix cache; False when the server does not allow it."""
+    for _ in range(5):
+        status, body = http("POST", f"{base}/reset_prefix_cache")
+        if status == 200 and not (isinstance(body, dict) and body.get("success") is False):
+            return True
+        if status in (0, 404, 405):
+            return False
+        time.sleep(1.0)  # vLLM: blocks still held
+    return False
+
+
+def check_prompts(base: str, model: str, reqs: Sequence[Any]) -> dict[str, Any]:
+    """How many requests' chat messages the server tokenizes to ``prompt_token_ids``."""
+    same, first_diff = 0, None
+    for r in reqs:
+        body = {"model": model, "messages": r.messages, "add_generation_prompt": True}
+        status, ans = http("POST", f"{base}/tokenize", body)
+        tokens = ans.get("tokens") if isinstance(ans, dict) else None
+        if tokens == r.prompt_token_ids:
+            same += 1
+        elif first_diff is None:
+            first_diff = {
+                "request_id": r.request_id,
+                "status": status,
+                "server_len": len(tokens) if isinstance(tokens, list) else None,
+                "workload_len": len(r.prompt_token_ids),
+            }
+    return {"identical": same, "total": len(reqs), "first_difference": first_diff}
+
+
+def rate_key(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def rate_order(rate: float | str) -> float:
+    return math.inf if rate == "inf" else float(rate)
+
+
+def bench_once(server: Server, reqs: Sequence[Any], rate: float) -> dict[str, Any]:
+    """One timed run of ``reqs`` at ``rate``; the entry stored in the result file."""
+    from kvstack.tools.bench import BenchConfig, run_benchmark
+    from kvstack.tools.bench_report import calculate_metrics
+
+    cfg = BenchConfig(
+        base_url=server.base, request_rate=rate, seed=0, ignore_eos=True, temperature=0.0,
+        max_concurrency=INF_CONCURRENCY if math.isinf(rate) else None,
+    )  # fmt: skip
+    cache_reset = reset_cache(server.base)
+    busy0, own0, srv0, t0 = (
+        cpu_busy_seconds(), time.process_time(), tree_cpu_seconds(server.proc.pid), time.time()
+    )  # fmt: skip
+    results, duration, model = asyncio.run(run_benchmark(reqs, cfg))
+    wall = max(time.time() - t0, 1e-9)
+    own = time.process_time() - own0
+    srv = tree_cpu_seconds(server.proc.pid) - srv0
+    others = max(cpu_busy_seconds() - busy0 - own - srv, 0.0) / wall
+    metrics = calculate_metrics(results, duration, PERCENTILES).to_json()
+    texts = metrics.pop("generated_texts")
+    return {
+        "server": server.name,
+        "model_id": model,
+        "request_rate": rate_key(rate),
+        "max_concurrency": cfg.max_concurrency,
+        "num_prompts": len(reqs),
+        "max_tokens": reqs[0].max_tokens,
+        "cache_reset": cache_reset,
+        "load": {
+            "server_cores": round(srv / wall, 2),
+            "client_cores": round(own / wall, 2),
+            "other_cores": round(others, 2),
+        },
+        "measured_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "prompt_tokens_as_workload": sum(
+            r.prompt_tokens == r.prompt_len for r in results if r.success
+        ),
+        **metrics,
+        "generated_texts": texts,  # dropped from the file after the offline comparison
+    }
+
+
+def bench_server(
+    name: str, workloads: dict[str, list[Any]], rates: list[float], wait_idle: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every workload at every rate on server ``name``: ``(server info, run entries)``."""
+    entries: list[dict[str, Any]] = []
+    if wait_idle > 0:
+        log(f"[{name}] waited {wait_for_idle(wait_idle):.0f} s for an idle machine")
+    with running(name) as (server, info):
+        from kvstack.tools.bench import BenchConfig, run_benchmark
+
+        model = http("GET", f"{server.base}/v1/models")[1]["data"][0]["id"]
+        info["prompt_check"] = {
+            w: check_prompts(server.base, model, r) for w, r in workloads.items()
+        }
+        for w, check in info["prompt_check"].items():
+            if check["identical"] != check["total"]:
+                log(f"[{name}] WARNING: {w}: server prompts differ: {check}")
+        warm = [replace(r, max_tokens=4) for r in next(iter(workloads.values()))[:4]]
+        t0 = time.perf_counter()
+        asyncio.run(run_benchmark(warm, BenchConfig(base_url=server.base, max_concurrency=4)))
+        info["warmup_s"] = round(time.perf_counter() - t0, 2)
+        for workload, reqs in workloads.items():
+            for rate in rates:
+                discarded: list[dict[str, Any]] = []
+                while True:
+                    if wait_idle > 0:
+                        wait_for_idle(min(wait_idle, 30.0))
+                    entry = bench_once(server, reqs, rate)
+                    entry["workload"] = workload
+                    log(f"[{name}] {summary(entry)}")
+                    if entry["load"]["other_cores"] <= MAX_OTHER_LOAD or discarded:
+                        break
+                    log(f"[{name}] machine busy during the run: repeating it")
+                    discarded.append({k: entry[k] for k in ("load", "output_throughput")})
+                entry["discarded"] = discarded
+                entries.append(entry)
+    return info, entries
+
+
+def summary(e: dict[str, Any]) -> str:
+    return (
+        f"{e['workload']} rate {e['request_rate']}: {e['completed']}/{e['num_prompts']} ok, "
+        f"{e['output_throughput']:.1f} out tok/s, TTFT p50 {e['median_ttft_ms']:.0f} ms, TPOT "
+        f"{e['mean_tpot_ms']:.1f} ms, hit rate {e['cache_hit_rate'] or 0:.2f}, load {e['load']}"
+    )
+
+
+# --------------------------------------------------------------------------- offline engine
+
+
+def offline_worker(request_path: Path, out_path: Path) -> None:
+    """In its own process: time ``LLM.generate`` on the request's prompts (see the docstring)."""
+    from kvstack import LLM, SamplingParams
+
+    req = json.loads(request_path.read_text())
+    t0 = time.perf_counter()
+    llm = LLM(max_num_seqs=req["max_num_seqs"], max_model_len=req["max_model_len"])
+    load_s = time.perf_counter() - t0
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        llm.reset_prefix_cache()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    prompts = req["prompt_ids"]
+    result = measure(
+        generate, prompts, req["max_tokens"], runs=1, single_new_tokens=0,
+        sample_prompts=len(prompts),
+    )  # fmt: skip
+    result["load_s"] = round(load_s, 2)
+    write_json(result, out_path)
+
+
+def run_offline(reqs: Sequence[Any], timeout_s: float = 1200.0) -> dict[str, Any]:
+    """The offline measurement in a child process; ``{"error": ...}`` if it failed."""
+    log_path = LOG_DIR / "serve-offline.log"
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvstack-serve-offline-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    req_path, out_path = tmp / "request.json", tmp / "result.json"
+    req_path.write_text(json.dumps({
+        "prompt_ids": [r.prompt_token_ids for r in reqs], "max_tokens": reqs[0].max_tokens,
+        "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
+    }))  # fmt: skip
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-offline", str(req_path)]
+    cmd += ["--worker-out", str(out_path)]
+    log(f"[offline] LLM.generate on {len(reqs)} prompts (log {log_path})")
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as logf:
+        try:
+            rc: int | str = subprocess.run(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO_ROOT,
+                check=False,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace").splitlines()[-10:]
+        log(f"[offline] FAILED ({rc}): " + " | ".join(tail))
+        return {"error": f"exit {rc}", "log_tail": tail}
+    result = json.loads(out_path.read_text())
+    for p in (req_path, out_path):
+        p.unlink()
+    tmp.rmdir()
+    log(f"[offline] {result['output_tok_s']} output tok/s")
+    return result
+
+
+def overhead(doc: dict[str, Any], tok: Any = None) -> dict[str, Any] | None:
+    """Server (kvstack, shared-prefix, rate inf) vs offline output tok/s."""
+    off = doc.get("offline") or {}
+    if "output_tok_s" not in off:
+        return None
+    case = off["num_prompts"], off["max_new_tokens"]
+    run = find_run(doc, "kvstack", "shared-prefix", "inf", *case)
+    if run is None:
+        return None
+    out = {
+        "num_prompts": case[0],
+        "max_tokens": case[1],
+        "offline_output_tok_s": off["output_tok_s"],
+        "server_output_tok_s": round(run["output_throughput"], 2),
+        "ratio": round(run["output_throughput"] / off["output_tok_s"], 3),
+        "required": 0.8,
+    }
+    out["pass"] = out["ratio"] >= out["required"]
+    texts = run.get("generated_texts")
+    if tok is not None and texts and len(off.get("sample_output_ids", [])) == len(texts):
+        offline = [tok.decode(ids) for ids in off["sample_output_ids"]]
+        by_id = dict(zip(run["request_ids"], texts, strict=True))
+        order = [r.request_id for r in doc["_requests"]["shared-prefix"]]
+        out["same_text_as_offline"] = sum(
+            by_id.get(i) == t for i, t in zip(order, offline, strict=True)
+        )
+        out["compared"] = len(offline)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def find_run(doc: dict[str, Any], *key: Any) -> dict | None:
+    """The run of key ``(server, workload, rate, num_prompts, max_tokens)``, if any."""
+    for e in doc.get("runs", []):
+        if run_key(e) == key:
+            return e
+    return None
+
+
+def run_key(e: dict[str, Any]) -> tuple[Any, ...]:
+    return e["server"], e["workload"], e["request_rate"], e["num_prompts"], e["max_tokens"]
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The runs as a markdown table (latencies in ms)."""
+    head = (
+        "server", "workload", "rate (req/s)", "requests ok × tokens", "TTFT p50", "TTFT p99",
+        "TPOT mean", "TPOT p99", "ITL p99", "E2EL p50", "output tok/s", "req/s", "hit rate",
+        "others' load",
+    )  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    for e in doc["runs"]:
+        rate = e["request_rate"]
+        rate = f"inf (≤ {e['max_concurrency']} in flight)" if rate == "inf" else f"{rate:g}"
+        hit = "–" if e["cache_hit_rate"] is None else f"{e['cache_hit_rate']:.2f}"
+        cells = (
+            f"{e['server']} {e.get('server_version') or ''}".strip(), e["workload"], rate,
+            f"{e['completed']}/{e['num_prompts']} × {e['max_tokens']}",
+            f"{e['median_ttft_ms']:.0f}", f"{e['p99_ttft_ms']:.0f}", f"{e['mean_tpot_ms']:.1f}",
+            f"{e['p99_tpot_ms']:.1f}", f"{e['p99_itl_ms']:.1f}", f"{e['median_e2el_ms']:.0f}",
+            f"{e['output_throughput']:.1f}", f"{e['request_throughput']:.2f}", hit,
+            f"{e['load']['other_cores']:.2f}",
+        )  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def overhead_line(doc: dict[str, Any]) -> str:
+    o = doc.get("http_overhead")
+    if not o:
+        return "HTTP overhead: not measured (needs the offline run and kvstack shared-prefix/inf)."
+    same = (
+        f"; same greedy text {o['same_text_as_offline']}/{o['compared']}" if "compared" in o else ""
+    )
+    return (
+        f"HTTP overhead (shared-prefix, {o.get('num_prompts')} requests × {o.get('max_tokens')} "
+        f"tokens, rate inf): server {o['server_output_tok_s']:.1f} vs offline "
+        f"{o['offline_output_tok_s']:.1f} output tok/s = **{o['ratio']:.2f}×** "
+        f"({'meets' if o['pass'] else 'FAILS'} ≥ {o['required']}){same}."
+    )
+
+
+def readme_section(doc: dict[str, Any], png: Path | None) -> str:
+    m, s = doc["machine"], doc["settings"]
+    note = (
+        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores), commit "
+        f"{m.get('git_commit')}{' (dirty)' if m.get('git_dirty') else ''}; max_num_seqs "
+        f"{MAX_NUM_SEQS}, max_model_len {MAX_MODEL_LEN}, {s['max_tokens']} new tokens, greedy, "
+        f"EOS ignored, prefix cache emptied before every run; latencies in ms; others' load = "
+        f"cores used by other processes during the run. `benchmarks/serve.py`, "
+        f"`benchmarks/results/{doc['file']}`._"
+    )
+    fig = (
+        f"\n\n![TTFT and TPOT against the request rate]({png.relative_to(REPO_ROOT)})"
+        if png
+        else ""
+    )
+    loads = []
+    for name, w in doc.get("workload_summary", {}).items():
+        loads.append(
+            f"`{name}` {w['num_requests']} requests ({w['prompt_tokens_mean']:.0f} prompt tokens "
+            f"on average, {w['num_rounds']} round(s), ideal hit rate {w['ideal_hit_rate']:.2f})"
+        )
+    head = (
+        "#### Serving: `kvstack serve` under `kvstack bench serve`\n\n"
+        f"Streaming chat requests, {'; '.join(loads)}; Poisson arrivals at each rate, or all "
+        "at once (inf) with at most 16 in flight; one run each."
+    )
+    return f"{head}\n\n{markdown_table(doc)}\n\n{overhead_line(doc)}{fig}\n\n{note}"
+
+
+def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
+    """Replace the block between the serve markers (added before the section after
+    ``## Performance`` when missing)."""
+    text = readme.read_text()
+    if README_BEGIN not in text:
+        perf = text.find("\n## Performance")
+        nxt = text.find("\n## ", perf + 1) if perf >= 0 else -1
+        at = nxt + 1 if nxt >= 0 else len(text)
+        text = f"{text[:at].rstrip()}\n\n{README_BEGIN}\n{README_END}\n\n{text[at:]}"
+    start = text.find(README_BEGIN) + len(README_BEGIN)
+    end = text.find(README_END, start)
+    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
+    log(f"updated the serving table in {readme}")
+
+
+def plot(doc: dict[str, Any], path: Path) -> bool:
+    """One row per workload: TTFT and TPOT against the request rate, a line per server
+    (p50/mean solid, p99 dashed)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("note: matplotlib is not installed; no figure")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    runs = doc["runs"]
+    rates = sorted({e["request_rate"] for e in runs}, key=rate_order)
+    workloads = [w for w in doc["settings"]["workloads"] if any(e["workload"] == w for e in runs)]
+    servers = sorted({e["server"] for e in runs}, key=lambda s: (s != "kvstack", s))
+    if not runs or not workloads:
+        return False
+    panels = (("TTFT", "median_ttft_ms", "p50"), ("TPOT", "mean_tpot_ms", "mean"))
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
+    ms = FuncFormatter(lambda v, _: f"{v:g}")
+    for row, workload in zip(axes, workloads, strict=True):
+        for ax, (metric, key, stat) in zip(row, panels, strict=True):
+            for i, server in enumerate(servers):
+                pts = sorted(
+                    (rates.index(e["request_rate"]), e)
+                    for e in runs
+                    if (e["server"], e["workload"]) == (server, workload)
+                )  # fmt: skip
+                xs = [x for x, _ in pts]
+                p99 = f"p99_{metric.lower()}_ms"
+                ax.plot(xs, [e[key] for _, e in pts], "o-", color=f"C{i}", label=f"{server} {stat}")
+                ax.plot(xs, [e[p99] for _, e in pts], "x--", color=f"C{i}", label=f"{server} p99")
+            ax.set_xticks(range(len(rates)), [f"{r:g}" if r != "inf" else "inf" for r in rates])
+            ax.set_xlabel("request rate (req/s; inf: all at once, ≤ 16 in flight)", fontsize=8)
+            ax.set_ylabel(f"{metric} (ms)")
+            ax.set_title(f"{workload}: {metric}", fontsize=10)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ms)
+            ax.yaxis.set_minor_formatter(ms)
+            ax.tick_params(axis="y", which="both", labelsize=7)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+    s = doc["settings"]
+    fig.suptitle(
+        f"kvstack bench serve: {s['max_tokens']} new tokens, max_num_seqs {MAX_NUM_SEQS}, "
+        f"greedy, {doc['date']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or not all(r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 or inf: {text!r}")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join((__doc__ or "").splitlines()[1:]),
+    )
+    p.add_argument("--peers", default="", help="comma-separated peer servers: vllm")
+    p.add_argument("--skip-kvstack", action="store_true", help="do not run kvstack's server")
+    p.add_argument("--skip-offline", action="store_true", help="no offline (HTTP-overhead) run")
+    p.add_argument("--rates", type=parse_rates, default=[1.0, 4.0, math.inf], help="1,4,inf")
+    p.add_argument("--workloads", default="shared-prefix,multi-turn")
+    p.add_argument(
+        "--num-prompts", type=int, default=None,
+        help="requests per workload (default: shared-prefix 32, multi-turn 40 = 8 × 5 turns)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="8 prompts, 8 tokens, rate inf, no peers")
+    p.add_argument("--wait-idle", type=float, default=120.0, help="s to wait for an idle machine")
+    p.add_argument("--out", type=Path, default=None, help="result file (default: dated)")
+    p.add_argument("--write-readme", action="store_true", help="put the table in README.md")
+    p.add_argument("--report-only", action="store_true", help="only print/plot the result file")
+    p.add_argument("--worker-offline", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def git_dirty() -> bool | None:
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return bool(out.strip())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.worker_offline:
+        offline_worker(args.worker_offline, args.worker_out)
+        return
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.rates, args.peers = 8, 8, [math.inf], ""
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if unknown := set(peers) - {"vllm"}:
+        raise SystemExit(f"unknown peers: {sorted(unknown)}")
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    date = dt.date.today().isoformat()
+    out = args.out or RESULTS_DIR / f"serve-{date}{'-quick' if args.quick else ''}.json"
+    png = (
+        out.with_name(f"{out.stem}-latency.png")
+        if args.out or args.quick
+        else RESULTS_DIR / "serve-latency.png"
+    )
+    doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    if args.report_only:
+        report(doc, png, args.write_readme)
+        return
+
+    from kvstack.model.registry import load_tokenizer
+    from kvstack.tools.workloads import make_workload, summarize
+
+    tok = load_tokenizer("default")
+    counts = {w: args.num_prompts or DEFAULT_PROMPTS.get(w, 32) for w in names}
+    workloads = {
+        w: make_workload(w, tok, counts[w], seed=0, max_tokens=args.max_tokens) for w in names
+    }
+    doc.update(
+        benchmark="serve",
+        date=date,
+        file=out.name,
+        command=[Path(sys.executable).name, *sys.argv],
+        machine={**machine_info(), "git_dirty": git_dirty()},
+        settings={
+            "workloads": names, "num_prompts": counts, "max_tokens": args.max_tokens,
+            "rates": [rate_key(r) for r in args.rates], "max_concurrency_at_inf": INF_CONCURRENCY,
+            "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN, "seed": 0,
+            "temperature": 0.0, "ignore_eos": True, "endpoint": "chat", "quick": args.quick,
+            "percentiles": PERCENTILES, "cache": "emptied before every run",
+        },
+        workload_summary={w: summarize(r) for w, r in workloads.items()},
+    )  # fmt: skip
+    doc.setdefault("servers", {})
+    doc.setdefault("runs", [])
+    doc["_requests"] = workloads  # for the text comparison; not written
+
+    if not args.skip_offline and "shared-prefix" in workloads:
+        if args.wait_idle > 0:
+            log(f"[offline] waited {wait_for_idle(args.wait_idle):.0f} s for an idle machine")
+        doc["offline"] = run_offline(workloads["shared-prefix"])
+    servers = ([] if args.skip_kvstack else ["kvstack"]) + peers
+    for name in servers:
+        if name == "vllm" and not venv_python("vllm").exists():
+            note = f"skipped: {venv_python('vllm')} missing (bash benchmarks/setup_peers.sh)"
+            log(f"[vllm] {note}")
+            doc["servers"]["vllm"] = {"note": note}
+            continue
+        try:
+            info, entries = bench_server(name, workloads, args.rates, args.wait_idle)
+        except RuntimeError as e:
+            log(f"[{name}] FAILED: {e}")
+            doc["servers"][name] = {"error": str(e)}
+            continue
+        doc["servers"][name] = info
+        for e in entries:
+            e["server_version"] = info.get("version")
+            old = find_run(doc, *run_key(e))
+            if old is not None:
+                doc["runs"].remove(old)
+            doc["runs"].append(e)
+        save(doc, out)
+    doc["http_overhead"] = overhead(doc, tok) or doc.get("http_overhead")
+    save(doc, out)
+    report(doc, png, args.write_readme)
+
+
+def sort_runs(doc: dict[str, Any]) -> None:
+    """Runs by workload, then kvstack before peers, then rate."""
+    names = doc["settings"]["workloads"]
+    doc["runs"].sort(key=lambda e: (
+        names.index(e["workload"]) if e["workload"] in names else len(names), e["workload"],
+        e["server"] != "kvstack", e["server"], rate_order(e["request_rate"]),
+    ))  # fmt: skip
+
+
+def save(doc: dict[str, Any], out: Path) -> None:
+    """Write the result file (without the requests and the generated texts)."""
+    sort_runs(doc)
+    clean = {k: v for k, v in doc.items() if not k.startswith("_")}
+    clean["runs"] = [{k: v for k, v in e.items() if k != "generated_texts"} for e in doc["runs"]]
+    for e, full in zip(clean["runs"], doc["runs"], strict=True):
+        e["sample_generated_texts"] = full.get("generated_texts", [])[:2] or full.get(
+            "sample_generated_texts", []
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(clean, out)
+    log(f"wrote {out}")
+
+
+def report(doc: dict[str, Any], png: Path, readme: bool) -> None:
+    if not doc.get("runs"):
+        raise SystemExit("no runs to report")
+    sort_runs(doc)
+    print(markdown_table(doc))
+    print()
+    print(overhead_line(doc))
+    drawn = plot(doc, png)
+    if drawn:
+        log(f"wrote {png}")
+    if readme:
+        default_png = drawn and png.resolve().is_relative_to(REPO_ROOT)
+        write_readme(readme_section(doc, png.resolve() if default_png else None))
+
+
+if __name__ == "__main__":
+    main()
