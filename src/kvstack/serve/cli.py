@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 from kvstack.errors import ConfigError
@@ -98,16 +99,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
         ),
     )
     logger.info("kvstack serving %s on http://%s:%d", name, a.host, a.port)
-    # uvicorn handles SIGTERM/SIGINT gracefully (stop accepting, let in-flight requests
-    # finish, run the lifespan shutdown) and then re-raises the signal to the handler
-    # that was installed before it; with this one the process then exits 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.run(
-        app,
-        host=a.host,
-        port=a.port,
-        log_level="info",
-        timeout_graceful_shutdown=int(a.shutdown_grace) + 5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=a.host,
+            port=a.port,
+            log_level="info",
+            timeout_graceful_shutdown=int(a.shutdown_grace) + 5,
+        )
     )
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # First signal: graceful (stop accepting, finish in-flight requests up to
+        # --shutdown-grace, then the lifespan shutdown stops the engine); second: force.
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    # The engine loop runs in the main thread and HTTP in a second one (see
+    # AsyncEngine.run_forever); uvicorn skips installing signal handlers off the main thread.
+    engine.mark_running()
+    http = threading.Thread(target=server.run, name="kvstack-http", daemon=True)
+    http.start()
+    engine.run_forever(keep_going=http.is_alive)
+    http.join(timeout=a.shutdown_grace + 10)
+    if not server.started:
+        raise ConfigError(f"could not serve on {a.host}:{a.port} (see the log above)")
     return 0

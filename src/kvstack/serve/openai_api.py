@@ -24,7 +24,12 @@ from typing import Any
 
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import CompletionOutput, Logprob, RequestOutput
-from kvstack.serve.async_engine import AsyncEngine, OutputStream, RequestInfo
+from kvstack.serve.async_engine import (
+    AsyncEngine,
+    OutputStream,
+    RequestInfo,
+    RequestTimeoutError,
+)
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
@@ -231,17 +236,32 @@ class OpenAIHandler:
                 return
             await merged.put((job, None))
 
-        tasks = [asyncio.create_task(pump(j)) for j in jobs]
-        try:
+        async def single(job: _Job) -> AsyncIterator[tuple[_Job, Any]]:
+            try:
+                async for out in job.stream:
+                    yield job, out
+            except BaseException as exc:
+                yield job, exc
+
+        async def many() -> AsyncIterator[tuple[_Job, Any]]:
             remaining = len(jobs)
             while remaining:
                 job, item = await merged.get()
                 if item is None:
                     remaining -= 1
-                    continue
+                else:
+                    yield job, item
+
+        # One prompt (the common case) streams directly; several are merged by tasks.
+        tasks = [asyncio.create_task(pump(j)) for j in jobs] if len(jobs) > 1 else []
+        try:
+            async for job, item in single(jobs[0]) if len(jobs) == 1 else many():
                 if isinstance(item, BaseException):
                     msg = str(item) or type(item).__name__
-                    yield _sse(error_body(msg, "server_error", code=500))
+                    if isinstance(item, RequestTimeoutError):
+                        yield _sse(error_body(msg, "timeout", code=408))
+                    else:
+                        yield _sse(error_body(msg, "server_error", code=500))
                     yield "data: [DONE]\n\n"
                     return
                 job.last = item
