@@ -276,6 +276,10 @@ FIELDS = [
     "model",
     "user",
     "extra",
+    "chat_template_kwargs",
+    "stream_options",
+    "max_completion_tokens",
+    "min_tokens",
 ]
 BODY = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6).map(
     lambda d: {**d, "max_tokens": 4}

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -297,7 +298,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             kv.check_pinnable(len(ids))
             stream = await engine.add(
-                f"pin-{len(ids)}-{id(req)}", ids, SamplingParams(max_tokens=1),
+                f"pin-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1),
                 RequestInfo("pin"), cache_salt=req.cache_salt,
             )  # fmt: skip
             await stream.final()

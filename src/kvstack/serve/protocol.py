@@ -155,6 +155,15 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = {"messages", "add_generation_prompt", "tokenize", "tools", "documents",
+                    "chat_template", "continue_final_message"}  # fmt: skip
+        if v and reserved & set(v):
+            raise ValueError(f"may not set {sorted(reserved & set(v))}")
+        return v
+
     def template_messages(self) -> list[dict[str, str]]:
         out = []
         for i, m in enumerate(self.messages):
