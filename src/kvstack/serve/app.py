@@ -38,6 +38,7 @@ from kvstack.serve.async_engine import (
 from kvstack.serve.openai_api import ApiContext, OpenAIHandler
 from kvstack.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     PinRequest,
@@ -220,23 +221,35 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         }  # fmt: skip
         return {"object": "list", "data": [card]}
 
+    def ids_of(
+        prompt: str | list[int] | None,
+        messages: list[ChatMessage] | None,
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+    ) -> list[int]:
+        """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated)."""
+        if (prompt is None) == (messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages")
+        try:
+            if messages is not None:
+                msgs = [{"role": m.role, "content": m.text()} for m in messages]
+                ids = tokenizer.apply_chat_template(
+                    msgs, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            elif isinstance(prompt, str):
+                ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            else:
+                ids = list(prompt or [])
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e)) from None
+        assert isinstance(ids, list)
+        return ids
+
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:
         req = await parse(raw, TokenizeRequest)
         check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give exactly one of prompt or messages")
-        try:
-            if req.messages is not None:
-                msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-                ids = tokenizer.apply_chat_template(
-                    msgs, add_generation_prompt=req.add_generation_prompt, tokenize=True
-                )
-            else:
-                ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e)) from None
-        assert isinstance(ids, list)
+        ids = ids_of(req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
 
     @app.post("/detokenize")
@@ -272,21 +285,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def pin_ids(raw: Request) -> tuple[list[int], PinRequest]:
         req = await parse(raw, PinRequest)
         check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give exactly one of prompt or messages")
-        try:
-            if req.messages is not None:
-                msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-                ids = tokenizer.apply_chat_template(
-                    msgs, add_generation_prompt=False, tokenize=True
-                )
-            elif isinstance(req.prompt, str):
-                ids = tokenizer.encode(req.prompt, add_special_tokens=False)
-            else:
-                ids = list(req.prompt or [])
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e)) from None
-        assert isinstance(ids, list)
+        ids = ids_of(req.prompt, req.messages, False, False)
         return ids, req
 
     @app.post("/v1/cache/pin")
