@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvstack.engine import LLMEngine
+from kvstack.errors import InvalidRequestError
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.stats import EngineStats
@@ -247,17 +248,30 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), info)
         self._streams[request_id] = stream
 
-        def add() -> None:
+        counted = [True]  # this request is in _pending_adds until the engine takes it
+
+        def uncount() -> None:
             with self._lock:
-                self._pending_adds -= 1
+                if counted[0]:
+                    counted[0] = False
+                    self._pending_adds -= 1
+
+        def add() -> None:
+            uncount()
             self.engine.add_request(
                 request_id, None, params, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt
             )
 
         try:
             await self.run(add)
-        except BaseException:
+        except InvalidRequestError:
             self._streams.pop(request_id, None)
+            raise
+        except BaseException:
+            uncount()  # e.g. the engine loop stopped before running the command
+            # Cancelled while waiting: the add may still run; the abort queued after it
+            # (commands run in order) then frees whatever it allocated.
+            self.abort(request_id)
             raise
         return OutputStream(self, request_id, stream, timeout_s)
 
