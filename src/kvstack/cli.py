@@ -17,6 +17,7 @@ from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
 from kvstack.serve.cli import add_serve_args, cmd_serve
 from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
+from kvstack.tools.plan import add_plan_args, run_plan
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -327,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bs)
     bs.set_defaults(func=run_bench_serve)
+    pl = sub.add_parser(
+        "plan",
+        help="KV memory per token / request and how many requests fit on a GPU",
+        description="Capacity planner: KV bytes per token and per request, weight memory, "
+        "KV budget, concurrent requests at a context, and an autoscaling threshold.",
+    )
+    add_plan_args(pl)
+    pl.set_defaults(func=run_plan)
     return p
 
 
