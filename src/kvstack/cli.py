@@ -16,6 +16,7 @@ from kvstack.config import parse_size
 from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
 from kvstack.serve.cli import add_serve_args, cmd_serve
+from kvstack.tools.analyze import add_analyze_args, run_analyze
 from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
 from kvstack.tools.plan import add_plan_args, run_plan
 
@@ -336,6 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_args(pl)
     pl.set_defaults(func=run_plan)
+    an = sub.add_parser(
+        "analyze",
+        help="replay a request log through the prefix cache: hit rate per policy and size",
+        description="Is my traffic cacheable? Replays a request log through kvstack's own block "
+        "hashing and eviction policies (plus a Belady oracle) at several cache sizes.",
+    )
+    add_analyze_args(an)
+    an.set_defaults(func=run_analyze)
     return p
 
 
