@@ -6,62 +6,47 @@ sizes and reports hit rates, the within- vs cross-session split, the most shared
 prefixes and the knee of the hit-rate-vs-size curve. Inspired by kv-cache-analyzer and
 vLLM's proposed ``analyze-prefix-cache`` tool.
 
-Replay (per policy and cache size, requests one at a time, in timestamp order when every
-line has one, else file order), exactly what the scheduler does at admission::
-
-    computed = kv.get_computed_blocks(req)                      # longest cached prefix
-    kv.allocate_slots(req, req.num_tokens - len(computed) * bs, computed)
-    req.num_computed_tokens = req.num_tokens                    # prefill done
-    kv.free(req)                                                # finished: full blocks stay cached
-
-A request larger than the pool (``allocate_slots`` returns None) counts as a miss.
-Hit tokens are ``len(computed) * block_size``. Like the engine, the analyzer never
-reuses a prompt's last token: a hit covers at most ``(n - 1) // block_size`` blocks, so
-even an infinite cache cannot reach a 100 % token hit rate.
-
-Policies besides the engine's: ``none`` (no cache: 0 hits) and ``oracle``, Belady's MIN
-(L. A. Belady, "A study of replacement algorithms for a virtual-storage computer",
-IBM Systems Journal 5(2), 1966): evict the cached block whose next use lies farthest in
-the future. It is plugged into the same ``KVCacheManager`` as an ``EvictionPolicy``
-that is told the future, and serves as the practical upper bound for any online policy
-(with chained prefix blocks it is not provably optimal, but parents are always needed
-no later than their children, so it keeps chains intact).
-
-Within vs cross session: a hit block is *within-session* when the first request that
-stored its hash in the log (= the first request whose full blocks include it) has the
-same session id as the hitting request; otherwise (another session, or no session id)
-it is *cross-session*.
-
-The log is untrusted input: symlinks and non-regular files are refused, as are files
-over ``--max-file-bytes``; lines are streamed with a maximum length and a JSON nesting
-limit; malformed lines are reported with their numbers and skipped (``--strict``: the
-first one is a ``ConfigError``).
+The pieces: ``analyze_log`` reads the untrusted log (formats and safety limits),
+``analyze_replay`` replays it through ``KVCacheManager`` (and the Belady ``oracle``
+policy), this module runs the analysis and the CLI, and ``analyze_report`` formats the
+report, finds the knee, plots and checks for regressions.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import heapq
 import itertools
 import json
-import os
-import re
-import stat
 import sys
-from array import array
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from kvstack.config import parse_size
 from kvstack.errors import ConfigError, KvstackError
-from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
-from kvstack.kv.manager import KVCacheManager
-from kvstack.kv.policies import EvictionPolicy
-from kvstack.request import Request, SamplingParams
+from kvstack.kv.hashing import BlockHash
+from kvstack.tools.analyze_log import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_LINE_BYTES,
+    FORMATS,
+    LogRequest,
+    ParseResult,
+    iter_lines,
+    json_depth,
+    parse_line,
+    read_log,
+)
+from kvstack.tools.analyze_replay import (
+    ALL_POLICIES,
+    ENGINE_POLICIES,
+    OraclePolicy,
+    PolicyResult,
+    _Prepared,
+    prepare,
+    replay,
+)
 from kvstack.tools.analyze_report import (
     check_cache_regression,
     find_knee,
@@ -70,6 +55,12 @@ from kvstack.tools.analyze_report import (
 )
 
 __all__ = [
+    "ALL_POLICIES",
+    "DEFAULT_MAX_DEPTH",
+    "DEFAULT_MAX_FILE_BYTES",
+    "DEFAULT_MAX_LINE_BYTES",
+    "ENGINE_POLICIES",
+    "FORMATS",
     "AnalyzeOptions",
     "LogRequest",
     "OraclePolicy",
@@ -79,522 +70,16 @@ __all__ = [
     "analyze",
     "check_cache_regression",
     "find_knee",
+    "iter_lines",
+    "json_depth",
+    "parse_line",
+    "prepare",
     "read_log",
     "replay",
     "run_analyze",
 ]
 
-FORMATS = ("openai", "kvstack", "tokens")
-ALL_POLICIES = ("lru", "lfu", "adaptive", "oracle", "none")
-ENGINE_POLICIES = ("lru", "lfu", "adaptive")
-DEFAULT_MAX_FILE_BYTES = 512 * 1024 * 1024
-DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
-DEFAULT_MAX_DEPTH = 64
-MAX_TOKEN_ID = 2**31 - 1
-NUM_MALFORMED_SHOWN = 10
 KNEE_TOLERANCE = 0.02
-_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_KEEP_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-# ---------------------------------------------------------------------------- input
-
-
-@dataclass
-class LogRequest:
-    """One request of the log: prompt token ids and where it came from."""
-
-    line_no: int
-    token_ids: array  # 'q' array: compact for long logs
-    session_id: str | None = None
-    timestamp: float | None = None
-    num_cached_tokens: int | None = None  # what the server reported (kvstack format)
-
-
-@dataclass
-class ParseResult:
-    requests: list[LogRequest]
-    num_lines: int = 0
-    malformed: list[tuple[int, str]] = field(default_factory=list)  # first few
-    num_malformed: int = 0
-    ordered_by: str = "file order"
-
-
-class _Malformed(Exception):
-    pass
-
-
-def json_depth(line: bytes) -> int:
-    """Maximum nesting depth of ``[``/``{`` in a JSON text (brackets in strings ignored)."""
-    if line.count(b"[") + line.count(b"{") <= 1:
-        return line.count(b"[") + line.count(b"{")
-    brackets = _STRING_RE.sub(b"", line).translate(None, _KEEP_BRACKETS)
-    depth = best = 0
-    for c in brackets:
-        depth += 1 if c in (0x5B, 0x7B) else -1
-        best = max(best, depth)
-    return best
-
-
-def _open_log(path: str | Path, max_file_bytes: int) -> tuple[int, int]:
-    """Open ``path`` read-only without following symlinks; returns (fd, size)."""
-    p = Path(path)
-    try:
-        st = os.lstat(p)
-    except OSError as e:
-        raise ConfigError(f"cannot read log {str(p)!r}: {e.strerror}") from e
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"refusing to read {str(p)!r}: it is a symlink (pass the real file)")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"refusing to read {str(p)!r}: not a regular file")
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise ConfigError(f"cannot read log {str(p)!r}: {e.strerror}") from e
-    size = os.fstat(fd).st_size
-    if size > max_file_bytes:
-        os.close(fd)
-        raise ConfigError(
-            f"log {str(p)!r} is {size} bytes, over the limit of {max_file_bytes} "
-            "(raise --max-file-bytes)"
-        )
-    return fd, size
-
-
-def iter_lines(
-    path: str | Path,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-    on_bytes: Callable[[int], None] | None = None,
-) -> Iterator[tuple[int, bytes | None]]:
-    """Stream ``(line number, raw line)``; ``None`` for a line over ``max_line_bytes``."""
-    fd, _ = _open_log(path, max_file_bytes)
-    total = 0
-    with os.fdopen(fd, "rb") as f:
-        for line_no in itertools.count(1):
-            line = f.readline(max_line_bytes + 1)
-            if not line:
-                return
-            n = len(line)
-            too_long = n > max_line_bytes
-            while too_long and not line.endswith(b"\n"):  # skip the rest of the line
-                line = f.readline(1 << 20)
-                if not line:
-                    break
-                n += len(line)
-            total += n
-            if total > max_file_bytes:
-                raise ConfigError(f"log {str(path)!r} grew past --max-file-bytes while reading")
-            if on_bytes is not None:
-                on_bytes(n)
-            yield line_no, None if too_long else line
-
-
-def _token_ids(value: Any, what: str) -> array:
-    if not isinstance(value, list):
-        raise _Malformed(f"{what} must be a list of token ids")
-    if not value:
-        raise _Malformed(f"{what} is empty")
-    for t in value:
-        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-            raise _Malformed(f"{what} holds {t!r}, not a token id")
-    return array("q", value)
-
-
-def _timestamp(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    raise _Malformed(f"timestamp {value!r} is neither a number nor an ISO 8601 time")
-
-
-def _session(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
-        return str(value)
-    raise _Malformed(f"session id {value!r} is not a string")
-
-
-class _Tokenize:
-    """Loads the tokenizer on first use (only the openai format needs one)."""
-
-    def __init__(self, source: str | Path) -> None:
-        self.source = source
-        self._tok: Any = None
-
-    def get(self) -> Any:
-        if self._tok is None:
-            from kvstack.model.registry import load_tokenizer
-
-            self._tok = load_tokenizer(self.source)
-        return self._tok
-
-    def encode(self, text: str) -> list[int]:
-        tokenizer = self.get()
-        try:
-            return list(tokenizer.encode(text))
-        except (KvstackError, ValueError, TypeError) as e:
-            raise _Malformed(f"cannot encode prompt: {e}") from e
-
-
-def _openai_prompts(body: Any, tok: _Tokenize) -> list[array]:
-    if not isinstance(body, dict):
-        raise _Malformed("request body is not an object")
-    if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise _Malformed("messages must be a list of objects")
-        tokenizer = tok.get()
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (KvstackError, ValueError, TypeError, KeyError) as e:
-            raise _Malformed(f"cannot render messages: {e}") from e
-        return [_token_ids(list(ids), "rendered messages")]
-    if "prompt" not in body:
-        raise _Malformed("body has neither 'messages' nor 'prompt'")
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        return [_token_ids(tok.encode(prompt), "prompt")]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [_token_ids(tok.encode(p), "prompt") for p in prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        return [_token_ids(p, "prompt") for p in prompt]
-    return [_token_ids(prompt, "prompt")]
-
-
-def parse_line(
-    obj: Any, fmt: str, session_field: str, tok: _Tokenize | None
-) -> list[tuple[array, str | None, float | None, int | None]]:
-    """``(token ids, session, timestamp, cached tokens)`` of the request(s) on a line."""
-    if not isinstance(obj, dict):
-        raise _Malformed("line is not a JSON object")
-    ts = _timestamp(obj.get("timestamp"))
-    if fmt == "openai":
-        assert tok is not None
-        body = obj.get("body", obj)
-        sess = obj.get(session_field)
-        if sess is None and isinstance(body, dict):
-            sess = body.get(session_field)
-        session = _session(sess)
-        return [(ids, session, ts, None) for ids in _openai_prompts(body, tok)]
-    ids = _token_ids(obj.get("prompt_token_ids"), "prompt_token_ids")
-    cached = obj.get("num_cached_tokens") if fmt == "kvstack" else None
-    if cached is not None and (type(cached) is not int or cached < 0):
-        raise _Malformed(f"num_cached_tokens {cached!r} is not a count")
-    return [(ids, _session(obj.get(session_field)), ts, cached)]
-
-
-def read_log(
-    path: str | Path,
-    fmt: str = "tokens",
-    *,
-    session_field: str = "session_id",
-    tokenizer: str | Path | None = None,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-    max_depth: int = DEFAULT_MAX_DEPTH,
-    strict: bool = False,
-    progress: bool = False,
-) -> ParseResult:
-    """Parse a JSONL request log (streamed; see the module docstring for the safety rules)."""
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown log format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    tok = _Tokenize(tokenizer or "default") if fmt == "openai" else None
-    res = ParseResult([])
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=_file_size(path), unit="B", unit_scale=True, desc="reading", leave=False)
-    try:
-        lines = iter_lines(path, max_file_bytes, max_line_bytes, bar.update if bar else None)
-        for line_no, raw in lines:
-            res.num_lines = line_no
-            if raw is not None and not raw.strip():
-                continue
-            try:
-                if raw is None:
-                    raise _Malformed(f"line longer than {max_line_bytes} bytes")
-                if json_depth(raw) > max_depth:
-                    raise _Malformed(f"JSON nested deeper than {max_depth} levels")
-                try:
-                    obj = json.loads(raw)
-                except RecursionError as e:
-                    raise _Malformed("JSON nested too deeply") from e
-                except ValueError as e:
-                    raise _Malformed(f"invalid JSON ({e})") from e
-                for ids, sess, ts, cached in parse_line(obj, fmt, session_field, tok):
-                    res.requests.append(LogRequest(line_no, ids, sess, ts, cached))
-            except _Malformed as e:
-                if strict:
-                    raise ConfigError(f"{path}:{line_no}: malformed line: {e}") from None
-                res.num_malformed += 1
-                if len(res.malformed) < NUM_MALFORMED_SHOWN:
-                    res.malformed.append((line_no, str(e)))
-    finally:
-        if bar is not None:
-            bar.close()
-    stamps = [r.timestamp for r in res.requests]
-    if res.requests and all(t is not None for t in stamps):
-        res.requests.sort(key=lambda r: r.timestamp or 0.0)  # stable: ties keep file order
-        res.ordered_by = "timestamp"
-    return res
-
-
-def _file_size(path: str | Path) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return 0
-
-
-# ---------------------------------------------------------------------------- oracle
-
-
-class OraclePolicy(EvictionPolicy):
-    """Belady's MIN (1966): evict the candidate whose next use is farthest in the future.
-
-    ``uses[key]`` is the sorted list of request indices that will *hit* ``key`` (the
-    block lies within their first ``(n - 1) // block_size`` blocks); ``advance(t)`` sets
-    the clock to request ``t``. A key's next use is its first use ``>= clock``, or
-    infinity. Candidates sit in a max-heap of ``(next use, release order)`` with lazy
-    deletion; since a next use only changes when the clock passes it, ``advance``
-    re-pushes the candidates the previous request needed. Ties evict the earliest
-    released key (a chain's tail is released first, and its parent is never needed
-    later than it).
-    """
-
-    name: ClassVar[str] = "oracle"
-    INF: ClassVar[int] = sys.maxsize
-
-    def __init__(
-        self,
-        capacity: int,
-        uses: dict[BlockHash, list[int]],
-        needs: Sequence[Sequence[BlockHash]],
-    ) -> None:
-        super().__init__(capacity)
-        self.uses = uses
-        self.needs = needs
-        self.clock = 0
-        self._cached: set[Hashable] = set()
-        self._cand: dict[Hashable, int] = {}  # candidate -> release sequence number
-        self._heap: list[tuple[int, int, Hashable]] = []
-        self._seq = itertools.count()
-
-    def next_use(self, key: Hashable) -> int:
-        uses = self.uses.get(key, ())  # type: ignore[call-overload]
-        i = bisect.bisect_left(uses, self.clock)
-        return uses[i] if i < len(uses) else self.INF
-
-    def _push(self, key: Hashable) -> None:
-        heapq.heappush(self._heap, (-self.next_use(key), self._cand[key], key))
-
-    def advance(self, t: int) -> None:
-        """Move the clock to request ``t`` (requests are replayed in index order)."""
-        old, self.clock = self.clock, t
-        for i in range(old, t):
-            for key in self.needs[i] if i < len(self.needs) else ():
-                if key in self._cand:
-                    self._push(key)
-        if len(self._heap) > 2 * len(self._cand) + 64:
-            self._heap = [(-self.next_use(k), s, k) for k, s in self._cand.items()]
-            heapq.heapify(self._heap)
-
-    def on_insert(self, key: Hashable) -> None:
-        if key in self._cached:
-            raise KeyError(f"eviction policy misuse: key {key!r} is already cached")
-        self._cached.add(key)
-
-    def on_hit(self, key: Hashable) -> None:
-        if key not in self._cached:
-            raise KeyError(f"eviction policy misuse: key {key!r} is not cached")
-
-    def on_release(self, key: Hashable) -> None:
-        if key not in self._cached or key in self._cand:
-            raise KeyError(f"eviction policy misuse: key {key!r} is not held")
-        self._cand[key] = next(self._seq)
-        self._push(key)
-
-    def on_acquire(self, key: Hashable) -> None:
-        if key not in self._cand:
-            raise KeyError(f"eviction policy misuse: key {key!r} is not a candidate")
-        del self._cand[key]
-
-    def on_remove(self, key: Hashable) -> None:
-        if key not in self._cached:
-            raise KeyError(f"eviction policy misuse: key {key!r} is not cached")
-        self._cached.discard(key)
-        self._cand.pop(key, None)
-
-    def victim(self) -> Hashable:
-        heap = self._heap
-        while heap:
-            neg, seq, key = heap[0]
-            if self._cand.get(key) == seq and -neg == self.next_use(key):
-                return key
-            heapq.heappop(heap)
-        raise IndexError("no eviction candidates")
-
-    def clear(self) -> None:
-        self._cached.clear()
-        self._cand.clear()
-        self._heap.clear()
-
-    def __len__(self) -> int:
-        return len(self._cand)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._cand
-
-    def check_integrity(self) -> None:
-        assert self._cand.keys() <= self._cached, "candidate that is not cached"
-
-
-# ---------------------------------------------------------------------------- replay
-
-
-@dataclass(frozen=True)
-class PolicyResult:
-    """Replay of the log through one policy at one cache size."""
-
-    policy: str
-    cache_size_tokens: int
-    num_blocks: int
-    num_requests: int
-    prompt_tokens: int
-    hit_tokens: int
-    hit_requests: int
-    within_session_hit_tokens: int
-    cross_session_hit_tokens: int
-    oversized_requests: int  # larger than the whole pool: counted as misses
-    evicted_blocks: int
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def request_hit_rate(self) -> float:
-        return self.hit_requests / self.num_requests if self.num_requests else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["token_hit_rate"] = round(self.token_hit_rate, 6)
-        d["request_hit_rate"] = round(self.request_hit_rate, 6)
-        d["prefill_tokens_saved"] = self.hit_tokens
-        return d
-
-
-@dataclass
-class _Prepared:
-    """Per-request hashes and facts every replay shares."""
-
-    hashes: list[list[BlockHash]]  # full blocks of each prompt
-    needs: list[list[BlockHash]]  # hittable blocks: the first (n - 1) // bs
-    uses: dict[BlockHash, list[int]]
-    sessions: list[str]  # session key (unique per request when it has none)
-    first_storer: dict[BlockHash, str]
-
-
-def prepare(requests: Sequence[LogRequest], block_size: int) -> _Prepared:
-    root = root_hash(model_id="", salt=None)  # what KVCacheManager(model_id="") uses
-    hashes, needs = [], []
-    uses: dict[BlockHash, list[int]] = {}
-    sessions: list[str] = []
-    first: dict[BlockHash, str] = {}
-    for i, r in enumerate(requests):
-        hs = hash_blocks(r.token_ids.tolist(), block_size, root)
-        need = hs[: (len(r.token_ids) - 1) // block_size]
-        hashes.append(hs)
-        needs.append(need)
-        for h in need:
-            uses.setdefault(h, []).append(i)
-        sess = f"s:{r.session_id}" if r.session_id is not None else f"r:{i}"
-        sessions.append(sess)
-        for h in hs:
-            first.setdefault(h, sess)
-    return _Prepared(hashes, needs, uses, sessions, first)
-
-
-def replay(
-    requests: Sequence[LogRequest],
-    policy: str,
-    cache_size_tokens: int,
-    block_size: int = 16,
-    prepared: _Prepared | None = None,
-    on_request: Callable[[], None] | None = None,
-) -> PolicyResult:
-    """Serve ``requests`` one at a time through a ``KVCacheManager`` (module docstring)."""
-    if policy not in ALL_POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; choose from: {', '.join(ALL_POLICIES)}")
-    num_blocks = cache_size_tokens // block_size
-    if num_blocks < 1:
-        raise ConfigError(
-            f"cache size {cache_size_tokens} tokens is smaller than one block ({block_size})"
-        )
-    prep = prepared if prepared is not None else prepare(requests, block_size)
-    prompt_tokens = sum(len(r.token_ids) for r in requests)
-    if policy == "none":
-        if on_request is not None:
-            for _ in requests:
-                on_request()
-        return PolicyResult(
-            policy, cache_size_tokens, num_blocks, len(requests), prompt_tokens, 0, 0, 0, 0, 0, 0
-        )
-    engine_policy = policy if policy in ENGINE_POLICIES else "lru"
-    kv = KVCacheManager(
-        num_blocks, block_size, prefix_cache="hash", eviction_policy=engine_policy, model_id=""
-    )
-    oracle: OraclePolicy | None = None
-    if policy == "oracle":
-        assert kv.cache is not None
-        oracle = OraclePolicy(num_blocks, prep.uses, prep.needs)
-        kv.cache.policy = oracle  # nothing is cached yet; the pool asks cache.policy
-    hit_tokens = hit_requests = within = oversized = 0
-    sp = SamplingParams(max_tokens=1)
-    for i, r in enumerate(requests):
-        if oracle is not None:
-            oracle.advance(i)
-        req = Request(f"a{i}", r.token_ids.tolist(), sp)
-        computed = kv.get_computed_blocks(req)
-        if oracle is not None and kv.block_hashes(req) != prep.hashes[i]:
-            raise AssertionError("oracle hashes differ from the KV manager's block hashes")
-        if kv.allocate_slots(req, req.num_tokens - len(computed) * block_size, computed) is None:
-            oversized += 1
-        else:
-            req.num_computed_tokens = req.num_tokens
-            kv.free(req)
-            if computed:
-                hit_requests += 1
-                hit_tokens += len(computed) * block_size
-                sess = prep.sessions[i]
-                within += block_size * sum(
-                    1 for h in prep.hashes[i][: len(computed)] if prep.first_storer[h] == sess
-                )
-        if on_request is not None:
-            on_request()
-    assert kv.prefix_hit_tokens == hit_tokens
-    return PolicyResult(
-        policy,
-        cache_size_tokens,
-        num_blocks,
-        len(requests),
-        prompt_tokens,
-        hit_tokens,
-        hit_requests,
-        within,
-        hit_tokens - within,
-        oversized,
-        kv.pool.num_evicted_blocks,
-    )
 
 
 # ---------------------------------------------------------------------------- analysis
