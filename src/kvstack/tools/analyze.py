@@ -271,7 +271,13 @@ def _policies(text: str) -> tuple[str, ...]:
 def add_analyze_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstack analyze``."""
     parser.add_argument("log", help="request log, one JSON object per line")
-    parser.add_argument("--format", choices=FORMATS, default="tokens", help="log format")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="tokens",
+        help="openai: request bodies (or {timestamp, session_id, body}); kvstack: the server's "
+        "--request-log; tokens: {timestamp, prompt_token_ids, session_id} (default)",
+    )
     parser.add_argument("--model", default=None, help="model name or path (tokenizer, KV size)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer source (default: --model)")
     parser.add_argument(
@@ -280,15 +286,38 @@ def add_analyze_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cache sizes in tokens, comma separated (default: doubling sizes up to all blocks)",
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--session-field", default="session_id")
-    parser.add_argument("--policy", type=_policies, default=ALL_POLICIES, help="lru,lfu,...")
-    parser.add_argument("--kv-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="KV block size in tokens, as the engine's"
+    )
+    parser.add_argument(
+        "--session-field",
+        default="session_id",
+        help="field naming the conversation, to split within- vs cross-session hits",
+    )
+    parser.add_argument(
+        "--policy",
+        type=_policies,
+        default=ALL_POLICIES,
+        help="comma list of lru, lfu, adaptive, oracle (Belady upper bound), none (default all)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="KV dtype for the memory cost of shared prefixes (default bfloat16)",
+    )
     parser.add_argument("--output-json", default=None, help="write the report as JSON")
     parser.add_argument("--plot", default=None, help="write a hit-rate-vs-size PNG")
     parser.add_argument("--baseline", default=None, help="earlier report.json to compare to")
-    parser.add_argument("--tolerance", type=float, default=0.02, help="allowed hit-rate drop")
-    parser.add_argument("--max-file-bytes", default="512MB", help="refuse larger logs")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="with --baseline: exit 1 if a hit rate drops by more than this (default 0.02)",
+    )
+    parser.add_argument(
+        "--max-file-bytes", default="512MB", help="refuse larger logs (default 512MB)"
+    )
     parser.add_argument("--max-line-bytes", default="8MiB", help="longer lines are malformed")
     parser.add_argument("--strict", action="store_true", help="stop at the first bad line")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
