@@ -362,6 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvstack plan ... | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
