@@ -253,7 +253,7 @@ def machine_info() -> dict[str, Any]:
         )
         info["mem_gib"] = round(int(mem.split()[1]) / 2**20, 1)
     except (OSError, StopIteration):
-        pass
+        info["cpu_info_error"] = "/proc/cpuinfo or /proc/meminfo unreadable"
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

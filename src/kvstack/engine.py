@@ -19,7 +19,7 @@ from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.events import KVEventLog
-from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.manager import KVCacheManager, KVCacheStats
 from kvstack.kv.storage import KVStorage
 from kvstack.model.llama import LlamaModel
 from kvstack.model.registry import load_model, load_tokenizer
@@ -253,8 +253,9 @@ class LLMEngine:
         return self.kv_manager.events
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> EngineStats:
-        kv = self.kv_manager.stats()
+    def stats(self, kv: KVCacheStats | None = None) -> EngineStats:
+        """Engine counters; ``kv`` is a KV snapshot the caller already took, if any."""
+        kv = kv or self.kv_manager.stats()
         sched = self.scheduler
         return EngineStats(
             num_steps=self.num_steps,

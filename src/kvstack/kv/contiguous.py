@@ -61,7 +61,11 @@ class ContiguousKVManager:
         self.events = KVEventLog(enabled=False)
         self.free_extents: list[tuple[int, int]] = [(0, num_blocks)]  # (start, length)
         self.slabs: dict[str, tuple[int, int]] = {}
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}  # for the scheduler's checks
+
+    @property
+    def req_blocks(self) -> dict[str, tuple[int, int]]:
+        """Requests holding KV (the scheduler checks that only running ones do)."""
+        return self.slabs
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -106,7 +110,6 @@ class ContiguousKVManager:
                 self.free_extents[i] = (start + need, length - need)
             slab = (start, need)
             self.slabs[rid] = slab
-            self.req_blocks[rid] = [KVCacheBlock(b, ref_cnt=1) for b in range(start, start + need)]
         start, length = slab
         if request.num_computed_tokens + num_new_tokens > length * self.block_size:
             raise InvalidRequestError(f"request {rid} outgrew its contiguous slab")
@@ -119,7 +122,6 @@ class ContiguousKVManager:
     def free(self, request: Request | str) -> None:
         rid = request if isinstance(request, str) else request.request_id
         slab = self.slabs.pop(rid, None)
-        self.req_blocks.pop(rid, None)
         if slab is None:
             return
         i = bisect.bisect_left(self.free_extents, slab)
@@ -180,4 +182,3 @@ class ContiguousKVManager:
         assert pos == self.num_blocks, f"spans cover {pos} of {self.num_blocks} blocks"
         for (s, n), (s2, _) in zip(self.free_extents, self.free_extents[1:], strict=False):
             assert s + n < s2, "free extents not sorted and merged"
-        assert set(self.req_blocks) == set(self.slabs)

@@ -47,18 +47,16 @@ def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,
     parent: BlockHash,
-    start_block: int = 0,
     prev: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
-    """Hashes of every *full* block of ``token_ids`` from block ``start_block`` on.
+    """Hashes of the *full* blocks of ``token_ids`` after the ``len(prev)`` already hashed.
 
-    ``prev`` holds the hashes of blocks ``0 .. start_block - 1`` (so the chain can be
-    extended incrementally as a sequence grows); ``parent`` is the root hash.
+    ``prev`` holds the hashes of the first blocks (so the chain can be extended
+    incrementally as a sequence grows); ``parent`` is the root hash.
     """
-    assert len(prev) == start_block
     out: list[BlockHash] = []
     last = prev[-1] if prev else parent
-    for b in range(start_block, len(token_ids) // block_size):
+    for b in range(len(prev), len(token_ids) // block_size):
         last = hash_block(last, token_ids[b * block_size : (b + 1) * block_size])
         out.append(last)
     return out

@@ -126,9 +126,7 @@ class KVCacheManager:
         have = request.block_hashes
         if len(have) < request.num_tokens // self.block_size:
             have.extend(
-                hash_blocks(
-                    request.all_token_ids, self.block_size, self._root(request), len(have), have
-                )
+                hash_blocks(request.all_token_ids, self.block_size, self._root(request), have)
             )
         return have
 

@@ -315,9 +315,10 @@ class AsyncEngine:
                     self._wake.wait(0.5)
 
     def _snapshot(self) -> None:
-        self.stats = s = self.engine.stats()
+        kv = self.engine.kv_manager.stats()
+        self.stats = s = self.engine.stats(kv)
         if self.metrics is not None:
-            self.metrics.update_engine(s, self.engine.kv_manager.stats())
+            self.metrics.update_engine(s, kv)
         now = time.monotonic()
         dt = now - self._last_log
         if dt >= LOG_INTERVAL_S and (s.num_running or s.num_waiting or self._gen_tokens):

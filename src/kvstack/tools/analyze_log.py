@@ -75,7 +75,7 @@ class ParseResult:
 
 
 class _Malformed(Exception):
-    pass
+    """A log line that cannot be used; the message says why (reported with its number)."""
 
 
 def json_depth(line: bytes) -> int:
@@ -160,12 +160,13 @@ def _timestamp(value: Any) -> float | None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    raise _Malformed(f"timestamp {value!r} is neither a number nor an ISO 8601 time")
+    bad = _Malformed(f"timestamp {value!r} is neither a number nor an ISO 8601 time")
+    if not isinstance(value, str):
+        raise bad
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise bad from None
 
 
 def _session(value: Any) -> str | None:
