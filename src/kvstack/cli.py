@@ -97,6 +97,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "('contiguous-request'), for measurement",
     )
     k.add_argument(
+        "--kv-offload",
+        default=None,
+        metavar="TIERS",
+        help="era 4: keep evicted and past prefixes in lower tiers, tried in the order given "
+        "and written through as blocks are computed: 'host:SIZE[:lru|lfu]' (RAM), "
+        "'disk:PATH:SIZE[:lru|lfu]' (one checksummed file per block; survives restarts), "
+        "'redis://HOST:PORT[/DB][?ttl=S&timeout=S&backoff=S]' (shared by replicas), "
+        "comma-separated, e.g. host:2GiB,disk:/var/cache/kvstack:20GiB,redis://127.0.0.1:6379",
+    )
+    k.add_argument(
         "--print-stats",
         action="store_true",
         help="print engine counters (prefix hits, evictions, KV waste) to stderr at exit",
@@ -160,6 +170,7 @@ def build_llm(a: argparse.Namespace) -> Any:
         eviction_policy=a.eviction_policy,
         max_pinned_fraction=a.max_pinned_fraction,
         kv_layout=a.kv_layout,
+        kv_offload=a.kv_offload,
     )
 
 

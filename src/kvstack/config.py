@@ -81,6 +81,9 @@ class CacheConfig:
     # "paged" (era 2+), or the era-1 baselines "contiguous" (max_model_len slab per
     # request) and "contiguous-request" (prompt + max_tokens slab); kv/contiguous.py.
     kv_layout: str = "paged"
+    # Era 4 offload tiers, ``--kv-offload`` syntax (``kv/tiers/spec.py``), e.g.
+    # "host:2GiB,disk:/var/cache/kvstack:20GiB,redis://127.0.0.1:6379"; None = none.
+    kv_offload: str | None = None
 
     def __post_init__(self) -> None:
         from kvstack.kv.policies import POLICIES
@@ -104,6 +107,15 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_offload:
+            from kvstack.kv.tiers.spec import parse_offload_spec
+
+            parse_offload_spec(self.kv_offload)  # one clear error at startup
+            if self.kv_layout != "paged" or self.prefix_cache == "none":
+                raise ConfigError(
+                    "--kv-offload needs the paged layout and a prefix cache (hash or radix): "
+                    "tiers are keyed by the prefix hash chain"
+                )
 
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3

@@ -21,6 +21,7 @@ from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.manager import KVCacheManager, KVCacheStats
 from kvstack.kv.storage import KVStorage
+from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.llama import LlamaModel
 from kvstack.model.registry import load_model, load_tokenizer
 from kvstack.model.runner import ModelRunner, RunnerOutput
@@ -78,6 +79,13 @@ class LLMEngine:
         else:
             self.kv_manager = ContiguousKVManager(num_blocks, cc.block_size, max_len, cc.kv_layout)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
+        self.connector: TierConnector | None = None
+        if cc.kv_offload:
+            assert isinstance(self.kv_manager, KVCacheManager)
+            self.connector = make_connector(
+                cc.kv_offload, self.model, self.kv_manager, self.kv_storage, config.dtype
+            )
+            self.scheduler.connector = self.connector
         self.usage_tracker = UsageTracker()
         self.runner = ModelRunner(self.model, self.kv_storage)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -157,6 +165,8 @@ class LLMEngine:
             if child.sampling_params.prompt_logprobs is not None:
                 child.prompt_logprobs = [None]
             self.scheduler.add_request(child)
+            if self.connector is not None:
+                self.connector.on_request_added(child)
         return rid
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -183,6 +193,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             self.usage_tracker.pause()
+            if self.connector is not None:  # only requests waiting on tier lookups
+                self.connector.wait_for_loads(0.01)
             return []
         self.num_steps += 1
         kv = self.kv_manager
@@ -193,6 +205,8 @@ class LLMEngine:
         except Exception as exc:  # never let one bad step kill the engine loop
             logger.exception("model step failed; failing its %d requests", len(out.scheduled))
             return self._fail_step(out, f"internal error: {exc}")
+        if self.connector is not None:
+            self.connector.after_step()  # write-through: queue this step's new blocks
         self._record_logprobs(out, result)
         now = time.monotonic()
         changed = self.scheduler.update_from_output(out, result.sampled)
@@ -225,6 +239,8 @@ class LLMEngine:
         # Blocks were registered in the prefix cache when scheduled; their KV may be
         # half written now, so nothing cached may be trusted.
         self.kv_manager.reset_prefix_cache()
+        if self.connector is not None:
+            self.connector.discard_step()
         ids = set()
         for s in out.scheduled:
             s.request.error = message
@@ -276,10 +292,18 @@ class LLMEngine:
             kv_usage_avg=self.usage_tracker.usage_avg,
             kv_waste_avg=self.usage_tracker.waste_avg,
             kv_waste_peak=self.usage_tracker.waste_peak,
+            offload=self.connector.offload.stats() if self.connector is not None else {},
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.connector is not None:
+            self.connector.check_integrity()
+
+    def shutdown(self) -> None:
+        """Write queued offload stores (a restart then finds them) and stop the I/O thread."""
+        if self.connector is not None:
+            self.connector.close()
 
     @property
     def num_free_blocks(self) -> int:

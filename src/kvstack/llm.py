@@ -19,7 +19,9 @@ class LLM:
     ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
     ``enable_chunked_prefill``, ``seed``, ``tokenizer``, and the KV-cache choices
     ``prefix_cache`` (hash | radix | none), ``eviction_policy`` (lru | lfu | adaptive),
-    ``max_pinned_fraction`` and ``kv_layout`` (paged | contiguous | contiguous-request)).
+    ``max_pinned_fraction``, ``kv_layout`` (paged | contiguous | contiguous-request) and
+    ``kv_offload`` (offload tiers, e.g. ``"host:1GiB,disk:/tmp/kv:4GiB"``)).
+    Call ``shutdown()`` when done with offload tiers so queued stores are written.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class LLM:
         eviction_policy: str = "lru",
         max_pinned_fraction: float = 0.5,
         kv_layout: str = "paged",
+        kv_offload: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -54,6 +57,7 @@ class LLM:
                 eviction_policy=eviction_policy,
                 max_pinned_fraction=max_pinned_fraction,
                 kv_layout=kv_layout,
+                kv_offload=kv_offload,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -140,6 +144,10 @@ class LLM:
         if isinstance(prefix, str):
             return self.tokenizer.encode(prefix, add_special_tokens=False)
         return list(prefix)
+
+    def shutdown(self) -> None:
+        """Write queued offload-tier stores and stop the I/O thread (no-op without tiers)."""
+        self.engine.shutdown()
 
     def get_stats(self) -> EngineStats:
         """Engine counters: prefix hits, evictions, preemptions, KV usage and waste."""

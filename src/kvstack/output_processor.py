@@ -92,12 +92,15 @@ class OutputProcessor:
     def _build(self, parent: ParentState) -> RequestOutput:
         outs = []
         cached = 0
+        by_tier: dict[str, int] | None = None
         prompt_logprobs = None
         for i, cid in enumerate(parent.children):
             seq = self.seqs[cid]
             req = seq.request
             sp = req.sampling_params
-            cached = max(cached, req.num_cached_tokens)
+            if req.num_cached_tokens >= cached:
+                cached = req.num_cached_tokens
+                by_tier = req.cached_tokens_by_tier
             if prompt_logprobs is None:
                 prompt_logprobs = req.prompt_logprobs
             outs.append(
@@ -129,6 +132,7 @@ class OutputProcessor:
             outputs=outs,
             finished=all(r.is_finished() for r in children),
             num_cached_tokens=cached,
+            cached_tokens_by_tier=dict(by_tier) if by_tier is not None else None,
             prompt_logprobs=prompt_logprobs,
             error=errors[0] if errors else None,
             metrics=metrics,

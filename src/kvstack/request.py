@@ -150,6 +150,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (first schedule)
+    # The same split by where the KV came from ("device", "host", "disk", "redis") when
+    # offload tiers are on; None without them.
+    cached_tokens_by_tier: dict[str, int] | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
@@ -243,3 +246,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # Where the cached tokens came from, with offload tiers: {"device": .., "disk": ..}.
+    cached_tokens_by_tier: dict[str, int] | None = None

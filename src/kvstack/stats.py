@@ -13,8 +13,10 @@ not waste: they hold written KV that a later request may reuse.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvstack.kv.tiers.base import TierStats
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class EngineStats:
     kv_usage_avg: float  # time-averaged
     kv_waste_avg: float  # time-averaged, 0..1
     kv_waste_peak: float
+    # Era 4: counters per offload tier ("host", "disk", "redis"); empty without tiers.
+    offload: dict[str, TierStats] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -93,6 +93,9 @@ class KVCacheManager:
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> chain
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # When a KV offload connector is attached (era 4, ``kv/tiers/``): the
+        # (hash, block) pairs made reusable since it last looked, for it to store.
+        self.new_cached_blocks: list[tuple[BlockHash, KVCacheBlock]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -118,7 +121,8 @@ class KVCacheManager:
         return self.num_blocks_for(num_tokens) <= self.pool.num_blocks - self.num_pinned_blocks
 
     # ------------------------------------------------------------------ hashing
-    def _root(self, request: Request) -> BlockHash:
+    def root_of(self, request: Request) -> BlockHash:
+        """Root of the request's hash chain (model id and cache salt)."""
         return root_hash(self.model_id, request.cache_salt)
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
@@ -126,7 +130,7 @@ class KVCacheManager:
         have = request.block_hashes
         if len(have) < request.num_tokens // self.block_size:
             have.extend(
-                hash_blocks(request.all_token_ids, self.block_size, self._root(request), have)
+                hash_blocks(request.all_token_ids, self.block_size, self.root_of(request), have)
             )
         return have
 
@@ -141,7 +145,7 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(request)[:max_blocks]
-        return self.cache.match(request.all_token_ids, hashes, self._root(request))
+        return self.cache.match(request.all_token_ids, hashes, self.root_of(request))
 
     def allocate_slots(
         self,
@@ -188,8 +192,16 @@ class KVCacheManager:
         if num_full <= self._num_inserted.get(rid, 0):
             return
         hashes = self.block_hashes(request)[:num_full]
-        self.cache.insert(request.all_token_ids, hashes, self.req_blocks[rid], self._root(request))
+        blocks = self.req_blocks[rid]
+        start = self._num_inserted.get(rid, 0)
+        new = self.new_cached_blocks
+        fresh = [b.block_hash is None for b in blocks[start:num_full]] if new is not None else []
+        self.cache.insert(request.all_token_ids, hashes, blocks, self.root_of(request))
         self._num_inserted[rid] = num_full
+        if new is not None:
+            for i, was_free in enumerate(fresh, start):
+                if was_free and blocks[i].block_hash == hashes[i]:
+                    new.append((hashes[i], blocks[i]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]

@@ -16,6 +16,9 @@ requests whose ``num_computed_tokens`` lags ``num_tokens``. Each step:
    computes the rest; a remainder longer than the budget is admitted with a chunk
    (chunked prefill) and continues next step. A preempted request re-admitted later
    finds its own earlier blocks in the cache unless they were evicted meanwhile.
+   With offload tiers (era 4) the prefix is extended by blocks loaded from host, disk
+   or Redis; a request whose tier lookup is still in flight is skipped (it keeps its
+   place in the queue) so the lookup never stalls the batch.
 
 Requests that could never run (longer than the context or the whole pool) are refused
 by ``add_request`` so they cannot block the queue.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from kvstack.config import SchedulerConfig
 from kvstack.errors import InvalidRequestError
@@ -32,6 +36,9 @@ from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.request import Request, RequestStatus
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvstack.kv.tiers.connector import TierConnector
 
 
 class Scheduler:
@@ -50,6 +57,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
         self.num_prefill_tokens_computed = 0  # prompt positions run through the model
+        # Era 4 (``kv/tiers/connector.py``): loads prefixes from offload tiers, set by the engine.
+        self.connector: TierConnector | None = None
         self.max_num_running = 0  # peak concurrency seen
 
     # ------------------------------------------------------------------ admission
@@ -107,11 +116,17 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        skipped: list[Request] = []  # waiting on an offload-tier lookup (era 4)
         if not out.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if self.connector is not None and self.connector.is_loading(req):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 # Era 3: adopt the longest cached prefix; compute only the rest.
                 computed = self.kv.get_computed_blocks(req)
+                if self.connector is not None:  # era 4: extend it from the offload tiers
+                    computed = computed + self.connector.load(req, computed, budget)
                 num_cached = len(computed) * self.kv.block_size
                 num_new = req.num_tokens - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
@@ -124,6 +139,10 @@ class Scheduler:
                 req.num_computed_tokens = num_cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_cached
+                    if self.connector is not None:
+                        req.cached_tokens_by_tier = self.connector.cached_tokens_by_tier(
+                            req, len(computed)
+                        )
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
@@ -132,6 +151,7 @@ class Scheduler:
                     ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids)
                 )
                 budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         for s in out.scheduled:
             req = s.request
@@ -193,6 +213,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        if self.connector is not None:
+            self.connector.on_request_finished(request_id)
         req.status = status
         req.finished_time = time.monotonic()
         self._finished_ids.append(request_id)

@@ -123,8 +123,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine.mark_running()
     http = threading.Thread(target=server.run, name="kvstack-http", daemon=True)
     http.start()
-    engine.run_forever(keep_going=http.is_alive)
-    http.join(timeout=a.shutdown_grace + 10)
+    try:
+        engine.run_forever(keep_going=http.is_alive)
+        http.join(timeout=a.shutdown_grace + 10)
+    finally:
+        llm.shutdown()  # offload tiers: write queued stores so a restart finds them
     if not server.started:
         raise ConfigError(f"could not serve on {a.host}:{a.port} (see the log above)")
     return 0

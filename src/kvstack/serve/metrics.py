@@ -9,13 +9,20 @@ and watch ``kvstack:num_requests_waiting``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvstack.kv.manager import KVCacheStats
+from kvstack.kv.tiers.base import LOAD_LATENCY_BUCKETS, TierStats
 from kvstack.request import RequestOutput
 from kvstack.stats import EngineStats
 
@@ -55,6 +62,52 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
             c.add_metric([name], float(value))
             yield c
+        if s.offload:
+            yield from _offload_metrics(name, s.offload)
+
+
+_OFFLOAD_COUNTERS = {
+    "offload_hits": ("KV blocks found in an offload tier", "hits"),
+    "offload_misses": ("Tier lookups that stopped at a missing block", "misses"),
+    "offload_stores": ("KV blocks written to an offload tier", "stores"),
+    "offload_loaded_bytes": ("Bytes read from an offload tier", "bytes_loaded"),
+    "offload_stored_bytes": ("Bytes written to an offload tier", "bytes_stored"),
+    "offload_evictions": ("Blocks a tier dropped to stay in its budget", "evictions"),
+    "offload_errors": ("Failed tier operations (I/O error, timeout, refused)", "errors"),
+    "offload_corrupt_blocks": ("Stored blocks failing their checksum (recomputed)", "corrupt"),
+    "offload_dropped_stores": ("Stores skipped (tier down or full, queue full)", "dropped_stores"),
+}
+
+
+def _offload_metrics(name: str, tiers: dict[str, TierStats]) -> Iterator[Metric]:
+    """``kvstack:offload_*{tier=}`` from the per-tier counters (``kv/tiers/base.py``)."""
+    labels = ["model_name", "tier"]
+    for key, (doc, attr) in _OFFLOAD_COUNTERS.items():
+        c = CounterMetricFamily(f"kvstack:{key}", doc, labels=labels)
+        for tier, st in tiers.items():
+            c.add_metric([name, tier], float(getattr(st, attr)))
+        yield c
+    loads = CounterMetricFamily(
+        "kvstack:offload_loads", "Tier lookups that loaded at least one block", labels=labels
+    )
+    blocks = GaugeMetricFamily("kvstack:offload_blocks", "KV blocks held by a tier", labels=labels)
+    used = GaugeMetricFamily("kvstack:offload_used_bytes", "Bytes held by a tier", labels=labels)
+    hist = HistogramMetricFamily(
+        "kvstack:offload_load_latency_seconds",
+        "Time to load one request's run of blocks from a tier",
+        labels=labels,
+    )
+    for tier, st in tiers.items():
+        loads.add_metric([name, tier], float(sum(st.load_latency_counts)))
+        blocks.add_metric([name, tier], float(st.num_blocks))
+        used.add_metric([name, tier], float(st.used_bytes))
+        cumulative, buckets = 0, []
+        bounds = (*LOAD_LATENCY_BUCKETS, math.inf)
+        for le, count in zip(bounds, st.load_latency_counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if le == math.inf else str(le), float(cumulative)))
+        hist.add_metric([name, tier], buckets, st.load_latency_sum)
+    yield from (loads, blocks, used, hist)
 
 
 class ServerMetrics:

@@ -109,12 +109,21 @@ def usage(jobs: list[_Job]) -> dict[str, Any]:
     prompt = sum(len(j.prompt_ids) for j in jobs)
     completion = sum(len(c.token_ids) for j in jobs if j.last for c in j.last.outputs)
     cached = sum(j.last.num_cached_tokens for j in jobs if j.last)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    # Extension (offload tiers on): where the cached tokens came from.
+    splits = [j.last.cached_tokens_by_tier for j in jobs if j.last]
+    if splits and all(s is not None for s in splits):
+        by_tier: dict[str, int] = {}
+        for split in splits:
+            for tier, n in (split or {}).items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+        out["kvstack_cached_tokens"] = by_tier
+    return out
 
 
 class OpenAIHandler:

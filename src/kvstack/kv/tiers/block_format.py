@@ -1,0 +1,123 @@
+"""How one KV block is written outside the device pool (disk files, Redis values).
+
+A block's payload is its K then its V over all layers, in the cache dtype, exactly the
+bytes of the device pool (``kv/storage.py``)::
+
+    payload = K[layer 0..L-1, slot 0..bs-1, kv_head, head_dim] ++ V[same shape]
+
+Around it, a fixed header makes every stored block self-describing, so a file or value
+that belongs to another model, dtype, block size or prefix can never be loaded::
+
+    offset  size  field
+    0       4     magic  b"KVSB"
+    4       2     format version (little endian)
+    6       2     reserved (0)
+    8       8     namespace digest (model fingerprint, dtype, block size, shape)
+    16      16    block hash (the prefix hash chain, ``kv/hashing.py``)
+    32      8     payload length in bytes
+    40      4     CRC-32 of the payload
+    44      ...   payload
+
+``decode`` checks all of it; a truncated or flipped file raises ``CorruptBlockError``
+(CRC-32 misses a random corruption with probability 2^-32; the block hash and namespace
+in the header guard against a file under the wrong name).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from hashlib import blake2b
+
+MAGIC = b"KVSB"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHH8s16sQI")
+HEADER_SIZE = _HEADER.size
+
+
+class CorruptBlockError(ValueError):
+    """A stored block failed its header or checksum test; it must be recomputed."""
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What must match for stored KV to be loadable: model, dtype and shapes.
+
+    ``model_fingerprint`` identifies the weights (``LlamaModel.fingerprint``), not only
+    the model's name, so two fine-tunes with one name never share KV.
+    """
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return (
+            2
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * (self.itemsize)
+        )
+
+    @property
+    def namespace(self) -> bytes:
+        """8-byte digest of every field: the key prefix of disk and Redis entries."""
+        text = "|".join(
+            str(x)
+            for x in (
+                FORMAT_VERSION,
+                self.model_fingerprint,
+                self.dtype,
+                self.block_size,
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.itemsize,
+            )
+        )
+        return blake2b(text.encode(), digest_size=8, person=b"kvstack-tier").digest()
+
+
+def encode(layout: BlockLayout, block_hash: bytes, payload: bytes) -> bytes:
+    if len(payload) != layout.payload_bytes:
+        raise ValueError(f"payload is {len(payload)} B, layout says {layout.payload_bytes} B")
+    header = _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        layout.namespace,
+        block_hash,
+        len(payload),
+        zlib.crc32(payload),
+    )
+    return header + payload
+
+
+def decode(layout: BlockLayout, block_hash: bytes, data: bytes) -> bytes:
+    """The payload of ``data`` if it is a sound block ``block_hash`` of ``layout``."""
+    if len(data) < HEADER_SIZE:
+        raise CorruptBlockError(f"{len(data)} B is shorter than the {HEADER_SIZE} B header")
+    magic, version, _, ns, h, n, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptBlockError(f"bad magic/version {magic!r}/{version}")
+    if ns != layout.namespace:
+        raise CorruptBlockError("block belongs to another model, dtype or block size")
+    if h != block_hash:
+        raise CorruptBlockError("block is stored under another prefix hash")
+    if n != layout.payload_bytes or len(data) - HEADER_SIZE != n:
+        raise CorruptBlockError(
+            f"payload is {len(data) - HEADER_SIZE} B, header says {n} B, layout "
+            f"{layout.payload_bytes} B (truncated?)"
+        )
+    payload = data[HEADER_SIZE:]
+    if zlib.crc32(payload) != crc:
+        raise CorruptBlockError("payload checksum mismatch")
+    return payload

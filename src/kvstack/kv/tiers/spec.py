@@ -1,0 +1,134 @@
+"""``--kv-offload`` specs: which tiers, in which order, with which budgets.
+
+Grammar (comma-separated, order = lookup order, each kind at most once)::
+
+    host:SIZE[:POLICY]                  e.g. host:2GiB        host:512MiB:lfu
+    disk:PATH:SIZE[:POLICY]             e.g. disk:/var/cache/kvstack:20GiB
+    redis://HOST[:PORT][/DB][?ttl=S&timeout=S&backoff=S]
+                                        e.g. redis://127.0.0.1:6379?ttl=3600
+
+``SIZE`` as ``--kv-cache-memory`` (2GiB, 512MiB, 1e9); ``POLICY`` ``lru`` (default) or
+``lfu``. Every mistake raises one ``ConfigError`` naming the bad part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit
+
+from kvstack.errors import ConfigError
+from kvstack.kv.tiers.base import OffloadTier
+from kvstack.kv.tiers.block_format import BlockLayout
+
+TIER_POLICIES = ("lru", "lfu")
+EXAMPLE = "host:2GiB,disk:/tmp/kvstack-kv:20GiB,redis://127.0.0.1:6379"
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    kind: str  # host | disk | redis
+    capacity_bytes: int = 0
+    policy: str = "lru"
+    path: str = ""
+    url: str = ""
+    ttl_s: int = 86400
+    timeout_s: float = 0.25
+    backoff_s: float = 5.0
+
+
+def _bad(part: str, why: str) -> ConfigError:
+    return ConfigError(f"bad --kv-offload tier {part!r}: {why} (example: {EXAMPLE})")
+
+
+def _size_and_policy(part: str, fields: list[str]) -> tuple[int, str]:
+    from kvstack.config import parse_size
+
+    policy = "lru"
+    if fields and fields[-1].lower() in TIER_POLICIES:
+        policy = fields.pop().lower()
+    if len(fields) != 1 or not fields[0]:
+        raise _bad(part, "expected a size such as 2GiB")
+    try:
+        return parse_size(fields[0]), policy
+    except ConfigError as e:
+        raise _bad(part, str(e)) from None
+
+
+def _redis(part: str) -> TierSpec:
+    u = urlsplit(part)
+    try:
+        u.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        raise _bad(part, str(e)) from None
+    if not u.hostname:
+        raise _bad(part, "no host")
+    if u.path.strip("/") and not u.path.strip("/").isdigit():
+        raise _bad(part, "the path must be a database number such as /0")
+    opts = {"ttl": 86400.0, "timeout": 0.25, "backoff": 5.0}
+    for key, value in parse_qsl(u.query, keep_blank_values=True):
+        if key not in opts:
+            raise _bad(part, f"unknown option {key!r} (ttl, timeout, backoff)")
+        try:
+            opts[key] = float(value)
+        except ValueError:
+            raise _bad(part, f"{key} must be a number of seconds") from None
+        if opts[key] <= 0:
+            raise _bad(part, f"{key} must be positive")
+    return TierSpec(
+        "redis",
+        url=part,
+        ttl_s=max(1, int(opts["ttl"])),
+        timeout_s=opts["timeout"],
+        backoff_s=opts["backoff"],
+    )
+
+
+def parse_offload_spec(text: str | None) -> list[TierSpec]:
+    """Parse a ``--kv-offload`` value; ``None`` or ``""`` means no tiers."""
+    if not text:
+        return []
+    specs: list[TierSpec] = []
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            raise _bad(raw, "empty tier")
+        if part.startswith("redis://"):
+            spec = _redis(part)
+        elif part.startswith("host:"):
+            size, policy = _size_and_policy(part, part.split(":")[1:])
+            spec = TierSpec("host", capacity_bytes=size, policy=policy)
+        elif part.startswith("disk:"):
+            fields = part.split(":")[1:]
+            policy = "lru"
+            if fields and fields[-1].lower() in TIER_POLICIES:
+                policy = fields.pop().lower()
+            if len(fields) < 2 or not fields[0]:
+                raise _bad(part, "expected disk:PATH:SIZE")
+            path = ":".join(fields[:-1])
+            size, _ = _size_and_policy(part, fields[-1:])
+            spec = TierSpec("disk", capacity_bytes=size, policy=policy, path=path)
+        else:
+            raise _bad(part, "a tier is host:SIZE, disk:PATH:SIZE or redis://HOST:PORT")
+        if any(s.kind == spec.kind for s in specs):
+            raise _bad(part, f"{spec.kind} is given twice")
+        specs.append(spec)
+    return specs
+
+
+def build_tiers(specs: list[TierSpec], layout: BlockLayout) -> list[OffloadTier]:
+    from kvstack.kv.tiers.disk import DiskTier
+    from kvstack.kv.tiers.host import HostTier
+    from kvstack.kv.tiers.redis_tier import RedisTier
+
+    tiers: list[OffloadTier] = []
+    for s in specs:
+        if s.kind == "host":
+            tiers.append(HostTier(layout, s.capacity_bytes, s.policy))
+        elif s.kind == "disk":
+            try:
+                tiers.append(DiskTier(layout, s.path, s.capacity_bytes, s.policy))
+            except OSError as e:
+                raise ConfigError(f"--kv-offload disk path {s.path!r} is not usable: {e}") from e
+        else:
+            tiers.append(RedisTier(layout, s.url, s.ttl_s, s.timeout_s, s.backoff_s))
+    return tiers
