@@ -26,7 +26,10 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+# The shared KV tier's tests need redis-server: installed here (Debian package) when
+# missing; the tests start their own servers on free loopback ports.
 pytest: setup
+	bash scripts/redis.sh ensure
 	$(BIN)/python -m pytest
 
 test: lint pytest

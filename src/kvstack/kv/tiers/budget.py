@@ -1,7 +1,8 @@
 """A byte budget over stored blocks with a pluggable eviction order (host and disk tiers).
 
 Reuses the device cache's policies (``kv/policies.py``: LRU, LFU): every stored block is
-an eviction candidate (inserted, then at once released), a load is a hit. Invariant:
+an eviction candidate (inserted, then at once released), a load is acquire + hit +
+release, as a device prefix hit is. Invariant:
 ``used_bytes == sum(sizes) <= capacity_bytes`` after every ``admit``.
 """
 
@@ -45,8 +46,11 @@ class BlockBudget:
         return victims
 
     def hit(self, key: bytes) -> None:
+        """A load: the same acquire/hit/release a device prefix hit makes."""
         if key in self.sizes:
+            self.policy.on_acquire(key)
             self.policy.on_hit(key)
+            self.policy.on_release(key)
 
     def remove(self, key: bytes) -> None:
         size = self.sizes.pop(key, None)

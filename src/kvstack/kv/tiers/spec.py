@@ -94,10 +94,10 @@ def parse_offload_spec(text: str | None) -> list[TierSpec]:
             raise _bad(raw, "empty tier")
         if part.startswith("redis://"):
             spec = _redis(part)
-        elif part.startswith("host:"):
+        elif part.split(":")[0] == "host":
             size, policy = _size_and_policy(part, part.split(":")[1:])
             spec = TierSpec("host", capacity_bytes=size, policy=policy)
-        elif part.startswith("disk:"):
+        elif part.split(":")[0] == "disk":
             fields = part.split(":")[1:]
             policy = "lru"
             if fields and fields[-1].lower() in TIER_POLICIES:
