@@ -73,12 +73,19 @@ class TierConnector:
         self._loaded_from.pop(request_id, None)
 
     def load(
-        self, req: Request, computed: Sequence[KVCacheBlock], token_budget: int
-    ) -> list[KVCacheBlock]:
+        self,
+        req: Request,
+        computed: Sequence[KVCacheBlock],
+        token_budget: int,
+        can_wait: bool,
+    ) -> list[KVCacheBlock] | None:
         """Device blocks holding the staged blocks that extend ``computed`` (admission).
 
         The returned blocks are cached and unreferenced, like device prefix hits; the
-        caller adopts ``computed + returned`` with ``allocate_slots``.
+        caller adopts ``computed + returned`` with ``allocate_slots``. Returns None when
+        the pool has no room for the staged blocks (plus the first chunk after them) and
+        ``can_wait`` (others are running and will free blocks): the blocks stay staged
+        and the scheduler stops admitting, exactly as when an allocation fails.
         """
         staged = self.offload.take(req.request_id)
         if staged is None or staged.data is None:
@@ -86,15 +93,18 @@ class TierConnector:
         n_dev = len(computed)
         skip = n_dev - staged.start
         if skip < 0:
-            return []  # the device lost part of the prefix since the lookup
+            return []  # the device lost part of the prefix since the lookup: recompute
         avail = staged.num_blocks - skip
         if avail <= 0:
-            return []
+            return []  # the device already has all of it (another request computed it)
         bs = self.kv.block_size
         pool = self.kv.pool
         free = pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
         rest = req.num_tokens - (n_dev + avail) * bs
-        reserve = cdiv(min(rest, token_budget), bs) + 1
+        reserve = cdiv(min(rest, token_budget), bs)
+        if avail + reserve > free and can_wait:
+            self.offload.restage(req.request_id, staged)
+            return None
         n = min(avail, free - reserve)
         if n <= 0:
             return []

@@ -104,6 +104,11 @@ class OffloadManager:
         with self._cv:
             return self._staged.pop(request_id, None)
 
+    def restage(self, request_id: str, staged: StagedLoad) -> None:
+        """Put back what ``take`` returned (no room to load it yet)."""
+        with self._cv:
+            self._staged[request_id] = staged
+
     def cancel(self, request_id: str) -> None:
         """Forget a request's load (finished or aborted before admission)."""
         with self._cv:
