@@ -63,7 +63,9 @@ class RedisTier(OffloadTier):
         )
         self.prefix = f"kvstack:{layout.namespace.hex()}:".encode()
         self._down_until = 0.0
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # hash -> when we stored it; trusted for half the TTL, so an expired block is
+        # written again rather than believed present.
+        self._known: OrderedDict[bytes, float] = OrderedDict()
 
     def describe(self) -> str:
         return f"redis {self.url} (ttl {self.ttl_s}s)"
@@ -130,7 +132,7 @@ class RedisTier(OffloadTier):
         return out
 
     def store(self, block_hash: bytes, payload: bytes) -> None:
-        if block_hash in self._known:
+        if self.contains(block_hash):
             return
         if not self._available():
             self.stats.dropped_stores += 1
@@ -143,7 +145,8 @@ class RedisTier(OffloadTier):
             self._failed(e)
             return
         self._ok()
-        self._known[block_hash] = None
+        self._known[block_hash] = time.monotonic()
+        self._known.move_to_end(block_hash)
         if len(self._known) > _KNOWN_MAX:
             self._known.popitem(last=False)
         self.stats.stores += 1
@@ -151,7 +154,8 @@ class RedisTier(OffloadTier):
         self.stats.num_blocks = len(self._known)
 
     def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self._known
+        stored = self._known.get(block_hash)
+        return stored is not None and time.monotonic() - stored < self.ttl_s / 2
 
     def close(self) -> None:
         super().close()
