@@ -300,9 +300,9 @@ def test_offload_manager_loads_waterfall_promotes_and_bounds_stores(tmp_path: Pa
     mgr.submit_load("r1", 5, [h(i) for i in range(6)])
     assert mgr.flush(10) and not mgr.is_loading("r1")
     staged = mgr.take("r1")
-    assert staged is not None and staged.start == 5 and staged.data is not None
+    assert staged is not None and staged.start == 5 and len(staged.blocks) == 4
     assert staged.tiers == ["host", "host", "disk", "disk"]
-    assert torch.equal(staged.data, data)
+    assert torch.equal(torch.stack(staged.blocks), data)
     assert host.contains(h(3))  # promoted from disk into host
     assert mgr.take("r1") is None
     # A cancelled load is never staged.

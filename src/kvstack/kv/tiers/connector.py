@@ -88,7 +88,7 @@ class TierConnector:
         and the scheduler stops admitting, exactly as when an allocation fails.
         """
         staged = self.offload.take(req.request_id)
-        if staged is None or staged.data is None:
+        if staged is None or not staged.blocks:
             return []
         n_dev = len(computed)
         skip = n_dev - staged.start
@@ -111,10 +111,10 @@ class TierConnector:
         pool.touch(computed)  # so the allocation below cannot evict the prefix it extends
         try:
             blocks = pool.allocate(n)
-            ids = torch.tensor([b.block_id for b in blocks])
-            data = staged.data[skip : skip + n]
-            self.storage.k.index_copy_(1, ids, data[:, 0].transpose(0, 1))
-            self.storage.v.index_copy_(1, ids, data[:, 1].transpose(0, 1))
+            k, v = self.storage.k, self.storage.v
+            for block, data in zip(blocks, staged.blocks[skip : skip + n], strict=True):
+                k[:, block.block_id].copy_(data[0])
+                v[:, block.block_id].copy_(data[1])
             hashes = self.kv.block_hashes(req)[: n_dev + n]
             assert self.kv.cache is not None
             self.kv.cache.insert(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,10 @@ class StagedLoad:
     """Blocks ``start .. start + n`` of a request, found in the tiers."""
 
     start: int
-    data: torch.Tensor | None = None  # [n, 2 (K, V), layers, block_size, kv_heads, head_dim]
+    # One [2 (K, V), layers, block_size, kv_heads, head_dim] tensor per block: zero-copy
+    # views of the payload bytes (joining 40 MB of payloads into one fresh tensor cost more
+    # page faults than the load itself).
+    blocks: list[torch.Tensor] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)  # tier name per block
 
     @property
@@ -202,16 +206,14 @@ class OffloadManager:
             for upper in self.tiers[:i]:  # promote into the faster tiers
                 for h, p in zip(hashes[pos : pos + len(got)], got, strict=True):
                     upper.store(h, p)
-        staged = StagedLoad(start, tiers=names)
-        if payloads:
-            lay = self.layout
-            buf = bytearray(b"".join(payloads))
-            staged.data = (
-                torch.frombuffer(buf, dtype=torch.uint8)
-                .view(self.dtype)
-                .view(len(payloads), 2, lay.num_layers, lay.block_size, lay.num_kv_heads, -1)
-            )
-        self._finish_load(request_id, staged)
+        lay = self.layout
+        shape = (2, lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        with warnings.catch_warnings():
+            # The payloads are immutable bytes; the views are only ever read (copied into
+            # the device pool), so torch's "buffer is not writable" warning does not apply.
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = [torch.frombuffer(p, dtype=self.dtype).view(shape) for p in payloads]
+        self._finish_load(request_id, StagedLoad(start, blocks, names))
 
     def _finish_load(self, request_id: str, staged: StagedLoad) -> None:
         with self._cv:
