@@ -252,7 +252,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ prefix cache
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix and pin (running requests keep their blocks)."""
+        """Forget every cached prefix and pin (running requests keep their blocks).
+
+        Only the device cache: offload tiers keep their blocks (a device-cold, tier-warm
+        state is what the offload benchmark measures).
+        """
         self.kv_manager.reset_prefix_cache()
         logger.info("prefix cache reset")
 

@@ -334,6 +334,15 @@ class AsyncEngine:
                 100 * s.prefix_hit_rate,
                 s.num_preemptions,
             )
+            if s.offload:
+                logger.info(
+                    "KV tiers: %s",
+                    ", ".join(
+                        f"{name} {t.hits} hits / {t.stores} stores / {t.num_blocks} blocks"
+                        + (f" / {t.errors} errors" if t.errors else "")
+                        for name, t in s.offload.items()
+                    ),
+                )
             self._last_log, self._gen_tokens = now, 0
             self._logged_prefill = s.prefill_tokens_computed
 
