@@ -117,7 +117,8 @@ def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype) -> None:
     tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(d)])
     bias = torch.zeros(d, mb * bs)
     bias[torch.arange(mb * bs)[None] >= lens[:, None]] = float("-inf")
-    ref = decode_attention(q, kc, vc, tables, bias[:, None, None, :], hd**-0.5)
+    keys, vals = kc[tables].view(d, -1, kvh, hd), vc[tables].view(d, -1, kvh, hd)
+    ref = decode_attention(q, keys, vals, bias[:, None, None, :], hd**-0.5)
     out = kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.float() - ref.float()).abs().max() < tol

@@ -288,15 +288,14 @@ def test_offload_manager_loads_waterfall_promotes_and_bounds_stores(tmp_path: Pa
     host = HostTier(LAYOUT, capacity_bytes=1 << 20)
     disk = DiskTier(LAYOUT, tmp_path, capacity_bytes=1 << 20)
     mgr = OffloadManager([host, disk], LAYOUT, torch.bfloat16, max_pending_store_bytes=4 * 256)
-    data = torch.arange(4 * 128, dtype=torch.int16).view(torch.bfloat16).view(4, 2, 2, 4, 1, 8)
+    data = (torch.arange(4 * 256) % 251).to(torch.uint8).view(4, 256)
     assert mgr.submit_store([h(i) for i in range(4)], data)
     assert mgr.flush(10)
     assert host.stats.stores == 4 and disk.stats.stores == 4
     host.data.clear()  # the host lost blocks 0..3; fake a shorter host run for 0..1
     host.budget = type(host.budget)(1 << 20)
-    raw = data.view(torch.uint8).reshape(4, -1).numpy()
     for i in range(2):
-        host.store(h(i), raw[i].tobytes())
+        host.store(h(i), data[i].numpy().tobytes())
     mgr.submit_load("r1", 5, [h(i) for i in range(6)])
     assert mgr.flush(10) and not mgr.is_loading("r1")
     staged = mgr.take("r1")
@@ -311,7 +310,7 @@ def test_offload_manager_loads_waterfall_promotes_and_bounds_stores(tmp_path: Pa
     mgr.flush(10)
     assert mgr.take("r2") is None
     # Past the byte bound a store is dropped and counted, never blocking.
-    big = torch.zeros(8, 2, 2, 4, 1, 8, dtype=torch.bfloat16)
+    big = torch.zeros(8, 256, dtype=torch.uint8)
     assert not mgr.submit_store([h(50 + i) for i in range(8)], big)
     assert host.stats.dropped_stores == 8
     mgr.check_integrity()

@@ -84,6 +84,8 @@ class CacheConfig:
     # Era 4 offload tiers, ``--kv-offload`` syntax (``kv/tiers/spec.py``), e.g.
     # "host:2GiB,disk:/var/cache/kvstack:20GiB,redis://127.0.0.1:6379"; None = none.
     kv_offload: str | None = None
+    # Era 5 KV codec (``kv/codecs.py``): auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         from kvstack.kv.policies import POLICIES
@@ -107,6 +109,11 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        from kvstack.kv.codecs import codec_class
+
+        codec_class(self.kv_cache_dtype)  # one clear error for an unknown codec
+        if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
+            raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
         if self.kv_offload:
             from kvstack.kv.tiers.spec import parse_offload_spec
 

@@ -56,16 +56,26 @@ class LLMEngine:
             )
         self.max_model_len = max_len
         cc = config.cache
+        max_seqs = config.scheduler.max_num_seqs
         if cc.num_blocks is not None:
             num_blocks = cc.num_blocks
         else:
             memory = cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            num_blocks = KVStorage.num_blocks_for_memory(mc, cc.block_size, self.dtype, memory)
+            num_blocks = KVStorage.num_blocks_for_memory(
+                mc, cc.block_size, self.dtype, memory, cc.kv_cache_dtype, max_seqs
+            )
             if num_blocks < 1:
                 raise ConfigError(f"kv_cache_memory {memory} B holds not even one KV block")
         if cc.block_size > max_len:
             raise ConfigError(f"block_size {cc.block_size} exceeds max_model_len {max_len}")
-        self.kv_storage = KVStorage(mc, num_blocks, cc.block_size, self.dtype)
+        self.kv_storage = KVStorage(
+            mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs
+        )
+        codec = self.kv_storage.codec
+        self.kv_bytes_per_token = (
+            KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
+            / cc.block_size
+        )
         self.kv_manager: KVCacheManager | ContiguousKVManager
         if cc.kv_layout == "paged":
             self.kv_manager = KVCacheManager(
@@ -76,6 +86,8 @@ class LLMEngine:
                 max_pinned_fraction=cc.max_pinned_fraction,
                 model_id=mc.name,
             )
+            if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
+                self.kv_manager.pool.on_plain_free = codec.on_block_freed
         else:
             self.kv_manager = ContiguousKVManager(num_blocks, cc.block_size, max_len, cc.kv_layout)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
@@ -91,16 +103,22 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
+        plain = mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
         logger.info(
-            "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB; layout %s, prefix cache %s (eviction %s)",
+            "loaded %s (%s, %d layers) in %.1fs; KV cache %s: %d blocks x %d tokens = %d tokens "
+            "(%.0f B/token, %.2fx the tokens of %s), %.1f MiB; layout %s, prefix cache %s "
+            "(eviction %s)",
             mc.name,
             config.dtype,
             mc.num_layers,
             time.perf_counter() - t0,
+            cc.kv_cache_dtype,
             num_blocks,
             cc.block_size,
             num_blocks * cc.block_size,
+            self.kv_bytes_per_token,
+            plain / self.kv_bytes_per_token,
+            config.dtype,
             self.kv_storage.nbytes / 2**20,
             cc.kv_layout,
             cc.prefix_cache if cc.kv_layout == "paged" else "none",
@@ -297,6 +315,8 @@ class LLMEngine:
             kv_waste_avg=self.usage_tracker.waste_avg,
             kv_waste_peak=self.usage_tracker.waste_peak,
             offload=self.connector.offload.stats() if self.connector is not None else {},
+            kv_capacity_tokens=kv.num_blocks * self.kv_manager.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )
 
     def check_integrity(self) -> None:

@@ -20,7 +20,8 @@ class LLM:
     ``enable_chunked_prefill``, ``seed``, ``tokenizer``, and the KV-cache choices
     ``prefix_cache`` (hash | radix | none), ``eviction_policy`` (lru | lfu | adaptive),
     ``max_pinned_fraction``, ``kv_layout`` (paged | contiguous | contiguous-request) and
-    ``kv_offload`` (offload tiers, e.g. ``"host:1GiB,disk:/tmp/kv:4GiB"``)).
+    ``kv_offload`` (offload tiers, e.g. ``"host:1GiB,disk:/tmp/kv:4GiB"``) and
+    ``kv_cache_dtype`` (KV codec: auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4)).
     Call ``shutdown()`` when done with offload tiers so queued stores are written.
     """
 
@@ -43,6 +44,7 @@ class LLM:
         max_pinned_fraction: float = 0.5,
         kv_layout: str = "paged",
         kv_offload: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -58,6 +60,7 @@ class LLM:
                 max_pinned_fraction=max_pinned_fraction,
                 kv_layout=kv_layout,
                 kv_offload=kv_offload,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

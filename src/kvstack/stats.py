@@ -39,6 +39,9 @@ class EngineStats:
     kv_waste_peak: float
     # Era 4: counters per offload tier ("host", "disk", "redis"); empty without tiers.
     offload: dict[str, TierStats] = field(default_factory=dict)
+    # Era 5: what the pool holds with its codec (``--kv-cache-dtype``).
+    kv_capacity_tokens: int = 0
+    kv_bytes_per_token: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

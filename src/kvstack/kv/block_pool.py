@@ -19,7 +19,7 @@ holds both): their eviction order belongs to a pluggable policy (``kv/policies.p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -117,6 +117,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cache = cache
         self.num_evicted_blocks = 0
+        # Called with a block id when a block goes back to the free queue (its contents
+        # are dead): KV codecs with per-block state (KIVI's residual) listen.
+        self.on_plain_free: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -173,6 +176,8 @@ class BlockPool:
                     self.cache.on_release(block)
                 else:
                     self.free_queue.append(block)
+                    if self.on_plain_free is not None:
+                        self.on_plain_free(block.block_id)
 
     def reclaim(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Return blocks the cache dropped (``ref_cnt == 0``, hash cleared) to the free queue."""

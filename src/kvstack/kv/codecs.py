@@ -208,19 +208,21 @@ class PerTokenCodec(KVCodec):
 
 
 class FP8Codec(PerTokenCodec):
+    """e4m3 codes (kept as their bytes: CPU ``index_copy_`` has no float8 kernel)."""
+
     name = "fp8"
-    code_dtype = torch.float8_e4m3fn
+    code_dtype = torch.uint8
     FP8_MAX = 448.0
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()
         scale = (xf.abs().amax(-1, keepdim=True) / self.FP8_MAX).clamp_min(1e-12)
         scale = scale.to(torch.bfloat16)
-        codes = (xf / scale.float()).clamp(-self.FP8_MAX, self.FP8_MAX).to(self.code_dtype)
-        return codes, scale
+        codes = (xf / scale.float()).clamp(-self.FP8_MAX, self.FP8_MAX)
+        return codes.to(torch.float8_e4m3fn).view(torch.uint8), scale
 
     def decode(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        return codes.float() * params.float()
+        return codes.view(torch.float8_e4m3fn).float() * params.float()
 
 
 class Int8Codec(PerTokenCodec):

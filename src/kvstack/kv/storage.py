@@ -1,9 +1,11 @@
-"""Physical KV tensors of the paged cache (vLLM PagedAttention layout).
+"""Physical KV memory of the paged cache (vLLM PagedAttention layout), through a codec.
 
-``k[layer]`` and ``v[layer]`` have shape ``[num_blocks, block_size, num_kv_heads,
-head_dim]``; the token at position ``p`` of a request whose block table is ``B`` lives
-in slot ``B[p // block_size] * block_size + p % block_size``. The flattened view
-``[num_blocks * block_size, num_kv_heads, head_dim]`` is indexed by slot.
+Without a codec (``--kv-cache-dtype auto``) ``k[layer]`` and ``v[layer]`` have shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; the token at position ``p`` of a
+request whose block table is ``B`` lives in slot ``B[p // block_size] * block_size + p %
+block_size``, and attention reads the tensors in place. With a codec (era 5,
+``kv/codecs.py``) the same slots hold codes and scales, and attention reads blocks back
+through ``gather``.
 
 This is the only place (with the model) where KV memory exists; the block pool only
 counts block ids.
@@ -11,41 +13,109 @@ counts block ids.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvstack.config import ModelConfig
+from kvstack.kv.codecs import CacheShape, IdentityCodec, KVCodec, codec_class
+
+
+@dataclass
+class LayerCache:
+    """One layer's view for attention: raw tensors (identity codec) or the codec."""
+
+    layer: int
+    codec: KVCodec
+    k: torch.Tensor | None  # [num_blocks, bs, kv_heads, head_dim] when identity
+    v: torch.Tensor | None
+
+    @property
+    def identity(self) -> bool:
+        return self.k is not None
+
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole blocks, ``block_ids.shape + (bs, kv_heads, head_dim)``."""
+        if self.k is not None and self.v is not None:
+            return self.k[block_ids], self.v[block_ids]
+        return self.codec.gather(self.layer, block_ids)
 
 
 class KVStorage:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        codec: str = "auto",
+        max_num_seqs: int = 1,
     ) -> None:
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        # Slot-indexed views: [num_layers, num_slots, kv_heads, head_dim].
-        self.k_slots = self.k.view(config.num_layers, -1, config.num_kv_heads, config.head_dim)
-        self.v_slots = self.v.view(config.num_layers, -1, config.num_kv_heads, config.head_dim)
+        self.shape = self.cache_shape(config, num_blocks, block_size)
+        self.codec: KVCodec = codec_class(codec)(self.shape, dtype, max_num_seqs)
+        ident = isinstance(self.codec, IdentityCodec) and self.codec.identity
+        self._k = self.codec.k if ident else None  # type: ignore[attr-defined]
+        self._v = self.codec.v if ident else None  # type: ignore[attr-defined]
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> CacheShape:
+        return CacheShape(
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim
+        )
+
+    # ------------------------------------------------------------------ sizing
+    @staticmethod
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, codec: str = "auto"
+    ) -> float:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return config.kv_bytes_per_token(itemsize) * block_size
+        per_head = codec_class(codec).bytes_per_token_head(config.head_dim, block_size, itemsize)
+        return config.num_layers * config.num_kv_heads * block_size * per_head
 
     @classmethod
     def num_blocks_for_memory(
-        cls, config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        memory_bytes: int,
+        codec: str = "auto",
+        max_num_seqs: int = 1,
     ) -> int:
-        return memory_bytes // cls.bytes_per_block(config, block_size, dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shape = cls.cache_shape(config, 0, block_size)
+        fixed = codec_class(codec).fixed_bytes(shape, max_num_seqs, itemsize)
+        per_block = cls.bytes_per_block(config, block_size, dtype, codec)
+        return int((memory_bytes - fixed) // per_block)
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.codec.nbytes
+
+    # ------------------------------------------------------------------ access
+    @property
+    def k(self) -> torch.Tensor:
+        """Raw K ``[layers, blocks, bs, kv_heads, head_dim]`` (identity codec only)."""
+        assert self._k is not None, "the KV cache is encoded; use layer(i).gather"
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        assert self._v is not None, "the KV cache is encoded; use layer(i).gather"
+        return self._v
+
+    def layer(self, layer: int) -> LayerCache:
+        if self._k is not None and self._v is not None:
+            return LayerCache(layer, self.codec, self._k[layer], self._v[layer])
+        return LayerCache(layer, self.codec, None, None)
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every block-indexed tensor ``[layers, blocks, ...]`` (what offload tiers copy)."""
+        return self.codec.tensors()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""
-        self.k_slots[layer].index_copy_(0, slots, k)
-        self.v_slots[layer].index_copy_(0, slots, v)
+        self.codec.write(layer, slots, k, v)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from kvstack.kv.storage import LayerCache
+
 
 @dataclass
 class PrefillSeq:
@@ -60,17 +62,16 @@ class AttentionMetadata:
 
 def decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
     bias: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q ``[D, H, d]``; caches ``[num_blocks, bs, KVH, d]``; returns ``[D, H, d]``."""
+    """q ``[D, H, d]``; gathered keys/values ``[D, L, KVH, d]``; returns ``[D, H, d]``."""
     d_, h, hd = q.shape
-    kvh = k_cache.shape[2]
-    keys = k_cache[block_tables].view(d_, -1, kvh, hd).transpose(1, 2)  # [D, KVH, L, d]
-    vals = v_cache[block_tables].view(d_, -1, kvh, hd).transpose(1, 2)
+    kvh = keys.shape[2]
+    keys = keys.transpose(1, 2)  # [D, KVH, L, d]
+    vals = vals.transpose(1, 2)
     qg = q.view(d_, kvh, h // kvh, hd)  # [D, KVH, G, d]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + bias
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -103,40 +104,44 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Attention for all rows of a step. The new K/V must already be in the cache.
 
-    q ``[T, H, d]``, k/v ``[T, KVH, d]`` (this step's), caches one layer's
-    ``[num_blocks, bs, KVH, d]``. Returns ``[T, H, d]``.
+    q ``[T, H, d]``, k/v ``[T, KVH, d]`` (this step's); ``cache`` is one layer of the
+    KV storage. Unencoded caches are read in place (the C++ decode kernel, or indexing);
+    an encoded one (era 5 codecs) is read through ``cache.gather``, which dequantizes
+    just the blocks a row needs. Returns ``[T, H, d]``.
     """
     out = torch.empty_like(q)
     nd = meta.num_decodes
+    kvh, hd = k.shape[1], k.shape[2]
     if nd:
         assert meta.decode_block_tables is not None
-        if meta.kernels is not None:
+        if meta.kernels is not None and cache.k is not None and cache.v is not None:
             assert meta.decode_context_lens is not None
             # Named region so torch.profiler attributes the C++ kernel's time to it.
             with record_function("kvstack::paged_decode_attention"):
                 out[:nd] = meta.kernels.paged_decode_attention(
-                    q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                    q[:nd], cache.k, cache.v, meta.decode_block_tables,
                     meta.decode_context_lens, scale,
                 )  # fmt: skip
         else:
             assert meta.decode_bias is not None
+            keys, vals = cache.gather(meta.decode_block_tables)  # [D, blocks, bs, KVH, d]
             out[:nd] = decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale
-            )
-    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+                q[:nd], keys.view(nd, -1, kvh, hd), vals.view(nd, -1, kvh, hd),
+                meta.decode_bias, scale,
+            )  # fmt: skip
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
         if p.block_ids is None:
             kk, vv = k[rows], v[rows]
         else:
-            kk = k_cache[p.block_ids].view(-1, kvh, hd)[: p.ctx_len]
-            vv = v_cache[p.block_ids].view(-1, kvh, hd)[: p.ctx_len]
+            kb, vb = cache.gather(p.block_ids)
+            kk = kb.view(-1, kvh, hd)[: p.ctx_len]
+            vv = vb.view(-1, kvh, hd)[: p.ctx_len]
         out[rows] = prefill_attention(q[rows], kk, vv, p.mask, scale, p.num_seqs)
     return out

@@ -106,7 +106,7 @@ class LlamaModel:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             kv.write(li, meta.slot_mapping, k, v)
-            a = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, self.scale)
+            a = paged_attention(q, k, v, kv.layer(li), meta, self.scale)
             h = h + layer.o(a.reshape(t, self.q_size))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)

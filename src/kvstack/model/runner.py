@@ -90,7 +90,7 @@ class ModelRunner:
             table = torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long)
             slots.extend((table[p // bs] * bs + p % bs).tolist())
             pos.extend(range(c, c + n))
-            if c == 0:
+            if c == 0 and self.kv.codec.identity:
                 last = prefill_meta[-1] if prefill_meta else None
                 if last is not None and last.block_ids is None and last.q_len == n:
                     last.num_seqs += 1
@@ -111,7 +111,7 @@ class ModelRunner:
             ]
             dec_tables = torch.tensor(table_rows, dtype=torch.long)
             dec_lens = torch.tensor(ctx, dtype=torch.long)
-            if self.kernels is None:
+            if self.kernels is None or not self.kv.codec.identity:
                 over = torch.arange(max_blocks * bs)[None, :] >= dec_lens[:, None]
                 dec_bias = torch.zeros(over.shape, dtype=torch.float32).masked_fill_(
                     over, float("-inf")

@@ -46,6 +46,14 @@ class _EngineCollector(Collector):
             "kv_cache_cached_blocks": ("KV blocks holding reusable prefixes", kv.num_cached_blocks),
             "kv_cache_pinned_blocks": ("KV blocks held by pins", kv.num_pinned_blocks),
             "kv_cache_waste_avg": ("Time-averaged reserved-but-unwritten KV share", s.kv_waste_avg),
+            "kv_cache_capacity_tokens": (
+                "Tokens the KV pool holds (codec included)",
+                s.kv_capacity_tokens,
+            ),
+            "kv_cache_bytes_per_token": (
+                "KV bytes per token, scales included",
+                s.kv_bytes_per_token,
+            ),
         }
         for key, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])

@@ -1,9 +1,11 @@
 """How one KV block is written outside the device pool (disk files, Redis values).
 
-A block's payload is its K then its V over all layers, in the cache dtype, exactly the
-bytes of the device pool (``kv/storage.py``)::
+A block's payload is the block's slice of every tensor of the device pool, in order
+(``KVStorage.block_tensors``), exactly its bytes. Without a codec that is::
 
     payload = K[layer 0..L-1, slot 0..bs-1, kv_head, head_dim] ++ V[same shape]
+
+and with one (era 5) the codec's codes and scales, so tiers hold compressed blocks too.
 
 Around it, a fixed header makes every stored block self-describing, so a file or value
 that belongs to another model, dtype, block size or prefix can never be loaded::
@@ -55,17 +57,15 @@ class BlockLayout:
     num_kv_heads: int
     head_dim: int
     itemsize: int
+    codec: str = "auto"  # era 5 KV codec: payloads are its codes and scales
+    codec_bytes: int = 0  # bytes of one block in the codec's tensors (0: plain K/V)
 
     @property
     def payload_bytes(self) -> int:
-        return (
-            2
-            * self.num_layers
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * (self.itemsize)
-        )
+        if self.codec_bytes:
+            return self.codec_bytes
+        kv = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+        return kv * self.itemsize
 
     @property
     def namespace(self) -> bytes:
@@ -81,6 +81,8 @@ class BlockLayout:
                 self.num_kv_heads,
                 self.head_dim,
                 self.itemsize,
+                self.codec,
+                self.codec_bytes,
             )
         )
         return blake2b(text.encode(), digest_size=8, person=b"kvstack-tier").digest()

@@ -111,10 +111,14 @@ class TierConnector:
         pool.touch(computed)  # so the allocation below cannot evict the prefix it extends
         try:
             blocks = pool.allocate(n)
-            k, v = self.storage.k, self.storage.v
-            for block, data in zip(blocks, staged.blocks[skip : skip + n], strict=True):
-                k[:, block.block_id].copy_(data[0])
-                v[:, block.block_id].copy_(data[1])
+            tensors = self.storage.block_tensors()
+            for block, raw in zip(blocks, staged.blocks[skip : skip + n], strict=True):
+                offset = 0
+                for t in tensors:  # the payload is each tensor's block slice, in order
+                    dst = t[:, block.block_id]
+                    size = dst.numel() * dst.element_size()
+                    dst.copy_(raw[offset : offset + size].view(t.dtype).view(dst.shape))
+                    offset += size
             hashes = self.kv.block_hashes(req)[: n_dev + n]
             assert self.kv.cache is not None
             self.kv.cache.insert(
@@ -154,8 +158,11 @@ class TierConnector:
         if not items:
             return
         ids = torch.tensor([b.block_id for _, b in items])
-        data = torch.stack((self.storage.k[:, ids], self.storage.v[:, ids]))
-        data = data.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, L, bs, H, D]
+        parts = [  # each tensor's block slices, as bytes: [n, bytes of one block]
+            t[:, ids].transpose(0, 1).contiguous().view(torch.uint8).reshape(len(items), -1)
+            for t in self.storage.block_tensors()
+        ]
+        data = torch.cat(parts, dim=1)
         if self.offload.submit_store([h for h, _ in items], data):
             self.num_stored_blocks += len(items)
 
@@ -203,7 +210,11 @@ def make_connector(
         num_layers=mc.num_layers,
         num_kv_heads=mc.num_kv_heads,
         head_dim=mc.head_dim,
-        itemsize=storage.k.element_size(),
+        itemsize=torch.empty((), dtype=storage.dtype).element_size(),
+        codec=storage.codec.name,
+        codec_bytes=0
+        if storage.codec.identity
+        else sum(t[:, 0].numel() * t.element_size() for t in storage.block_tensors()),
     )
     tiers = build_tiers(parse_offload_spec(spec), layout)
     logger.info(

@@ -42,9 +42,8 @@ class StagedLoad:
     """Blocks ``start .. start + n`` of a request, found in the tiers."""
 
     start: int
-    # One [2 (K, V), layers, block_size, kv_heads, head_dim] tensor per block: zero-copy
-    # views of the payload bytes (joining 40 MB of payloads into one fresh tensor cost more
-    # page faults than the load itself).
+    # One uint8 tensor per block: a zero-copy view of its payload bytes (joining 40 MB of
+    # payloads into one fresh tensor cost more page faults than the load itself).
     blocks: list[torch.Tensor] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)  # tier name per block
 
@@ -56,7 +55,7 @@ class StagedLoad:
 @dataclass
 class _StoreJob:
     hashes: list[bytes]
-    data: torch.Tensor  # [n, 2, layers, block_size, kv_heads, head_dim], cache dtype
+    data: torch.Tensor  # [n, payload bytes] uint8
 
     @property
     def nbytes(self) -> int:
@@ -206,13 +205,11 @@ class OffloadManager:
             for upper in self.tiers[:i]:  # promote into the faster tiers
                 for h, p in zip(hashes[pos : pos + len(got)], got, strict=True):
                     upper.store(h, p)
-        lay = self.layout
-        shape = (2, lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim)
         with warnings.catch_warnings():
             # The payloads are immutable bytes; the views are only ever read (copied into
             # the device pool), so torch's "buffer is not writable" warning does not apply.
             warnings.simplefilter("ignore", UserWarning)
-            blocks = [torch.frombuffer(p, dtype=self.dtype).view(shape) for p in payloads]
+            blocks = [torch.frombuffer(p, dtype=torch.uint8) for p in payloads]
         self._finish_load(request_id, StagedLoad(start, blocks, names))
 
     def _finish_load(self, request_id: str, staged: StagedLoad) -> None:
