@@ -321,6 +321,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.kv_storage.codec.check_integrity()
         if self.connector is not None:
             self.connector.check_integrity()
 

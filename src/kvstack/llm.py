@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from kvstack.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
+from kvstack.model.runner import LogitCapture
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.stats import EngineStats
 
@@ -147,6 +150,27 @@ class LLM:
         if isinstance(prefix, str):
             return self.tokenizer.encode(prefix, add_special_tokens=False)
         return list(prefix)
+
+    def score(self, prompt_token_ids: list[int], start: int = 1) -> torch.Tensor:
+        """Teacher-forced next-token log-distributions of a text (``kvstack eval``).
+
+        Row ``i`` is the model's log-softmax distribution for token ``start + i`` given
+        every token before it, read through this engine's KV cache (codec included):
+        ``[len(prompt_token_ids) - start, vocab]``, float16. The prompt runs in chunks of
+        ``max_num_batched_tokens``, so later chunks attend to earlier ones' cached KV.
+        """
+        if not 1 <= start < len(prompt_token_ids):
+            raise InvalidRequestError(f"start must be in [1, {len(prompt_token_ids)}), got {start}")
+        rid = self.engine.new_request_id()
+        capture = LogitCapture(start)
+        self.engine.runner.capture_logits[rid] = capture
+        try:
+            sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+            self.engine.add_request(rid, None, sp, prompt_token_ids=list(prompt_token_ids))
+            self._run([rid], False, False, None)
+        finally:
+            self.engine.runner.capture_logits.pop(rid, None)
+        return capture.logprobs()
 
     def shutdown(self) -> None:
         """Write queued offload-tier stores and stop the I/O thread (no-op without tiers)."""

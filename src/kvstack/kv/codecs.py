@@ -30,11 +30,13 @@ rotated4   a fixed randomized Hadamard rotation (QuaRot, Ashk-  2 x (32 + 4) = 7
            scale+zero per head vector; rotated back on read
 =========  ==================================================  =========================
 
-Error bounds (checked by the tests, per element, relative to the vector's range):
-fp8 <= 2^-4 of |amax| (3 mantissa bits), int8 <= 1/254 of |amax|, int4 <= 1/30 of the
-group's range, kivi2 <= 1/6 of the group's range (keys: the channel's range over the
-block), rotated4 <= 1/30 of the rotated vector's range (in the rotated basis; the
-rotation is orthogonal, so the L2 error is the same after rotating back).
+Error bounds (checked by the tests, per element): fp8 <= 2^-4 of the row's |amax| (3
+mantissa bits); int8 <= 1/254 of |amax|; int4 <= 1/30 of the group's range; kivi2 <= 1/6
+of the group's range (keys: the channel's range over the block); rotated4 <= 1/30 of the
+rotated vector's range, in the rotated basis (the rotation is orthogonal, so the L2 error
+is the same after rotating back). Parameters are stored in bf16 and codes are computed
+with the rounded parameters, which adds at most 2^-8 of the largest |value| to the
+asymmetric codecs' bounds (the rounding of the zero point).
 """
 
 from __future__ import annotations

@@ -37,6 +37,29 @@ def _tokens(req: Request, start: int, n: int) -> list[int]:
     return (req.prompt_token_ids + req.output_token_ids)[start : start + n]
 
 
+@dataclass
+class LogitCapture:
+    """Next-token log-distributions of prompt positions ``>= start`` (fp16, ``[n, vocab]``).
+
+    The row kept for prompt position ``p >= 1`` is the distribution the model gave the
+    token at ``p`` from tokens ``0 .. p - 1`` (what ``prompt_logprobs`` scores).
+    """
+
+    start: int  # first prompt position to keep
+    positions: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, first: int, logits: torch.Tensor) -> None:
+        """``logits[j]`` scores prompt position ``first + j``."""
+        skip = max(0, self.start - first)
+        if skip < logits.shape[0]:
+            self.rows.append(torch.log_softmax(logits[skip:].float(), -1).to(torch.float16))
+            self.positions.extend(range(first + skip, first + logits.shape[0]))
+
+    def logprobs(self) -> torch.Tensor:
+        return torch.cat(self.rows) if self.rows else torch.empty(0)
+
+
 def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
     """True if this chunk covers prompt positions whose logprobs are still missing.
 
@@ -60,6 +83,9 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler()
         self.kernels = load_kernels()
+        # Request id -> where to keep the full next-token log-distributions of its prompt
+        # (``kvstack eval`` teacher forcing; only requests with prompt_logprobs).
+        self.capture_logits: dict[str, LogitCapture] = {}
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.is_empty:
@@ -189,5 +215,8 @@ class ModelRunner:
         end = min(c + s.num_new_tokens, req.num_prompt_tokens - 1)  # last row's target + 1
         rows = slice(first - 1 - c, end - c)
         targets = torch.tensor(req.prompt_token_ids[first : end + 1], dtype=torch.long)
+        capture = self.capture_logits.get(req.request_id)
+        if capture is not None:  # quality evaluation: keep whole distributions
+            capture.add(first, logits[rows])
         entries = compute_prompt_logprobs(logits[rows], targets, k)
         result.prompt_logprobs[req.request_id] = (first, entries)
