@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import bisect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -57,6 +58,14 @@ class TierStats:
     def snapshot(self) -> TierStats:
         """A copy to publish (the I/O thread keeps counting in the original)."""
         return replace(self, load_latency_counts=list(self.load_latency_counts))
+
+    def record_load(self, payloads: list[bytes], t0: float) -> list[bytes]:
+        """Count a lookup that found ``payloads`` (started at ``perf_counter() == t0``)."""
+        self.hits += len(payloads)
+        self.bytes_loaded += sum(len(p) for p in payloads)
+        if payloads:
+            self.observe_load(time.perf_counter() - t0)
+        return payloads
 
     def observe_load(self, seconds: float) -> None:
         self.load_latency_counts[bisect.bisect_left(LOAD_LATENCY_BUCKETS, seconds)] += 1

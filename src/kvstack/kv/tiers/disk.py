@@ -128,12 +128,8 @@ class DiskTier(OffloadTier):
                 self.stats.misses += 1
                 break
             out.append(payload)
-        self.stats.hits += len(out)
-        self.stats.bytes_loaded += sum(len(p) for p in out)
-        if out:
-            self.stats.observe_load(time.perf_counter() - t0)
         self._sync_stats()
-        return out
+        return self.stats.record_load(out, t0)
 
     def store(self, block_hash: bytes, payload: bytes) -> None:
         if block_hash in self.budget:

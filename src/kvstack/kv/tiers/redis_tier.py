@@ -105,13 +105,13 @@ class RedisTier(OffloadTier):
                     payload = self._check(h, value)
                     if payload is None:
                         self.stats.misses += 1
-                        return self._loaded(out, t0)
+                        return self.stats.record_load(out, t0)
                     out.append(payload)
         except (redis.RedisError, OSError) as e:
             self._failed(e)
             return []
         self._ok()
-        return self._loaded(out, t0)
+        return self.stats.record_load(out, t0)
 
     def _check(self, block_hash: bytes, value: object) -> bytes | None:
         if not isinstance(value, bytes):
@@ -123,13 +123,6 @@ class RedisTier(OffloadTier):
             self.warn_once("corrupt", "value of %s is corrupt (%s); deleted", block_hash.hex(), e)
             self.client.delete(self._key(block_hash))
             return None
-
-    def _loaded(self, out: list[bytes], t0: float) -> list[bytes]:
-        self.stats.hits += len(out)
-        self.stats.bytes_loaded += sum(len(p) for p in out)
-        if out:
-            self.stats.observe_load(time.perf_counter() - t0)
-        return out
 
     def store(self, block_hash: bytes, payload: bytes) -> None:
         if self.contains(block_hash):
