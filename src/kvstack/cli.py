@@ -108,6 +108,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "models. Measure what each costs with `kvstack eval`",
     )
     k.add_argument(
+        "--kv-press",
+        default=None,
+        choices=("streaming_llm", "snapkv", "h2o", "pyramidkv", "knorm", "defensivekv",
+                 "layer_defensivekv"),
+        help="era 5: after each prompt, keep only the KV tokens this press ranks highest and "
+        "give the freed blocks back at once (survivors keep their positions). "
+        "streaming_llm = attention sinks + recent; snapkv = votes of the prompt's last 64 "
+        "queries, pooled; h2o = accumulated attention heavy hitters + recent; pyramidkv = "
+        "snapkv with budgets falling with depth; knorm = lowest key norms; defensivekv = "
+        "worst-case (max) of the window's votes, clamped at the mean; layer_defensivekv = "
+        "defensivekv with one budget shared by all layers. Requests may set their own "
+        "(kv_press, kv_press_ratio)",
+    )  # fmt: skip
+    k.add_argument(
+        "--kv-press-ratio",
+        type=float,
+        default=0.0,
+        help="fraction of each prompt's KV the press removes, in [0, 1) (kvpress's "
+        "compression_ratio: 0 keeps all, 0.8 keeps a 20%% budget)",
+    )
+    k.add_argument(
         "--kv-offload",
         default=None,
         metavar="TIERS",
@@ -183,6 +204,8 @@ def build_llm(a: argparse.Namespace) -> Any:
         kv_layout=a.kv_layout,
         kv_offload=a.kv_offload,
         kv_cache_dtype=a.kv_cache_dtype,
+        kv_press=a.kv_press,
+        kv_press_ratio=a.kv_press_ratio,
     )
 
 

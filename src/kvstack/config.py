@@ -86,6 +86,10 @@ class CacheConfig:
     kv_offload: str | None = None
     # Era 5 KV codec (``kv/codecs.py``): auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4.
     kv_cache_dtype: str = "auto"
+    # Era 5 press applied to every request after its prompt (``kv/press/``), and the
+    # fraction of its KV removed; requests may override both.
+    kv_press: str | None = None
+    kv_press_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         from kvstack.kv.policies import POLICIES
@@ -112,6 +116,14 @@ class CacheConfig:
         from kvstack.kv.codecs import codec_class
 
         codec_class(self.kv_cache_dtype)  # one clear error for an unknown codec
+        from kvstack.kv.press import check_press
+
+        try:
+            check_press(self.kv_press, self.kv_press_ratio)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.kv_press is not None and self.kv_layout != "paged":
+            raise ConfigError("--kv-press needs the paged layout (--kv-layout paged)")
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
         if self.kv_offload:

@@ -20,6 +20,8 @@ from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.manager import KVCacheManager, KVCacheStats
+from kvstack.kv.press import Press, make_press
+from kvstack.kv.press.compact import apply_press
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.llama import LlamaModel
@@ -103,6 +105,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
+        self.num_pressed_requests = 0  # era 5: requests a press compacted
+        self.num_press_dropped_tokens = 0
+        self.num_reclaimed_blocks = 0  # blocks compaction returned to the pool
         plain = mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
         logger.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache %s: %d blocks x %d tokens = %d tokens "
@@ -167,6 +172,7 @@ class LLMEngine:
             sp.max_tokens = max(1, self.max_model_len - len(ids))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
+        press = self._resolve_press(sp)
         eos = frozenset(self.tokenizer.eos_token_ids)
         children = []
         for i in range(sp.n):
@@ -174,7 +180,9 @@ class LLMEngine:
             if sp.n > 1 and sp.seed is not None:
                 csp.seed = sp.seed + i
             cid = rid if sp.n == 1 else f"{rid}#{i}"
-            children.append(Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt))
+            child = Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt)
+            child.press = press
+            children.append(child)
         for child in children:
             if child.request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
@@ -186,6 +194,23 @@ class LLMEngine:
             if self.connector is not None:
                 self.connector.on_request_added(child)
         return rid
+
+    def _resolve_press(self, sp: SamplingParams) -> Press | None:
+        """The press a request gets: its own ``kv_press``/``kv_press_ratio`` or the engine's."""
+        cc = self.config.cache
+        name = sp.kv_press if sp.kv_press is not None else cc.kv_press
+        ratio = sp.kv_press_ratio if sp.kv_press_ratio is not None else cc.kv_press_ratio
+        if sp.kv_press_ratio is not None and name is None:
+            raise InvalidRequestError("kv_press_ratio needs a kv_press (request or --kv-press)")
+        if name is None:
+            return None
+        if cc.kv_layout != "paged":
+            raise InvalidRequestError("KV presses need the paged layout")
+        try:
+            press = make_press(name, ratio)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        return press if ratio > 0 else None  # ratio 0 removes nothing: no press at all
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort requests (by the id given to ``add_request``); frees their KV at once."""
@@ -228,6 +253,7 @@ class LLMEngine:
         self._record_logprobs(out, result)
         now = time.monotonic()
         changed = self.scheduler.update_from_output(out, result.sampled)
+        self._apply_presses(out, result)
         touched: set[str] = set()
         for req in changed:
             if req.first_token_time is None:
@@ -238,6 +264,35 @@ class LLMEngine:
         outputs = self.outputs.outputs_for(touched, final_only)
         self.outputs.release_finished(touched)
         return outputs
+
+    def _apply_presses(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        """Era 5: press every request whose prompt this step completed (``kv/press/``)."""
+        if not isinstance(self.kv_manager, KVCacheManager):
+            return
+        for s in out.scheduled:
+            req, press = s.request, s.request.press
+            if press is None or req.press_applied or req.is_finished():
+                continue
+            if req.num_computed_tokens < req.press_point:
+                continue
+            try:
+                res = apply_press(
+                    req,
+                    result.press_queries.get(req.request_id),
+                    self.kv_manager,
+                    self.kv_storage,
+                    self.model.scale,
+                )
+            except Exception:  # a press bug costs the compression, never the request
+                logger.exception(
+                    "press %s failed on %s; left unpressed", press.name, req.request_id
+                )
+                req.press_applied = True
+                continue
+            if res is not None:
+                self.num_pressed_requests += 1
+                self.num_press_dropped_tokens += res.dropped
+                self.num_reclaimed_blocks += res.reclaimed_blocks
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         for rid, lp in result.logprobs.items():
@@ -316,6 +371,9 @@ class LLMEngine:
             kv_waste_peak=self.usage_tracker.waste_peak,
             offload=self.connector.offload.stats() if self.connector is not None else {},
             kv_capacity_tokens=kv.num_blocks * self.kv_manager.block_size,
+            num_pressed_requests=self.num_pressed_requests,
+            num_press_dropped_tokens=self.num_press_dropped_tokens,
+            num_reclaimed_blocks=self.num_reclaimed_blocks,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )
 

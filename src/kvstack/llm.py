@@ -24,7 +24,8 @@ class LLM:
     ``prefix_cache`` (hash | radix | none), ``eviction_policy`` (lru | lfu | adaptive),
     ``max_pinned_fraction``, ``kv_layout`` (paged | contiguous | contiguous-request) and
     ``kv_offload`` (offload tiers, e.g. ``"host:1GiB,disk:/tmp/kv:4GiB"``) and
-    ``kv_cache_dtype`` (KV codec: auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4)).
+    ``kv_cache_dtype`` (KV codec: auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4),
+    ``kv_press`` / ``kv_press_ratio`` (token-eviction press after each prompt)).
     Call ``shutdown()`` when done with offload tiers so queued stores are written.
     """
 
@@ -48,6 +49,8 @@ class LLM:
         kv_layout: str = "paged",
         kv_offload: str | None = None,
         kv_cache_dtype: str = "auto",
+        kv_press: str | None = None,
+        kv_press_ratio: float = 0.0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -64,6 +67,8 @@ class LLM:
                 kv_layout=kv_layout,
                 kv_offload=kv_offload,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_press=kv_press,
+                kv_press_ratio=kv_press_ratio,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -151,13 +156,17 @@ class LLM:
             return self.tokenizer.encode(prefix, add_special_tokens=False)
         return list(prefix)
 
-    def score(self, prompt_token_ids: list[int], start: int = 1) -> torch.Tensor:
+    def score(
+        self, prompt_token_ids: list[int], start: int = 1, press_after: int | None = None
+    ) -> torch.Tensor:
         """Teacher-forced next-token log-distributions of a text (``kvstack eval``).
 
         Row ``i`` is the model's log-softmax distribution for token ``start + i`` given
         every token before it, read through this engine's KV cache (codec included):
         ``[len(prompt_token_ids) - start, vocab]``, float16. The prompt runs in chunks of
         ``max_num_batched_tokens``, so later chunks attend to earlier ones' cached KV.
+        With a press (``kv_press``), ``press_after`` tokens are computed, pressed, and the
+        rest is read through the pressed cache (default: ``start``).
         """
         if not 1 <= start < len(prompt_token_ids):
             raise InvalidRequestError(f"start must be in [1, {len(prompt_token_ids)}), got {start}")
@@ -165,7 +174,8 @@ class LLM:
         capture = LogitCapture(start)
         self.engine.runner.capture_logits[rid] = capture
         try:
-            sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+            after = start if press_after is None else press_after
+            sp = SamplingParams(max_tokens=1, prompt_logprobs=0, kv_press_after=after)
             self.engine.add_request(rid, None, sp, prompt_token_ids=list(prompt_token_ids))
             self._run([rid], False, False, None)
         finally:

@@ -18,8 +18,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvstack.kv.press.base import Press
 
 
 @dataclass
@@ -49,6 +53,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Era 5 press (``kv/press/``) for this request; None = the engine's --kv-press.
+    kv_press: str | None = None
+    kv_press_ratio: float | None = None  # fraction of KV removed, in [0, 1)
+    # Press after this many prompt tokens instead of after the whole prompt (kvpress's
+    # question-agnostic setting: compress a document, then read the question in full).
+    kv_press_after: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +76,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad(f"n must be at least 1, got {self.n}")
+        if self.kv_press_after is not None and self.kv_press_after < 1:
+            raise bad(f"kv_press_after must be at least 1, got {self.kv_press_after}")
+        if self.kv_press_ratio is not None and not 0.0 <= self.kv_press_ratio < 1.0:
+            raise bad(f"kv_press_ratio must be in [0, 1), got {self.kv_press_ratio}")
         if self.temperature < 0:
             raise bad(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -165,6 +179,12 @@ class Request:
     finished_time: float | None = None
     # Extra key of the prefix-cache hash chain: requests only share KV with the same salt.
     cache_salt: str | None = None
+    # Era 5 presses: the press to apply after the prompt (None: none), and what it did.
+    # Positions keep counting after a press; KV slots are compacted (``num_kv_tokens``).
+    press: Press | None = None
+    press_applied: bool = False
+    num_dropped: int = 0  # cached tokens the press removed (slots = positions - this)
+    kv_layer_lens: list[int] | None = None  # kept tokens per layer when budgets differ
     # Chained hashes of the full blocks of all_token_ids, extended by the KV manager.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
@@ -175,6 +195,35 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """KV slots in use: computed tokens minus those a press removed.
+
+        A token at position ``p`` computed after the press lives in slot
+        ``p - num_dropped`` of the request's block table::
+
+            positions:  0 1 2 3 4 5 6 7 8 9 | 10 11      (prompt of 10, 2 generated)
+            kept:       0 1     4     7 8 9 | 10 11      (press kept 6 of 10)
+            slots:      0 1     2     3 4 5 |  6  7      (num_dropped = 4)
+        """
+        return self.num_computed_tokens - self.num_dropped
+
+    @property
+    def press_point(self) -> int:
+        """Computed tokens after which the press runs (the prompt, or ``kv_press_after``)."""
+        after = self.sampling_params.kv_press_after
+        return self.num_prompt_tokens if after is None else min(after, self.num_prompt_tokens)
+
+    @property
+    def press_pending(self) -> bool:
+        return self.press is not None and not self.press_applied
+
+    def reset_press(self) -> None:
+        """Forget a press's effect (preemption: everything is recomputed, then pressed)."""
+        self.press_applied = False
+        self.num_dropped = 0
+        self.kv_layer_lens = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -42,6 +42,10 @@ class EngineStats:
     # Era 5: what the pool holds with its codec (``--kv-cache-dtype``).
     kv_capacity_tokens: int = 0
     kv_bytes_per_token: float = 0.0
+    # Era 5 presses: requests compacted, tokens they dropped, blocks returned at once.
+    num_pressed_requests: int = 0
+    num_press_dropped_tokens: int = 0
+    num_reclaimed_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

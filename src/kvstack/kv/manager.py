@@ -163,7 +163,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.get(rid, [])
         assert not (computed and blocks), "prefix hits are adopted only at admission"
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_tokens = request.num_kv_tokens + len(computed) * self.block_size + num_new_tokens
         needed = self.num_blocks_for(num_tokens) - len(blocks) - len(computed)
         # Adopting an evictable hit removes it from the free count.
         available = self.pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
@@ -185,8 +185,8 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks completely covered by the first ``num_tokens`` tokens."""
-        if self.cache is None:
-            return
+        if self.cache is None or request.press_applied:
+            return  # a pressed request's blocks no longer hold a token prefix
         num_full = num_tokens // self.block_size
         rid = request.request_id
         if num_full <= self._num_inserted.get(rid, 0):
@@ -203,6 +203,19 @@ class KVCacheManager:
                 if was_free and blocks[i].block_hash == hashes[i]:
                     new.append((hashes[i], blocks[i]))
 
+    def replace_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> int:
+        """A press compacted the request's KV into ``blocks`` (held, uncached): release
+        the old ones (tail first) and return how many blocks went back to the pool.
+
+        The old blocks keep their prefix-cache entries: they still hold the *unpressed*
+        KV of a true prefix, so other requests reuse them unchanged.
+        """
+        rid = request.request_id
+        old = self.req_blocks[rid]
+        self.req_blocks[rid] = list(blocks)
+        self.pool.free(reversed(old))
+        return len(old) - len(blocks)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
@@ -218,7 +231,7 @@ class KVCacheManager:
         """Reserved slots not (yet) written: each request's tail-block slack."""
         bs = self.block_size
         return sum(
-            len(self.req_blocks.get(r.request_id, ())) * bs - r.num_computed_tokens
+            len(self.req_blocks.get(r.request_id, ())) * bs - r.num_kv_tokens
             for r in running
             if r.request_id in self.req_blocks
         )

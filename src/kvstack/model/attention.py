@@ -23,7 +23,7 @@ Rows of one step are ordered decodes first, then prefill chunks::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -47,6 +47,7 @@ class PrefillSeq:
     block_ids: torch.Tensor | None  # [n_blocks] long; None when ctx_len == q_len
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend; None if pure causal
     num_seqs: int = 1
+    layer_masks: list[torch.Tensor] | None = None  # per layer, after an uneven press
 
 
 @dataclass
@@ -58,6 +59,13 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size]; fallback path only
     prefills: list[PrefillSeq]
     kernels: ModuleType | None = None  # compiled kernels (model/kernels.py) if available
+    # Per-layer decode bias [layers, D, 1, 1, S] when a pressed request keeps different
+    # token counts per layer (PyramidKV, Layer-DefensiveKV); replaces decode_bias.
+    decode_layer_bias: torch.Tensor | None = None
+    # Era 5 presses: request id -> rows whose queries the press needs, and what the model
+    # captured for them (per layer [rows, heads, head_dim] float32).
+    capture_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def decode_attention(
@@ -120,7 +128,13 @@ def paged_attention(
     kvh, hd = k.shape[1], k.shape[2]
     if nd:
         assert meta.decode_block_tables is not None
-        if meta.kernels is not None and cache.k is not None and cache.v is not None:
+        layer_bias = meta.decode_layer_bias
+        if (
+            meta.kernels is not None
+            and cache.k is not None
+            and cache.v is not None
+            and layer_bias is None
+        ):
             assert meta.decode_context_lens is not None
             # Named region so torch.profiler attributes the C++ kernel's time to it.
             with record_function("kvstack::paged_decode_attention"):
@@ -129,12 +143,12 @@ def paged_attention(
                     meta.decode_context_lens, scale,
                 )  # fmt: skip
         else:
-            assert meta.decode_bias is not None
+            bias = layer_bias[cache.layer] if layer_bias is not None else meta.decode_bias
+            assert bias is not None
             keys, vals = cache.gather(meta.decode_block_tables)  # [D, blocks, bs, KVH, d]
             out[:nd] = decode_attention(
-                q[:nd], keys.view(nd, -1, kvh, hd), vals.view(nd, -1, kvh, hd),
-                meta.decode_bias, scale,
-            )  # fmt: skip
+                q[:nd], keys.view(nd, -1, kvh, hd), vals.view(nd, -1, kvh, hd), bias, scale
+            )
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
         if p.block_ids is None:
@@ -143,5 +157,6 @@ def paged_attention(
             kb, vb = cache.gather(p.block_ids)
             kk = kb.view(-1, kvh, hd)[: p.ctx_len]
             vv = vb.view(-1, kvh, hd)[: p.ctx_len]
-        out[rows] = prefill_attention(q[rows], kk, vv, p.mask, scale, p.num_seqs)
+        mask = p.layer_masks[cache.layer] if p.layer_masks is not None else p.mask
+        out[rows] = prefill_attention(q[rows], kk, vv, mask, scale, p.num_seqs)
     return out

@@ -105,6 +105,8 @@ class LlamaModel:
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
+                meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
             kv.write(li, meta.slot_mapping, k, v)
             a = paged_attention(q, k, v, kv.layer(li), meta, self.scale)
             h = h + layer.o(a.reshape(t, self.q_size))

@@ -26,6 +26,9 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     # Prompt logprobs computed this step: request id -> (first position, entries).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    # Era 5: per request whose prompt a press will compress after this step, the queries
+    # of its last rows, per layer ``[w, heads, head_dim]`` float32.
+    press_queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def _tokens(req: Request, start: int, n: int) -> list[int]:
@@ -81,6 +84,7 @@ class ModelRunner:
         self.kv = kv
         self.block_size = kv.block_size
         self.vocab_size = model.config.vocab_size
+        self.num_layers = model.config.num_layers
         self.sampler = Sampler()
         self.kernels = load_kernels()
         # Request id -> where to keep the full next-token log-distributions of its prompt
@@ -102,20 +106,25 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        # After a press (era 5) a token's KV slot is its position minus the tokens the
+        # press dropped (``Request.num_kv_tokens``); positions (RoPE) keep counting.
         for s in decodes:
             c = s.num_computed_tokens
+            kc = c - s.request.num_dropped
             ids.extend(_tokens(s.request, c, 1))
             pos.append(c)
-            slots.append(s.block_ids[c // bs] * bs + c % bs)
+            slots.append(s.block_ids[kc // bs] * bs + kc % bs)
         prefill_meta: list[PrefillSeq] = []
         row = len(decodes)
         for s in prefills:
             c, n = s.num_computed_tokens, s.num_new_tokens
+            kc = c - s.request.num_dropped
             ids.extend(_tokens(s.request, c, n))
-            p = torch.arange(c, c + n)
-            table = torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long)
+            p = torch.arange(kc, kc + n)  # KV slots (= positions unless pressed)
+            table = torch.tensor(s.block_ids[: -(-(kc + n) // bs)], dtype=torch.long)
             slots.extend((table[p // bs] * bs + p % bs).tolist())
             pos.extend(range(c, c + n))
+            c = kc
             if c == 0 and self.kv.codec.identity:
                 last = prefill_meta[-1] if prefill_meta else None
                 if last is not None and last.block_ids is None and last.q_len == n:
@@ -124,12 +133,21 @@ class ModelRunner:
                     prefill_meta.append(PrefillSeq(row, n, n, None, None))
             else:
                 mask = torch.arange(c + n)[None, :] <= p[:, None]
-                prefill_meta.append(PrefillSeq(row, n, c + n, table, mask))
+                seq = PrefillSeq(row, n, c + n, table, mask)
+                lens = s.request.kv_layer_lens
+                if lens is not None:  # per-layer press budgets: mask slots m_l .. M - 1
+                    seq.layer_masks = []
+                    for m in lens:
+                        lm = mask.clone()
+                        lm[:, m : max(lens)] = False
+                        seq.layer_masks.append(lm)
+                prefill_meta.append(seq)
             row += n
 
         dec_tables = dec_bias = dec_lens = None
+        layer_bias = None
         if decodes:
-            ctx = [s.num_computed_tokens + 1 for s in decodes]
+            ctx = [s.num_computed_tokens - s.request.num_dropped + 1 for s in decodes]
             max_blocks = -(-max(ctx) // bs)
             table_rows = [
                 s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks))
@@ -137,11 +155,20 @@ class ModelRunner:
             ]
             dec_tables = torch.tensor(table_rows, dtype=torch.long)
             dec_lens = torch.tensor(ctx, dtype=torch.long)
-            if self.kernels is None or not self.kv.codec.identity:
+            uneven = [i for i, s in enumerate(decodes) if s.request.kv_layer_lens is not None]
+            if self.kernels is None or not self.kv.codec.identity or uneven:
                 over = torch.arange(max_blocks * bs)[None, :] >= dec_lens[:, None]
                 dec_bias = torch.zeros(over.shape, dtype=torch.float32).masked_fill_(
                     over, float("-inf")
                 )[:, None, None, :]
+            if uneven:  # per-layer press budgets: layer l masks its slots m_l .. M - 1
+                assert dec_bias is not None
+                layer_bias = dec_bias.expand(self.num_layers, *dec_bias.shape).clone()
+                for i in uneven:
+                    lens = decodes[i].request.kv_layer_lens
+                    assert lens is not None
+                    for layer, m in enumerate(lens):
+                        layer_bias[layer, i, :, :, m : max(lens)] = float("-inf")
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -151,6 +178,8 @@ class ModelRunner:
             decode_bias=dec_bias,
             prefills=prefill_meta,
             kernels=self.kernels,
+            decode_layer_bias=layer_bias,
+            capture_rows=self._press_rows(ordered),
         )
 
         # Rows whose logits we need: the last row of each sampling request, plus whole
@@ -175,6 +204,8 @@ class ModelRunner:
             row += n
 
         result = RunnerOutput()
+        if meta.capture_rows:
+            result.press_queries = meta.captured
         if not logit_rows:
             self.model.forward(
                 torch.tensor(ids),
@@ -202,6 +233,21 @@ class ModelRunner:
                 if lp is not None:
                     result.logprobs[req.request_id] = lp
         return result
+
+    @staticmethod
+    def _press_rows(ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
+        """Rows whose queries a press needs: the last ``press.window`` rows of each request
+        whose prompt this step completes and that has a press still to apply."""
+        rows: dict[str, tuple[int, int]] = {}
+        row = 0
+        for s in ordered:
+            req, n = s.request, s.num_new_tokens
+            press = req.press
+            done = s.num_computed_tokens + n >= req.press_point
+            if press is not None and press.window and done and not req.press_applied:
+                rows[req.request_id] = (row + n - min(press.window, n), row + n)
+            row += n
+        return rows
 
     def _prompt_logprobs(
         self, s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput

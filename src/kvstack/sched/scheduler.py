@@ -101,6 +101,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.press_pending and req.num_computed_tokens < req.press_point:
+                num_new = min(num_new, req.press_point - req.num_computed_tokens)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
             block_ids = self.kv.allocate_slots(req, num_new)
             while block_ids is None:
@@ -125,6 +127,8 @@ class Scheduler:
                     continue
                 # Era 3: adopt the longest cached prefix; compute only the rest.
                 computed = self.kv.get_computed_blocks(req)
+                if req.press_pending:  # era 5: never reuse past the press point
+                    computed = computed[: (req.press_point - 1) // self.kv.block_size]
                 if self.connector is not None:  # era 4: extend it from the offload tiers
                     loaded = self.connector.load(req, computed, budget, bool(self.running))
                     if loaded is None:
@@ -135,6 +139,8 @@ class Scheduler:
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
+                if req.press_pending:  # the press runs once the press point is computed
+                    num_new = min(num_new, req.press_point - num_cached)
                 block_ids = self.kv.allocate_slots(req, num_new, computed)
                 if block_ids is None:
                     break
@@ -168,6 +174,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.reset_press()
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
@@ -246,7 +253,7 @@ class Scheduler:
             assert r.status == RequestStatus.RUNNING
             assert 0 < r.num_computed_tokens <= r.num_tokens
             held = len(self.kv.get_block_ids(r.request_id)) * self.kv.block_size
-            assert held >= r.num_computed_tokens, f"{r.request_id} lacks KV slots"
+            assert held >= r.num_kv_tokens, f"{r.request_id} lacks KV slots"
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0

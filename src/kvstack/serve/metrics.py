@@ -65,6 +65,9 @@ class _EngineCollector(Collector):
             "num_preemptions": ("Requests preempted (recompute)", s.num_preemptions),
             "evicted_blocks": ("Cached KV blocks evicted", s.num_evicted_blocks),
             "prefill_tokens_computed": ("Prompt tokens computed", s.prefill_tokens_computed),
+            "reclaimed_blocks": ("KV blocks a press freed by compaction", s.num_reclaimed_blocks),
+            "pressed_requests": ("Requests whose KV a press compacted", s.num_pressed_requests),
+            "press_dropped_tokens": ("Cached tokens presses removed", s.num_press_dropped_tokens),
         }
         for key, (doc, value) in counters.items():
             c = CounterMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])

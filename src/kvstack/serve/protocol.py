@@ -55,6 +55,9 @@ class _Sampling(_Strict):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = None
+    # kvstack extension (era 5): a KV press for this request (``kv/press/``).
+    kv_press: str | None = None
+    kv_press_ratio: float | None = None
 
     @field_validator("stop")
     @classmethod
@@ -99,6 +102,8 @@ class _Sampling(_Strict):
             logit_bias=bias,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            kv_press=self.kv_press,
+            kv_press_ratio=self.kv_press_ratio,
         )
 
     @property

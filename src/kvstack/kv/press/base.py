@@ -1,0 +1,120 @@
+"""The ``Press`` protocol: which cached tokens a request keeps (era 5, token eviction).
+
+A press looks at one request's KV right after its prompt is computed and returns, per
+layer, the tokens each KV head keeps (kvpress's ``score -> top-k``; NVIDIA kvpress,
+2024). ``ratio`` is the fraction of KV *removed*, as in kvpress: ``ratio = 0`` keeps
+everything, a "20 % budget" is ``ratio = 0.8``. A request of ``n`` cached tokens keeps
+``m = n - int(n * ratio)`` per head and layer unless the press sets per-layer budgets
+(PyramidKV, Layer-DefensiveKV), whose mean is ``m``.
+
+Presses that score with attention get the queries of the prompt's last ``window`` tokens
+(post-RoPE, captured during the forward pass) and compute attention of those queries
+only, ``[heads, window, n]`` per layer: never an ``n x n`` matrix.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PressInput:
+    """One request's cached KV, all layers, float32."""
+
+    keys: list[torch.Tensor]  # per layer [n, kv_heads, head_dim], post-RoPE
+    values: list[torch.Tensor]
+    queries: list[torch.Tensor] | None  # per layer [w, heads, head_dim]: last w prompt rows
+    scale: float  # attention scale (head_dim ** -0.5)
+
+    @property
+    def n(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+
+class Press(abc.ABC):
+    name: ClassVar[str]
+    paper: ClassVar[str]
+    window: ClassVar[int] = 0  # trailing prompt queries the press needs (0: none)
+
+    def __init__(self, ratio: float) -> None:
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(f"press ratio must be in [0, 1), got {ratio}")
+        self.ratio = ratio
+
+    def budget(self, n: int) -> int:
+        """Tokens kept per head and layer out of ``n``."""
+        return max(1, n - int(n * self.ratio))
+
+    @abc.abstractmethod
+    def select(self, inp: PressInput) -> list[torch.Tensor]:
+        """Per layer, ``[kv_heads, m_l]`` sorted indices of the kept tokens (``m_l <= n``)."""
+
+
+def keep_all(inp: PressInput) -> list[torch.Tensor]:
+    kvh = inp.keys[0].shape[1]
+    return [torch.arange(inp.n).expand(kvh, -1) for _ in range(inp.num_layers)]
+
+
+def top_with_tail(scores: torch.Tensor, m: int, tail: int) -> torch.Tensor:
+    """Keep the last ``tail`` tokens and the ``m - tail`` best-scored others, per head.
+
+    ``scores`` ``[kv_heads, n - tail]`` scores the tokens before the tail. Returns sorted
+    ``[kv_heads, m]`` indices into the ``n`` tokens.
+    """
+    kvh, head = scores.shape
+    n = head + tail
+    if m >= n:
+        return torch.arange(n).expand(kvh, -1)
+    if m <= tail:
+        return torch.arange(n - m, n).expand(kvh, -1)
+    best = scores.topk(m - tail, dim=-1).indices
+    recent = torch.arange(head, n).expand(kvh, -1)
+    return torch.cat((best, recent), dim=-1).sort(dim=-1).values
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of the last ``w`` queries over all ``n`` keys: ``[heads, w, n]``.
+
+    Query ``i`` sits at position ``n - w + i`` and sees keys ``0 .. n - w + i`` (causal).
+    Computed per KV head group, so memory is ``heads * w * n`` floats at most.
+    """
+    w, h, d = q.shape
+    n, kvh, _ = k.shape
+    group = h // kvh
+    qg = q.permute(1, 0, 2).reshape(kvh, group * w, d)  # [kvh, group*w, d]
+    logits = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [kvh, group*w, n]
+    logits = logits.view(kvh, group, w, n)
+    pos = torch.arange(n - w, n)[:, None]
+    logits = logits.masked_fill(torch.arange(n)[None, :] > pos, -math.inf)
+    return torch.softmax(logits, dim=-1).view(h, w, n)
+
+
+def pooled_window_scores(
+    inp: PressInput, layer: int, window: int, kernel: int
+) -> tuple[torch.Tensor, int]:
+    """SnapKV's per-query-head scores of the keys before the window, ``[heads, w, n - w]``.
+
+    Attention of the window's queries, smoothed along the keys by average pooling of
+    width ``kernel`` (SnapKV, Li et al., NeurIPS 2024), renormalized to each row's mass.
+    Returns the scores and the window length actually used (shorter for short prompts).
+    """
+    assert inp.queries is not None, "this press needs the prompt's window queries"
+    q = inp.queries[layer]
+    w = min(window, q.shape[0], inp.n - 1)
+    probs = window_attention(q[-w:], inp.keys[layer], inp.scale)[..., : inp.n - w]
+    h = probs.shape[0]
+    mass = probs.sum(-1, keepdim=True)
+    pooled = F.avg_pool1d(probs.reshape(h * w, 1, -1), kernel, stride=1, padding=kernel // 2)
+    pooled = pooled.view(h, w, -1)[..., : inp.n - w]
+    pooled = pooled / pooled.sum(-1, keepdim=True).clamp_min(1e-12) * mass
+    return pooled, w
