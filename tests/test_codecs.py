@@ -77,7 +77,7 @@ def test_rotation_is_orthogonal_and_helps_with_outliers() -> None:
 
 
 def test_kivi_keys_per_channel_values_per_token_and_residual() -> None:
-    codec = Kivi2Codec(SHAPE, torch.float32, max_num_seqs=2)
+    codec = Kivi2Codec(SHAPE, torch.float32, max_num_seqs=1)  # 2 residual slots
     x = rows(16)
     # A block filled in two steps: 10 rows (residual, exact), then 6 (quantized).
     codec.write(0, torch.arange(10), x[:10], x[:10])

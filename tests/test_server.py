@@ -199,7 +199,26 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "empty"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/nope", {}, 404, "Not Found"),
+    ("/v1/completions", {"prompt": "hi", "kv_press": "zip"}, 400, "unknown kv_press"),
+    ("/v1/completions", {"prompt": "hi", "kv_press": "snapkv", "kv_press_ratio": 1}, 400, "[0, 1)"),
+    ("/v1/completions", {"prompt": "hi", "kv_press_ratio": 0.5}, 400, "needs a kv_press"),
 ]
+
+
+def test_pressed_request_reclaims_blocks(srv: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "The tide comes in twice a day along this coast. " * 30
+    before = metric(srv, "kvstack:reclaimed_blocks_total")
+    out = client.completions.create(
+        model=srv_model(client),
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"kv_press": "snapkv", "kv_press_ratio": 0.5},
+    )
+    assert out.choices[0].text and out.usage is not None
+    assert metric(srv, "kvstack:reclaimed_blocks_total") > before
+    assert metric(srv, "kvstack:pressed_requests_total") >= 1
+    wait_idle(srv)
 
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), BAD)

@@ -14,7 +14,8 @@ key ranges yet, so its K and V stay in full precision in a small *residual* pool
 The step that fills a block quantizes it from the residual plus the new rows and frees
 the slot. Invariants (``check_integrity``): a block has a residual slot iff it is
 partially filled; slots in use + free slots == capacity; a request has at most one
-filling block, so ``max_num_seqs`` slots always suffice.
+filling block, and a press compaction needs one more for a moment, so ``max_num_seqs +
+1`` slots always suffice.
 """
 
 from __future__ import annotations
@@ -61,15 +62,8 @@ class Kivi2Codec(KVCodec):
     @classmethod
     def fixed_bytes(cls, shape: CacheShape, max_num_seqs: int, act_itemsize: int) -> int:
         s = shape
-        return (
-            2
-            * s.num_layers
-            * max_num_seqs
-            * s.block_size
-            * s.num_kv_heads
-            * s.head_dim
-            * (act_itemsize)
-        )
+        per_slot = 2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim * act_itemsize
+        return (max_num_seqs + 1) * per_slot
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
         super().__init__(shape, dtype, max_num_seqs)
@@ -81,12 +75,14 @@ class Kivi2Codec(KVCodec):
         self.k_params = torch.zeros((L, N, H, d, 2), dtype=torch.bfloat16)  # per channel
         self.v_codes = torch.zeros((L, N, bs, H, d * BITS // 8), dtype=torch.uint8)
         self.v_params = torch.zeros((L, N, bs, H, d // V_GROUP * 2), dtype=torch.bfloat16)
-        self.capacity = max_num_seqs
-        self.res_k = torch.zeros((L, max_num_seqs, bs, H, d), dtype=dtype)
-        self.res_v = torch.zeros((L, max_num_seqs, bs, H, d), dtype=dtype)
+        # One filling block per sequence, plus one for a press compaction in flight (the
+        # request's old partial block is freed only after its new blocks are written).
+        self.capacity = cap = max_num_seqs + 1
+        self.res_k = torch.zeros((L, cap, bs, H, d), dtype=dtype)
+        self.res_v = torch.zeros((L, cap, bs, H, d), dtype=dtype)
         self.residual_of = torch.full((N,), -1, dtype=torch.long)
         self.filled = [0] * N  # rows written into each block since it was (re)allocated
-        self.free_res = list(range(max_num_seqs - 1, -1, -1))
+        self.free_res = list(range(cap - 1, -1, -1))
         self._plan: _WritePlan | None = None
         self._release: list[int] = []
 

@@ -20,8 +20,8 @@ from kvstack.kv.press.snapkv import SnapKVPress
 
 def pyramid_budgets(m: int, n: int, num_layers: int, window: int, beta: float) -> list[int]:
     """Per-layer budgets, bottom to top, mean ``m``, each in ``[min(window, m), n]``."""
-    if num_layers == 1 or m <= window:
-        return [m] * num_layers
+    if num_layers == 1 or m <= window or m >= n:
+        return [min(m, n)] * num_layers
     free = m - window  # the window is kept in every layer
     low = free / beta
     high = 2 * free - low

@@ -1,0 +1,227 @@
+"""Presses (era 5): what each keeps on synthetic KV, and on the real default model (fp32)
+that ratio 0 is no press, that reclaimed blocks really return to the pool while the
+request goes on, and that pressed requests never change the outputs of unpressed ones,
+mixed with prefix reuse, preemption and a KV codec."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.config import CacheConfig
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.press import PRESSES, PressInput, make_press
+from kvstack.kv.press.base import window_attention
+from kvstack.kv.press.pyramidkv import pyramid_budgets
+
+L, N, KVH, H, D = 3, 200, 2, 4, 16
+
+
+def synthetic(seed: int = 0, n: int = N) -> PressInput:
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(n, KVH, D, generator=g) for _ in range(L)]
+    values = [torch.randn(n, KVH, D, generator=g) for _ in range(L)]
+    queries = [torch.randn(256, H, D, generator=g) for _ in range(L)]
+    return PressInput(keys, values, queries, D**-0.5)
+
+
+@pytest.mark.parametrize("name", sorted(PRESSES))
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 0.8])
+def test_every_press_keeps_sorted_unique_tokens_within_budget(name: str, ratio: float) -> None:
+    press = make_press(name, ratio)
+    keep = press.select(synthetic())
+    assert len(keep) == L
+    m = N - int(N * ratio)
+    for idx in keep:
+        assert idx.shape[0] == KVH and 0 < idx.shape[1] <= N
+        assert (idx[:, 1:] > idx[:, :-1]).all(), "indices must be sorted and unique"
+        assert idx.min() >= 0 and idx.max() < N
+    sizes = [idx.shape[1] for idx in keep]
+    if ratio == 0.0:
+        assert sizes == [N] * L  # ratio 0 keeps everything
+    elif name in ("pyramidkv", "layer_defensivekv"):
+        assert abs(sum(sizes) / L - m) <= 2  # budgets move between layers, mean m
+    else:
+        assert sizes == [m] * L
+
+
+def test_streaming_llm_keeps_sinks_and_recent() -> None:
+    keep = make_press("streaming_llm", 0.5).select(synthetic())
+    want = list(range(4)) + list(range(N - 96, N))
+    assert keep[0][0].tolist() == want and keep[0][1].tolist() == want
+
+
+def test_knorm_keeps_the_smallest_key_norms() -> None:
+    inp = synthetic()
+    inp.keys[0][7, 0] *= 100  # a huge key on head 0 goes first
+    keep = make_press("knorm", 0.5).select(inp)
+    assert 7 not in keep[0][0].tolist()
+    norms = inp.keys[1][:, 1].norm(dim=-1)
+    assert set(keep[1][1].tolist()) == set(norms.argsort()[:100].tolist())
+
+
+def test_window_attention_is_causal_and_normalized() -> None:
+    inp = synthetic()
+    probs = window_attention(inp.queries[0][-8:], inp.keys[0], inp.scale)  # type: ignore[index]
+    assert probs.shape == (H, 8, N)
+    assert torch.allclose(probs.sum(-1), torch.ones(H, 8), atol=1e-5)
+    for i in range(8):
+        assert (probs[:, i, N - 8 + i + 1 :] == 0).all()
+
+
+def test_snapkv_keeps_its_window_and_what_the_window_reads() -> None:
+    inp = synthetic()
+    assert inp.queries is not None
+    for layer in range(L):  # every window query looks hard at token 50 on every head
+        inp.queries[layer][-64:, :, 0] = 2.0
+        inp.keys[layer][50, :, 0] = 20.0
+    keep = make_press("snapkv", 0.5).select(inp)  # 100 kept: the window's 64 + 36 voted
+    for idx in keep:
+        assert 50 in idx[0].tolist() and 50 in idx[1].tolist()
+        assert set(range(N - 64, N)) <= set(idx[0].tolist())
+
+
+def test_defensivekv_keeps_a_token_one_query_needs_badly() -> None:
+    """Mean aggregation (SnapKV) can drop a token only one window query relies on;
+    DefensiveKV's worst-case (max) aggregation keeps it."""
+    inp = synthetic(3)
+    q = inp.queries[0]
+    assert q is not None
+    target = 20
+    inp.keys[0][target] = 0
+    inp.keys[0][target, :, 0] = 40.0  # huge logit for a query with a large first channel
+    q[-64:, :, 0] = -1.0
+    q[-5, :, 0] = 1.0  # only this one window query attends to the target
+    defensive = make_press("defensivekv", 0.8).select(inp)[0]
+    snap = make_press("snapkv", 0.8).select(inp)[0]
+    assert target in defensive[0].tolist()
+    assert target not in snap[0].tolist()
+
+
+def test_pyramid_budgets_fall_with_depth_and_average_m() -> None:
+    b = pyramid_budgets(100, 400, 30, 64, 20.0)
+    assert b == sorted(b, reverse=True) and b[0] > b[-1] >= 64
+    assert math.isclose(sum(b) / 30, 100, abs_tol=1)
+
+
+def test_bad_press_settings() -> None:
+    with pytest.raises(ConfigError, match="unknown kv_press 'zip'"):
+        CacheConfig(kv_press="zip", kv_press_ratio=0.5)
+    with pytest.raises(ConfigError, match=r"\[0, 1\)"):
+        CacheConfig(kv_press="snapkv", kv_press_ratio=1.0)
+    with pytest.raises(ConfigError, match="paged layout"):
+        CacheConfig(kv_press="snapkv", kv_press_ratio=0.5, kv_layout="contiguous")
+
+
+# ---------------------------------------------------------------------- engine
+TEXT = (
+    "A lighthouse keeper wrote in her log every evening: the wind, the ships that passed, "
+    "the colour of the sea and the birds on the rocks. "
+) * 8
+SP = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("default", dtype="float32", num_blocks=48, max_num_seqs=4)
+
+
+def run(llm: LLM, prompts: list[str], sps: list[SamplingParams]) -> list[list[int]]:
+    outs = llm.generate(prompts, sps, check_integrity=True)
+    eng = llm.engine
+    eng.check_integrity()
+    assert eng.num_free_blocks == eng.kv_manager.num_blocks  # nothing leaked
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_ratio_zero_is_no_press(llm: LLM) -> None:
+    plain = run(llm, [TEXT], [SP])
+    for name in ("snapkv", "layer_defensivekv"):
+        zero = SamplingParams(
+            temperature=0.0, max_tokens=16, ignore_eos=True, kv_press=name, kv_press_ratio=0.0
+        )
+        assert run(llm, [TEXT], [zero]) == plain
+
+
+def test_reclaimed_blocks_return_to_the_pool_and_the_request_goes_on(llm: LLM) -> None:
+    eng = llm.engine
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, kv_press="snapkv", kv_press_ratio=0.75
+    )
+    rid = eng.new_request_id()
+    eng.add_request(rid, TEXT, sp)
+    before = eng.stats().num_reclaimed_blocks
+    first = eng.step()  # prefill + first token, then the press
+    assert first and not first[0].finished
+    req = eng.scheduler.requests[rid]
+    n = len(req.prompt_token_ids)
+    kept = n - req.num_dropped
+    assert req.press_applied and req.num_dropped == n - (n - int(n * 0.75))
+    held = len(eng.kv_manager.req_blocks[rid])
+    assert held == -(-kept // 16)  # only the survivors' blocks are held
+    assert eng.stats().num_reclaimed_blocks - before == -(-n // 16) - held
+    assert eng.num_free_blocks == eng.kv_manager.num_blocks - held
+    eng.check_integrity()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs.extend(eng.step())
+        eng.check_integrity()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40
+    text = outs[-1].outputs[0].text
+    assert text.strip(), "a pressed request must still produce text"
+
+
+def test_pressed_requests_never_change_unpressed_outputs(llm: LLM) -> None:
+    system = "Answer as the lighthouse keeper, briefly. " + TEXT
+    qs = ["What did you log today?", "Which birds were on the rocks?", "How was the sea?"]
+    prompts = [system + q for q in qs]
+    alone = run(llm, prompts[:2], [SP, SP])  # unpressed requests, no pressed neighbour
+    # Now with pressed neighbours (sharing the same prefix, so their first blocks are
+    # prefix-cache hits), in a pool of 48 blocks where requests are preempted.
+    pressed = [
+        SamplingParams(
+            temperature=0.0, max_tokens=16, ignore_eos=True, kv_press=p, kv_press_ratio=0.8
+        )
+        for p in ("snapkv", "pyramidkv", "streaming_llm")
+    ]
+    mixed = run(
+        llm,
+        [prompts[2], prompts[0], prompts[2], prompts[1], prompts[2]],
+        [pressed[0], SP, pressed[1], SP, pressed[2]],
+    )
+    assert [mixed[1], mixed[3]] == alone
+    st = llm.get_stats()
+    assert st.num_pressed_requests >= 3 and st.prefix_hit_tokens > 0
+    # A later unpressed request reusing the prefix the pressed ones computed is unchanged.
+    assert run(llm, [prompts[0]], [SP]) == alone[:1]
+
+
+def test_press_with_a_codec_and_preemption() -> None:
+    tight = LLM(
+        "default",
+        dtype="float32",
+        num_blocks=40,
+        max_num_seqs=3,
+        kv_cache_dtype="kivi2",
+        kv_press="h2o",
+        kv_press_ratio=0.5,
+    )
+    outs = run(tight, [TEXT + " One.", TEXT + " Two.", TEXT + " Three."], [SP, SP, SP])
+    assert all(len(o) == 16 for o in outs)
+    assert tight.get_stats().num_reclaimed_blocks > 0
+
+
+def test_bad_per_request_press_is_rejected(llm: LLM) -> None:
+    cases = [
+        ({"kv_press": "zip"}, "unknown kv_press"),
+        ({"kv_press": "snapkv", "kv_press_ratio": -0.1}, r"\[0, 1\)"),
+        ({"kv_press_ratio": 0.5}, "needs a kv_press"),
+        ({"kv_press": "snapkv", "kv_press_ratio": 0.5, "kv_press_after": 0}, "at least 1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.generate([TEXT], SamplingParams(max_tokens=2, **kwargs))  # type: ignore[arg-type]
+    assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
