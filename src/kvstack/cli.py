@@ -18,6 +18,7 @@ from kvstack.request import SamplingParams
 from kvstack.serve.cli import add_serve_args, cmd_serve
 from kvstack.tools.analyze import add_analyze_args, run_analyze
 from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
+from kvstack.tools.eval import add_eval_args, run_eval_cli
 from kvstack.tools.plan import add_plan_args, run_plan
 
 
@@ -391,6 +392,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_analyze_args(an)
     an.set_defaults(func=run_analyze)
+    ev = sub.add_parser(
+        "eval",
+        help="what each KV codec costs: KL, top-1 and greedy agreement, needle, memory, speed",
+        description="Run the model with and without KV codecs on the same inputs and report "
+        "quality (teacher-forced KL and top-1 agreement, greedy agreement, passkey retrieval), "
+        "KV memory per token and decode throughput.",
+    )
+    add_eval_args(ev)
+    ev.set_defaults(func=run_eval_cli)
     return p
 
 

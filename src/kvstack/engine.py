@@ -107,6 +107,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_pressed_requests = 0  # era 5: requests a press compacted
         self.num_press_dropped_tokens = 0
+        self.num_press_input_tokens = 0  # cached tokens the presses looked at
         self.num_reclaimed_blocks = 0  # blocks compaction returned to the pool
         plain = mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
         logger.info(
@@ -292,6 +293,7 @@ class LLMEngine:
             if res is not None:
                 self.num_pressed_requests += 1
                 self.num_press_dropped_tokens += res.dropped
+                self.num_press_input_tokens += res.dropped + res.kept
                 self.num_reclaimed_blocks += res.reclaimed_blocks
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
@@ -373,6 +375,7 @@ class LLMEngine:
             kv_capacity_tokens=kv.num_blocks * self.kv_manager.block_size,
             num_pressed_requests=self.num_pressed_requests,
             num_press_dropped_tokens=self.num_press_dropped_tokens,
+            num_press_input_tokens=self.num_press_input_tokens,
             num_reclaimed_blocks=self.num_reclaimed_blocks,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )

@@ -45,6 +45,7 @@ class EngineStats:
     # Era 5 presses: requests compacted, tokens they dropped, blocks returned at once.
     num_pressed_requests: int = 0
     num_press_dropped_tokens: int = 0
+    num_press_input_tokens: int = 0  # dropped / input = the share of KV presses removed
     num_reclaimed_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,210 @@
+"""``kvstack eval``: report arithmetic, the needle task, a tiny end-to-end run and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstack.cli import main
+from kvstack.errors import ConfigError
+from kvstack.model.registry import load_tokenizer
+from kvstack.tools import eval_report as rep
+from kvstack.tools.eval import EvalConfig, codec_variant, run_eval
+from kvstack.tools.eval_tasks import (
+    INTRO,
+    PHRASINGS,
+    build_needle_prompt,
+    check_answer,
+    make_corpus,
+)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer("default")
+
+
+# ---------------------------------------------------------------------------- arithmetic
+
+
+def test_identical_distributions_have_zero_kl_and_full_agreement() -> None:
+    lp = torch.log_softmax(torch.randn(300, 50, generator=torch.Generator().manual_seed(0)), -1)
+    lp = lp.to(torch.float16)
+    r = rep.compare_logprobs(lp, lp.clone(), torch.arange(300) % 50)
+    assert r["kl_mean"] == 0.0 and r["kl_max"] == 0.0
+    assert r["top1_agreement"] == 1.0
+    assert r["ppl_baseline"] == r["ppl_variant"]
+
+
+def test_hand_made_pair() -> None:
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.7, 0.2, 0.1]]).log()
+    q = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.7, 0.1]]).log()
+    r = rep.compare_logprobs(p, q, torch.tensor([0, 1]))
+    kl_row1 = 0.7 * math.log(0.7 / 0.2) + 0.2 * math.log(0.2 / 0.7)  # 0.5 ln 3.5
+    assert r["kl_mean"] == pytest.approx(kl_row1 / 2, rel=1e-5)
+    assert r["kl_max"] == pytest.approx(kl_row1, rel=1e-5)
+    assert r["top1_agreement"] == 0.5
+    assert r["ppl_baseline"] == pytest.approx(math.exp(-(math.log(0.7) + math.log(0.2)) / 2))
+    assert r["ppl_variant"] == pytest.approx(math.exp(-(math.log(0.7) + math.log(0.7)) / 2))
+    # fp16 inputs (what LLM.score returns) give the same answer to ~1e-3
+    r16 = rep.compare_logprobs(p.half(), q.half())
+    assert r16["kl_mean"] == pytest.approx(kl_row1 / 2, abs=2e-3)
+    # token-weighted aggregation over texts
+    agg = rep.aggregate_quality([r, rep.compare_logprobs(p[:1], p[:1], torch.tensor([0]))])
+    assert agg["tokens"] == 3
+    assert agg["kl_mean"] == pytest.approx(kl_row1 / 3, rel=1e-5)
+    assert agg["top1_agreement"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        rep.compare_logprobs(p, q[:1])
+
+
+def test_greedy_agreement() -> None:
+    assert rep.greedy_agreement([1, 2, 3, 4], [1, 2, 5, 4]) == {
+        "identical_fraction": 0.75,
+        "identical_prefix": 2,
+    }
+    assert rep.greedy_agreement([1, 2], [1, 2])["identical_prefix"] == 2
+    assert rep.greedy_agreement([], [])["identical_fraction"] == 1.0
+
+
+# ---------------------------------------------------------------------------- tasks
+
+
+def test_corpus_is_exact_and_seeded(tok: Any) -> None:
+    a = make_corpus(tok, [100, 300], 2, seed=1)
+    assert [(t.context, t.index, len(t.token_ids)) for t in a] == [
+        (100, 0, 100),
+        (100, 1, 100),
+        (300, 0, 300),
+        (300, 1, 300),
+    ]
+    assert a[0].token_ids != a[1].token_ids
+    assert [t.token_ids for t in make_corpus(tok, [100, 300], 2, seed=1)] == [
+        t.token_ids for t in a
+    ]
+
+
+@pytest.mark.parametrize("style", ["completion", "chat", "chat-prefix"])
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_needle_at_requested_depth(tok: Any, style: str, depth: float) -> None:
+    length = 1024
+    case = build_needle_prompt(tok, length, depth, "68219", style=style)
+    ids = case.prompt_ids
+    assert length - 24 <= len(ids) <= length + 4
+    text = tok.decode(ids)
+    _, question, prefix = PHRASINGS["magic-number"]
+    hay = text.split(INTRO + "\n\n", 1)[1].split("\n\n" + question, 1)[0]
+    before, after = hay.split("The special magic number is: 68219.")
+    assert "68219" not in before + after
+    # measured in haystack sentences (all 3-5 tokens long): the share before the needle
+    n_before, n_after = before.count("."), after.count(".")
+    assert n_before / (n_before + n_after) == pytest.approx(depth, abs=0.03)
+    assert case.actual_depth == pytest.approx(depth, abs=0.02)
+    assert question in text
+    if style != "chat":
+        assert text.rstrip().endswith(prefix)
+    if style == "chat":
+        assert text.endswith("assistant\n")  # the chat template's generation prompt
+    assert text.startswith("system\n") == style.startswith("chat")  # (specials not decoded)
+
+
+def test_check_answer() -> None:
+    assert check_answer(" 68219.", "68219")
+    assert check_answer("The special magic number is: 68219", "68219")
+    assert not check_answer(" 682190", "68219")
+    assert not check_answer("168219", "68219")
+    assert not check_answer("6821", "68219")
+    assert not check_answer("68 219", "68219")
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_report() -> dict[str, Any]:
+    cfg = EvalConfig(
+        variants=[codec_variant("int8")],
+        contexts=[300],
+        num_texts=1,
+        greedy_tokens=8,
+        needle_lengths=[256],
+        needle_depths=[0.5],
+        needle_trials=2,
+        batch=2,
+        progress=False,
+    )
+    return run_eval(cfg)
+
+
+def test_run_eval_end_to_end(tiny_report: dict[str, Any]) -> None:
+    report = json.loads(json.dumps(tiny_report))  # JSON-clean
+    for key in ("config", "model", "machine", "corpus", "needle_task", "results", "wall_s"):
+        assert key in report
+    assert [r["label"] for r in report["results"]] == ["auto", "int8"]
+    base, int8 = report["results"]
+    for r in (base, int8):
+        assert r["quality"]["tokens"] == 150
+        assert set(r["quality"]) >= {"kl_mean", "top1_agreement", "ppl_baseline", "ppl_variant"}
+        assert r["greedy"]["tokens"] == 8 and len(r["raw"]["texts"][0]["greedy_token_ids"]) == 8
+        assert r["needle"]["total"] == 2 and len(r["raw"]["needle"]) == 2
+        assert r["speed"]["output_tokens"] == 2 * 64 and r["speed"]["output_tok_s"] > 0
+    assert base["quality"]["kl_mean"] == 0.0 and base["quality"]["top1_agreement"] == 1.0
+    assert base["speed"]["ratio_to_baseline"] == 1.0 and base["capacity_ratio"] == 1.0
+    assert base["bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16 K and V
+    assert int8["quality"]["top1_agreement"] >= 0.9
+    assert 0.0 < int8["quality"]["kl_mean"] < 0.05
+    assert int8["bytes_per_token"] < 0.52 * base["bytes_per_token"]
+    assert int8["capacity_ratio"] == pytest.approx(1.94, abs=0.01)
+    assert base["quality"]["ppl_baseline"] == pytest.approx(int8["quality"]["ppl_baseline"])
+    assert base["needle"]["accuracy"] == 1.0  # a short passkey prompt works uncompressed
+
+
+def test_report_outputs(tiny_report: dict[str, Any], tmp_path: Path) -> None:
+    table = rep.format_table(tiny_report)
+    assert "int8" in table and "tokens in 1 GiB" in table
+    md = rep.format_markdown(tiny_report)
+    rows = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(rows) == 4 and rows[3].startswith("| int8 |")
+    pytest.importorskip("matplotlib")
+    rep.write_plot(tiny_report, tmp_path / "q.png")
+    assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match="matplotlib"):
+        rep.check_plot_available()
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--kv-cache-dtype", "nosuch"], "nosuch"),
+        (["--kv-cache-dtype", " , "], "empty"),
+        (["--contexts", "9000"], "context"),
+        (["--batch", "0"], "--batch must be positive"),
+        (["--needle-trials", "-1"], "--needle-trials must be positive"),
+        (["--needle-depths", "1.5"], "--needle-depths"),
+        (["--contexts", "1k"], "--contexts"),
+        (["--memory", "lots"], "memory size"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], needle: str
+) -> None:
+    code = main(["eval", "--output", str(tmp_path / "r.json"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstack: error:"), err
+    assert needle in lines[0]
+    assert not (tmp_path / "r.json").exists()
