@@ -82,6 +82,12 @@ def codec_variant(name: str) -> Variant:
     return Variant(name, {"kv_cache_dtype": name})
 
 
+def press_variant(name: str, ratio: float) -> Variant:
+    """A press removing ``ratio`` of each prompt's KV (applied after the first half of a
+    scored text, after a greedy prompt, and before a needle prompt's question)."""
+    return Variant(f"{name}@{ratio:g}", {"kv_press": name, "kv_press_ratio": ratio})
+
+
 @dataclass
 class EvalConfig:
     """Everything ``run_eval`` needs; ``validate`` raises ``ConfigError`` on bad values."""
@@ -111,8 +117,14 @@ class EvalConfig:
 
         if not self.variants:
             raise ConfigError("nothing to evaluate: the --kv-cache-dtype list is empty")
+        from kvstack.kv.press import check_press
+
         for v in self.variants:
             codec_class(str(v.llm_kwargs.get("kv_cache_dtype", BASELINE)))
+            try:
+                check_press(v.llm_kwargs.get("kv_press"), v.llm_kwargs.get("kv_press_ratio", 0.0))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
         for name, n in (
@@ -265,6 +277,16 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
                     raw_needle, config.needle_lengths, config.needle_depths
                 )
                 res["raw"] = {"texts": raw_texts, "needle": raw_needle}
+                st = llm.get_stats()
+                if st.num_pressed_requests:
+                    res["press"] = {
+                        "pressed_requests": st.num_pressed_requests,
+                        "input_tokens": st.num_press_input_tokens,
+                        "removed_fraction": st.num_press_dropped_tokens / st.num_press_input_tokens,
+                        "reclaimed_blocks": st.num_reclaimed_blocks,
+                        "reclaimed_blocks_per_request": st.num_reclaimed_blocks
+                        / st.num_pressed_requests,
+                    }
                 res["wall_s"] = time.perf_counter() - t_var
                 results.append(res)
                 del llm, outs
@@ -326,7 +348,19 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default=",".join(DEFAULT_CODECS),
-        help="comma list of KV codecs to compare with 'auto' (default: %(default)s)",
+        help="comma list of KV codecs to compare with 'auto' (default: %(default)s; "
+        "'none' for no codec, e.g. to compare presses only)",
+    )
+    parser.add_argument(
+        "--kv-press",
+        default=None,
+        help="comma list of presses to compare as well (streaming_llm, snapkv, h2o, "
+        "pyramidkv, knorm, defensivekv, layer_defensivekv), each at every --kv-press-ratios",
+    )
+    parser.add_argument(
+        "--kv-press-ratios",
+        default="0.5,0.8",
+        help="fractions of KV each press removes (default %(default)s; 0.8 = a 20%% budget)",
     )
     parser.add_argument("--model", default="default", help="model (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -359,8 +393,19 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
 def run_eval_cli(args: argparse.Namespace) -> int:
     """``kvstack eval``: user errors raise ``ConfigError`` (one line, exit code 2)."""
     codecs = [c.strip() for c in str(args.kv_cache_dtype).split(",") if c.strip()]
+    if codecs == ["none"]:
+        codecs = []
+    variants = [codec_variant(c) for c in codecs]
+    presses = [p.strip() for p in str(args.kv_press or "").split(",") if p.strip()]
+    try:
+        ratios = [float(r) for r in str(args.kv_press_ratios).split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--kv-press-ratios must be numbers, got {args.kv_press_ratios!r}"
+        ) from None
+    variants += [press_variant(p, r) for p in presses for r in ratios]
     config = EvalConfig(
-        variants=[codec_variant(c) for c in codecs],
+        variants=variants,
         model=args.model,
         dtype=args.dtype,
         contexts=_opt(args, "contexts"),

@@ -178,6 +178,7 @@ COLUMNS = (
     "variant",
     "B/token",
     "tokens in {mem} (× bf16)",
+    "KV removed",
     "KL (nats)",
     "top-1",
     "greedy identical",
@@ -204,6 +205,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
                 r["label"],
                 f"{r['bytes_per_token']:,.0f}",
                 f"{r['tokens_in_memory']:,} ({r['capacity_ratio']:.2f}×)",
+                _removed(r),
                 f"{q['kl_mean']:.4f}",
                 f"{q['top1_agreement']:.3f}",
                 f"{g['identical_fraction']:.3f} (prefix {g['identical_prefix_mean']:.1f})",
@@ -213,6 +215,14 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _removed(r: dict[str, Any]) -> str:
+    """Share of the pressed KV a press really removed (blocks reclaimed per request)."""
+    p = r.get("press")
+    if not p or not p["input_tokens"]:
+        return "–"
+    return f"{p['removed_fraction']:.2f} ({p['reclaimed_blocks_per_request']:.1f} blk)"
 
 
 def _headers(report: dict[str, Any]) -> list[str]:

@@ -106,6 +106,13 @@ class NeedleCase:
     key: str
     prompt_ids: list[int]
     actual_depth: float  # measured in tokens of the haystack
+    question_tokens: int = 0  # tokens after the haystack (question, answer prefix)
+
+    @property
+    def press_after(self) -> int:
+        """Where a press runs: after the haystack, before the question (question-agnostic
+        compression, as kvpress evaluates it)."""
+        return max(1, len(self.prompt_ids) - self.question_tokens)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -215,7 +222,7 @@ def build_needle_prompt(
     after = " ".join(sents[k:])
     body = " ".join(p for p in (before, needle, after) if p)
     ids = tokenizer.encode(head + body + tail, add_special_tokens=False)
-    return NeedleCase(length, depth, key, ids, offsets[k] / max(1, used))
+    return NeedleCase(length, depth, key, ids, offsets[k] / max(1, used), maker.count(tail))
 
 
 def random_key(rng: random.Random) -> str:
@@ -257,11 +264,14 @@ def check_answer(text: str, key: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(key)}(?!\d)", text) is not None
 
 
-def greedy_params(max_tokens: int) -> SamplingParams:
-    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
+def greedy_params(max_tokens: int, press_after: int | None = None) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored); a press, if the
+    engine has one, runs after ``press_after`` prompt tokens (default: the prompt)."""
     from kvstack.request import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, kv_press_after=press_after
+    )
 
 
 def run_needle(
@@ -273,7 +283,7 @@ def run_needle(
         group = [c for c in cases if c.length == length]
         outs = llm.generate(
             prompt_token_ids=[c.prompt_ids for c in group],
-            sampling_params=greedy_params(max_tokens),
+            sampling_params=[greedy_params(max_tokens, c.press_after) for c in group],
         )
         for c, o in zip(group, outs, strict=True):
             answer = o.outputs[0].text
