@@ -301,31 +301,34 @@ def _pyplot() -> Any:
 
 
 def write_plot(report: dict[str, Any], path: str | Path) -> None:
-    """Quality vs memory: KV bytes/token on x; top-1 agreement and KL in two panels."""
+    """Quality vs memory: effective KV bytes per prompt token on x (a press's share of
+    removed KV counted), top-1 agreement and KL in two panels; presses in orange."""
     plt = _pyplot()
     res = report["results"]
-    xs = [r["bytes_per_token"] for r in res]
+    xs = [r["bytes_per_token"] * (1 - (r.get("press") or {}).get("removed_fraction", 0.0))
+          for r in res]  # fmt: skip
+    colors = ["tab:orange" if r.get("press") else "tab:blue" for r in res]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, key, label in (
         (ax1, "top1_agreement", "top-1 agreement with baseline"),
         (ax2, "kl_mean", "mean KL(baseline || variant), nats"),
     ):
         ys = [r["quality"][key] for r in res]
-        ax.scatter(xs, ys, color="tab:blue", zorder=3)
+        ax.scatter(xs, ys, c=colors, zorder=3)
         near = 0.15 * (max(xs) - min(xs) or 1.0)
         for r, x, y in zip(res, xs, ys, strict=True):
             # neighbours in x alternate above / below, top down, so labels do not collide
             higher = sum(abs(x2 - x) < near and y2 > y for x2, y2 in zip(xs, ys, strict=True))
             below = higher % 2 == 1
             ax.annotate(
-                f"{r['label']} ({r['capacity_ratio']:.2f}×)",
+                r["label"] if r.get("press") else f"{r['label']} ({r['capacity_ratio']:.2f}×)",
                 (x, y),
                 textcoords="offset points",
                 xytext=(5, -13 if below else 6),
                 fontsize=9,
             )
         ax.margins(x=0.2, y=0.1)
-        ax.set_xlabel("KV bytes per token (all layers)")
+        ax.set_xlabel("KV bytes per prompt token kept (all layers)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     ax2.set_yscale("symlog", linthresh=1e-4)
