@@ -118,3 +118,23 @@ def pooled_window_scores(
     pooled = pooled.view(h, w, -1)[..., : inp.n - w]
     pooled = pooled / pooled.sum(-1, keepdim=True).clamp_min(1e-12) * mass
     return pooled, w
+
+
+class WindowScorePress(Press):
+    """A press that scores each layer's tokens before its observation window and keeps
+    the best ``m - w`` plus the window (SnapKV's family)."""
+
+    window: ClassVar[int] = 64
+    kernel: ClassVar[int] = 5
+
+    @abc.abstractmethod
+    def layer_scores(self, inp: PressInput, layer: int) -> tuple[torch.Tensor, int]:
+        """``[kv_heads, n - w]`` scores of the tokens before the window, and ``w``."""
+
+    def select(self, inp: PressInput) -> list[torch.Tensor]:
+        m = self.budget(inp.n)
+        out = []
+        for layer in range(inp.num_layers):
+            scores, w = self.layer_scores(inp, layer)
+            out.append(top_with_tail(scores, m, w))
+        return out

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstack.kv.press.base import Press, PressInput, pooled_window_scores, top_with_tail
+from kvstack.kv.press.base import PressInput, WindowScorePress, pooled_window_scores
 
 
-class DefensiveKVPress(Press):
+class DefensiveKVPress(WindowScorePress):
     name = "defensivekv"
     paper = "Feng et al., ICLR 2026"
     window = 32
@@ -28,11 +28,3 @@ class DefensiveKVPress(Press):
         kvh = inp.keys[layer].shape[1]
         worst = pooled.amax(1).view(kvh, -1, pooled.shape[-1]).amax(1)  # max: window, group
         return worst.clamp(min=worst.mean(-1, keepdim=True)), w
-
-    def select(self, inp: PressInput) -> list[torch.Tensor]:
-        m = self.budget(inp.n)
-        out = []
-        for layer in range(inp.num_layers):
-            scores, w = self.layer_scores(inp, layer)
-            out.append(top_with_tail(scores, m, w))
-        return out

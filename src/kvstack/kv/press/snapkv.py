@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstack.kv.press.base import Press, PressInput, pooled_window_scores, top_with_tail
+from kvstack.kv.press.base import PressInput, WindowScorePress, pooled_window_scores
 
 
-class SnapKVPress(Press):
+class SnapKVPress(WindowScorePress):
     name = "snapkv"
     paper = "Li et al., NeurIPS 2024"
     window = 64
@@ -24,11 +24,3 @@ class SnapKVPress(Press):
         pooled, w = pooled_window_scores(inp, layer, self.window, self.kernel)
         kvh = inp.keys[layer].shape[1]
         return pooled.mean(1).view(kvh, -1, pooled.shape[-1]).mean(1), w
-
-    def select(self, inp: PressInput) -> list[torch.Tensor]:
-        m = self.budget(inp.n)
-        out = []
-        for layer in range(inp.num_layers):
-            scores, w = self.layer_scores(inp, layer)
-            out.append(top_with_tail(scores, m, w))
-        return out
