@@ -127,13 +127,13 @@ class Scheduler:
                     continue
                 # Era 3: adopt the longest cached prefix; compute only the rest.
                 computed = self.kv.get_computed_blocks(req)
-                if req.press_pending:  # era 5: never reuse past the press point
-                    computed = computed[: (req.press_point - 1) // self.kv.block_size]
                 if self.connector is not None:  # era 4: extend it from the offload tiers
                     loaded = self.connector.load(req, computed, budget, bool(self.running))
                     if loaded is None:
                         break  # no room to load yet; running requests will free some
                     computed = computed + loaded
+                if req.press_pending:  # era 5: never reuse past the press point
+                    computed = computed[: (req.press_point - 1) // self.kv.block_size]
                 num_cached = len(computed) * self.kv.block_size
                 num_new = req.num_tokens - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
