@@ -208,3 +208,10 @@ def test_cli_errors_are_one_line_exit_2(
     assert len(lines) == 1 and lines[0].startswith("kvstack: error:"), err
     assert needle in lines[0]
     assert not (tmp_path / "r.json").exists()
+
+
+def test_corpus_choice_is_validated() -> None:
+    from kvstack.tools.eval import EvalConfig
+
+    with pytest.raises(ConfigError, match="--corpus must be prose or generated"):
+        EvalConfig(corpus="poems").validate()

@@ -148,6 +148,51 @@ def make_corpus(
     return out
 
 
+GEN_TOPICS = (
+    "the history of lighthouses and the people who kept them",
+    "how bread is made, from growing wheat to baking",
+    "how a small town changed over a hundred years",
+    "the life of honeybees through the seasons",
+)
+
+
+def generated_corpus(
+    llm: LLM, contexts: list[int], num_texts: int, seed: int = 0
+) -> list[EvalText]:
+    """Texts the model writes itself (the issue's "generate the texts with the model").
+
+    A chat prompt asks for a long essay on one of ``GEN_TOPICS``; the model samples the
+    rest (temperature 0.7, top-p 0.95, seeded, EOS ignored) up to ``context`` tokens. Its
+    own text has low perplexity (~1.6), so top-1 agreement measures the KV method rather
+    than near-ties in flat distributions (synthetic prose: perplexity ~50).
+    """
+    from kvstack.request import SamplingParams
+
+    prompts, params, keys = [], [], []
+    for ctx in contexts:
+        for i in range(num_texts):
+            topic = GEN_TOPICS[(i + ctx) % len(GEN_TOPICS)]
+            msg = [{"role": "user", "content": f"Write a long, detailed essay about {topic}."}]
+            ids = llm.tokenizer.apply_chat_template(msg, tokenize=True)
+            assert isinstance(ids, list)
+            prompts.append(ids)
+            params.append(
+                SamplingParams(
+                    temperature=0.7,
+                    top_p=0.95,
+                    seed=seed * 1000 + ctx + i,
+                    max_tokens=ctx - len(ids),
+                    ignore_eos=True,
+                )
+            )
+            keys.append((ctx, i))
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return [
+        EvalText(ctx, i, (p + list(o.outputs[0].token_ids))[:ctx])
+        for (ctx, i), p, o in zip(keys, prompts, outs, strict=True)
+    ]
+
+
 # ---------------------------------------------------------------------------- needle
 
 
