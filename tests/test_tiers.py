@@ -287,7 +287,7 @@ def test_redis_down_slow_and_restarted(caplog: pytest.LogCaptureFixture) -> None
 def test_offload_manager_loads_waterfall_promotes_and_bounds_stores(tmp_path: Path) -> None:
     host = HostTier(LAYOUT, capacity_bytes=1 << 20)
     disk = DiskTier(LAYOUT, tmp_path, capacity_bytes=1 << 20)
-    mgr = OffloadManager([host, disk], LAYOUT, torch.bfloat16, max_pending_store_bytes=4 * 256)
+    mgr = OffloadManager([host, disk], LAYOUT, max_pending_store_bytes=4 * 256)
     data = (torch.arange(4 * 256) % 251).to(torch.uint8).view(4, 256)
     assert mgr.submit_store([h(i) for i in range(4)], data)
     assert mgr.flush(10)

@@ -49,7 +49,6 @@ class LogitCapture:
     """
 
     start: int  # first prompt position to keep
-    positions: list[int] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, first: int, logits: torch.Tensor) -> None:
@@ -57,7 +56,6 @@ class LogitCapture:
         skip = max(0, self.start - first)
         if skip < logits.shape[0]:
             self.rows.append(torch.log_softmax(logits[skip:].float(), -1).to(torch.float16))
-            self.positions.extend(range(first + skip, first + logits.shape[0]))
 
     def logprobs(self) -> torch.Tensor:
         return torch.cat(self.rows) if self.rows else torch.empty(0)

@@ -51,7 +51,6 @@ class TierConnector:
         # cached-token split is right even if admission is retried after the load.
         self._loaded_from: dict[str, dict[int, str]] = {}
         self.num_loaded_blocks = 0
-        self.num_stored_blocks = 0
 
     # ------------------------------------------------------------------ requests
     def _loadable_hashes(self, req: Request) -> list[bytes]:
@@ -163,8 +162,7 @@ class TierConnector:
             for t in self.storage.block_tensors()
         ]
         data = torch.cat(parts, dim=1)
-        if self.offload.submit_store([h for h, _ in items], data):
-            self.num_stored_blocks += len(items)
+        self.offload.submit_store([h for h, _ in items], data)
 
     def discard_step(self) -> None:
         """A failed step: its blocks may be half written, so none of them is stored."""
@@ -222,4 +220,4 @@ def make_connector(
         "; ".join(t.describe() for t in tiers),
         layout.payload_bytes // 1024,
     )
-    return TierConnector(kv, storage, OffloadManager(tiers, layout, storage.dtype))
+    return TierConnector(kv, storage, OffloadManager(tiers, layout))

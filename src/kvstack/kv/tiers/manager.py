@@ -67,14 +67,12 @@ class OffloadManager:
         self,
         tiers: Sequence[OffloadTier],
         layout: BlockLayout,
-        dtype: torch.dtype,
         max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES,
     ) -> None:
         if not tiers:
             raise ValueError("an OffloadManager needs at least one tier")
         self.tiers = list(tiers)
         self.layout = layout
-        self.dtype = dtype
         self.max_pending_store_bytes = max_pending_store_bytes
         self._cv = threading.Condition()
         self._loads: deque[tuple[str, int, list[bytes]]] = deque()
