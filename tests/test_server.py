@@ -404,3 +404,57 @@ def test_bench_serve_against_the_server(srv: ServerProcess, tmp_path: Path) -> N
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["completed"] == 8 and res["failed"] == 0 and res["cached_prompt_tokens"] > 0
     wait_idle(srv)
+
+
+def read_sse_batches(resp: httpx.Response, n: int, timeout_s: float = 30.0) -> list[dict]:
+    """The first ``n`` ``data:`` batches of a KV event stream (keep-alives skipped)."""
+    out: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            out.append(json.loads(line[6:]))
+            if len(out) == n:
+                break
+        assert time.monotonic() < deadline, f"only {len(out)} of {n} batches"
+    return out
+
+
+def test_load_and_kv_event_stream(srv: ServerProcess) -> None:
+    """`/load` gives what a router needs; `/v1/kv_events` starts with a snapshot and then
+    announces the exact chained hashes of a new prompt's blocks (kvstack.kv.hashing)."""
+    from kvstack.kv.hashing import hash_blocks, root_hash
+
+    load = httpx.get(srv.url + "/load").json()
+    assert load["role"] == "both" and load["block_size"] == 16
+    assert load["num_requests_running"] >= 0 and 0 <= load["kv_cache_usage_perc"] <= 1
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(srv.url + "/v1/kv_events").status_code == 401
+    ids = [1000 + i for i in range(70)]  # 4 full blocks, never sent before
+    want = [h.hex() for h in hash_blocks(ids, 16, root_hash(load["model_id"], None))]
+    with httpx.stream("GET", srv.url + "/v1/kv_events", headers=headers, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])
+        assert first["seq"] == 0 and first["snapshot"] is True
+        assert first["events"][0]["type"] == "BlockSnapshot"
+        assert not set(want) & set(first["events"][0]["block_hashes"])
+        body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, headers=headers).is_success
+        stored: list[str] = []
+        seq = 0
+        deadline = time.monotonic() + 30
+        for line in lines:
+            assert time.monotonic() < deadline
+            if not line.startswith("data: "):
+                continue
+            batch = json.loads(line[6:])
+            assert batch["seq"] == seq + 1 and batch["snapshot"] is False
+            seq = batch["seq"]
+            stored += [
+                h for e in batch["events"] if e["type"] == "BlockStored" for h in e["block_hashes"]
+            ]
+            if set(want) <= set(stored):
+                break
+    with httpx.stream("GET", srv.url + "/v1/kv_events", headers=headers, timeout=30) as r:
+        snap = read_sse_batches(r, 1)[0]
+        assert set(want) <= set(snap["events"][0]["block_hashes"])  # a reconnect sees them

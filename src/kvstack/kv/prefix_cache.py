@@ -58,6 +58,10 @@ class PrefixCache(abc.ABC):
     def num_cached_blocks(self) -> int: ...
 
     @abc.abstractmethod
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the cache serves now (a KV-event stream's snapshot)."""
+
+    @abc.abstractmethod
     def match(
         self, token_ids: Sequence[int], hashes: Sequence[BlockHash], root: BlockHash
     ) -> list[KVCacheBlock]:
@@ -177,6 +181,9 @@ class HashPrefixCache(PrefixCache):
     @property
     def num_cached_blocks(self) -> int:
         return len(self.table)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self.table)
 
     def match(
         self, token_ids: Sequence[int], hashes: Sequence[BlockHash], root: BlockHash

@@ -68,6 +68,9 @@ class RadixPrefixCache(PrefixCache):
     def num_cached_blocks(self) -> int:
         return len(self.by_hash)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self.by_hash)
+
     @property
     def num_evictable(self) -> int:
         return self._num_unreferenced

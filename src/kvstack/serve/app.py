@@ -35,6 +35,7 @@ from kvstack.serve.async_engine import (
     RequestInfo,
     RequestTimeoutError,
 )
+from kvstack.serve.kv_events_stream import KVEventBroadcaster
 from kvstack.serve.openai_api import ApiContext, OpenAIHandler
 from kvstack.serve.protocol import (
     ChatCompletionRequest,
@@ -68,6 +69,10 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float | None = None
     shutdown_grace_s: float = 30.0
+    # Prefill/decode split (``--role``): a prefill replica computes the prompt's KV, waits
+    # until its offload tiers hold it, and answers one token; "both" is a plain server.
+    role: str = "both"
+    prefill_flush_timeout_s: float = 30.0
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -75,6 +80,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     ctx = ApiContext(engine, tokenizer, config.model_name, config.request_timeout_s)
     handler = OpenAIHandler(ctx)
     metrics = engine.metrics
+    kv_events = KVEventBroadcaster(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -151,6 +157,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     async def serve_openai(raw: Request, req: Any, chat: bool) -> Response:
         check_model(req.model)
+        if config.role == "prefill":  # the router sends the full request to a decode replica
+            req.max_tokens, req.max_completion_tokens = 1, None
         try:
             if chat:
                 msgs = req.template_messages()
@@ -197,10 +205,26 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         errors = [j.last.error for j in jobs if j.last is not None and j.last.error]
         if errors:
             raise ApiError(500, errors[0], "server_error")
+        if config.role == "prefill":
+            await flush_offload()
         body = (
             handler.chat_body(rid, req, jobs) if chat else handler.completion_body(rid, req, jobs)
         )
         return JSONResponse(body)
+
+    async def flush_offload() -> None:
+        """Prefill role: answer once the prompt's blocks are in the shared tier.
+
+        The step that finished the request queued its blocks for storing before the
+        output was delivered, so waiting for the store queue to drain is enough.
+        """
+        conn = engine.engine.connector
+        if conn is None:
+            return
+        wait = config.prefill_flush_timeout_s
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, conn.offload.flush, wait):
+            logger.warning("prefill: KV stores still queued after %.0fs", wait)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -266,6 +290,30 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if not engine.alive:
             raise ApiError(503, "engine loop is not running", "server_error")
         return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> dict:
+        """What a router needs: load, KV usage, and the prefix-hash parameters."""
+        s = engine.stats
+        kv = engine.engine.kv_manager
+        return {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "kv_cache_usage_perc": s.kv_usage,
+            "block_size": kv.block_size,
+            "model_id": getattr(kv, "model_id", ""),  # the contiguous baseline has no hashes
+            "role": config.role,
+            "served_model_name": config.model_name,
+        }
+
+    @app.get("/v1/kv_events")
+    async def kv_event_stream(raw: Request) -> Response:
+        """KV events as Server-Sent Events: a snapshot, then every change (see
+        ``serve/kv_events_stream.py`` for the format)."""
+        check_auth(raw)
+        if not engine.alive:
+            raise ApiError(503, "engine loop is not running", "server_error")
+        return StreamingResponse(kv_events.stream(), media_type="text/event-stream")
 
     @app.get("/version")
     async def version() -> dict:

@@ -54,6 +54,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 (default 8 MiB)",
     )
     g.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="prefill/decode split behind `kvstack router`: a prefill replica computes the "
+        "prompt's KV, waits until its --kv-offload tiers hold it and answers one token; a "
+        "decode replica loads that KV from the shared tier instead of recomputing it. Both "
+        "need --kv-offload with a tier they share (redis://..., or one disk folder). "
+        "Default both: an ordinary server",
+    )
+    g.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -81,6 +91,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError(f"--max-waiting must be at least 1, got {a.max_waiting}")
     if not 0 < a.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {a.port}")
+    if a.role != "both" and not a.kv_offload:
+        raise ConfigError(
+            f"--role {a.role} needs --kv-offload with a tier the replicas share "
+            "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
+        )
     logging.getLogger("kvstack").setLevel(logging.INFO)
     llm = build_llm(a)
     name = a.served_model_name or default_served_name(a.model)
@@ -96,9 +111,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_body_bytes=a.max_body_bytes,
             request_timeout_s=a.request_timeout,
             shutdown_grace_s=a.shutdown_grace,
+            role=a.role,
         ),
     )
-    logger.info("kvstack serving %s on http://%s:%d", name, a.host, a.port)
+    logger.info("kvstack serving %s on http://%s:%d (role %s)", name, a.host, a.port, a.role)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

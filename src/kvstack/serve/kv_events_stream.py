@@ -1,0 +1,115 @@
+"""``GET /v1/kv_events``: the engine's KV events as a Server-Sent-Events stream.
+
+A KV-aware router (``kvstack router --policy kv_events``, the Ray Serve router) keeps
+an exact index of what each replica caches by following this stream, as llm-d's KV
+indexer follows vLLM's ZMQ ``kv_events``. SSE over the server's own port needs no
+second socket and passes any HTTP proxy.
+
+Wire format (one ``data: <json>`` line and a blank line per batch)::
+
+    {"seq": 0, "ts": ..., "snapshot": true,
+     "events": [{"type": "BlockSnapshot", "block_hashes": [...], "medium": "device"}]}
+    {"seq": 1, "ts": ..., "snapshot": false, "events": [{"type": "BlockStored", ...}, ...]}
+    {"seq": 2, ...}
+
+Invariants:
+
+* ``seq`` grows by exactly one per batch on a connection; the first batch is always a
+  snapshot of every hash the device cache serves at that instant, and the batches after
+  it carry exactly the events published after that instant (no loss, no repeat).
+* Consistency comes from the engine thread: events are published there, and the
+  snapshot is taken there (``AsyncEngine.run``), under the same lock that numbers
+  events, so the snapshot and the event cursor describe the same moment.
+* Events live in one bounded ring shared by all connections. A connection that falls
+  so far behind that the ring dropped events it has not sent is closed; the client
+  reconnects and gets a fresh snapshot (a gap is never papered over).
+* Idle connections get a ``: keep-alive`` comment every ``keepalive_s`` so a client can
+  tell a silent replica from a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvstack.kv.events import KVEvent
+from kvstack.serve.async_engine import AsyncEngine
+
+
+class KVEventBroadcaster:
+    """Numbers the engine's KV events and serves them to any number of SSE clients."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        max_events: int = 200_000,
+        poll_s: float = 0.05,
+        keepalive_s: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        self.poll_s = poll_s
+        self.keepalive_s = keepalive_s
+        self._lock = threading.Lock()
+        self._ring: deque[tuple[int, KVEvent]] = deque(maxlen=max_events)
+        self._next = 0  # number the next published event gets
+        self.num_clients = 0
+        engine.engine.kv_events.subscribe(self._publish)
+
+    def _publish(self, event: KVEvent) -> None:  # engine thread
+        with self._lock:
+            self._ring.append((self._next, event))
+            self._next += 1
+
+    def _snapshot(self) -> tuple[int, list[str]]:  # engine thread, between steps
+        cache = self.engine.engine.kv_manager.cache
+        with self._lock:
+            hashes = [h.hex() for h in cache.cached_hashes()] if cache is not None else []
+            return self._next, hashes
+
+    def _since(self, cursor: int) -> tuple[list[KVEvent], int] | None:
+        """Events numbered ``>= cursor`` and the new cursor; None if some were dropped."""
+        with self._lock:
+            if cursor >= self._next:
+                return [], cursor
+            if not self._ring or self._ring[0][0] > cursor:
+                return None
+            first = cursor - self._ring[0][0]
+            events = [self._ring[i][1] for i in range(first, len(self._ring))]
+            return events, self._next
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """One connection: a snapshot batch, then every later event in batches."""
+        cursor, hashes = await self.engine.run(self._snapshot)
+        seq = 0
+        snap = {"type": "BlockSnapshot", "block_hashes": hashes, "medium": "device"}
+        yield _frame({"seq": seq, "ts": time.time(), "snapshot": True, "events": [snap]})
+        self.num_clients += 1
+        idle = 0.0
+        try:
+            while self.engine.alive:
+                got = self._since(cursor)
+                if got is None:  # too slow: close; the client reconnects for a snapshot
+                    return
+                events, cursor = got
+                if events:
+                    seq += 1
+                    batch = {"seq": seq, "ts": time.time(), "snapshot": False}
+                    yield _frame({**batch, "events": [e.to_dict() for e in events]})
+                    idle = 0.0
+                elif idle >= self.keepalive_s:
+                    yield b": keep-alive\n\n"
+                    idle = 0.0
+                await asyncio.sleep(self.poll_s)
+                idle += self.poll_s
+        finally:
+            self.num_clients -= 1
+
+
+def _frame(batch: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(batch, separators=(",", ":")).encode() + b"\n\n"
