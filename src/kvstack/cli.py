@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstack.config import parse_size
+from kvstack.deploy.k8s import add_deploy_args
 from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
+from kvstack.route.ray_cli import add_ray_args
 from kvstack.serve.cli import add_serve_args, cmd_serve
 from kvstack.tools.analyze import add_analyze_args, run_analyze
 from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
@@ -364,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the model over HTTP with the OpenAI API and Prometheus metrics.",
     )
     add_serve_args(s)
+    add_ray_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="benchmarks against a running server")
@@ -401,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_eval_args(ev)
     ev.set_defaults(func=run_eval_cli)
+    dp = sub.add_parser(
+        "deploy",
+        help="render deployment manifests (Kubernetes: engine, router, Redis, KEDA, PodMonitor)",
+        description="Render the manifests that run kvstack on an existing platform.",
+    )
+    add_deploy_args(dp)
     return p
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from kvstack.errors import ConfigError
 
@@ -79,9 +80,11 @@ def default_served_name(model: str) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
+def build_server(a: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+    """Check the server options, load the model and build ``(llm, async engine, app, name)``.
 
+    Shared by ``kvstack serve`` and each Ray Serve replica (``route/ray_serve.py``).
+    """
     from kvstack.cli import build_llm
     from kvstack.serve.app import ServerConfig, create_app
     from kvstack.serve.async_engine import AsyncEngine
@@ -96,7 +99,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
             f"--role {a.role} needs --kv-offload with a tier the replicas share "
             "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
         )
-    logging.getLogger("kvstack").setLevel(logging.INFO)
     llm = build_llm(a)
     name = a.served_model_name or default_served_name(a.model)
     metrics = ServerMetrics(name)
@@ -114,6 +116,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
             role=a.role,
         ),
     )
+    return llm, engine, app, name
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    if getattr(a, "ray", False):
+        from kvstack.route.ray_cli import serve_on_ray
+
+        return serve_on_ray(a)
+    logging.getLogger("kvstack").setLevel(logging.INFO)
+    llm, engine, app, name = build_server(a)
     logger.info("kvstack serving %s on http://%s:%d (role %s)", name, a.host, a.port, a.role)
     server = uvicorn.Server(
         uvicorn.Config(
