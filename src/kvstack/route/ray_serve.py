@@ -33,6 +33,8 @@ import asyncio
 import copy
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -82,8 +84,6 @@ class EngineCall:
 
 
 def _free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -118,7 +118,10 @@ class EngineReplica:
         public = get_node_ip_address() if a.host == "0.0.0.0" else a.host
         self.url = f"http://{public}:{a.port}"
         kv = self.engine.engine.kv_manager
-        self.meta = {"url": self.url, "block_size": kv.block_size, "model_id": kv.model_id}
+        self.meta = {
+            "url": self.url, "block_size": kv.block_size, "model_id": kv.model_id,
+            "pid": os.getpid(), "node": socket.gethostname(),
+        }  # fmt: skip
         self._session: aiohttp.ClientSession | None = None
         logger.info("replica serving on %s", self.url)
 
@@ -160,7 +163,7 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         self.balance = BalanceConfig(
             int(kwargs.get("balance_abs", 2)),
             float(kwargs.get("balance_rel", 1.5)),
-            float(kwargs.get("min_match_ratio", 0.0)),
+            float(kwargs.get("min_match_ratio", 0.5)),
         )
         api_key = kwargs.get("api_key")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -171,7 +174,7 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         self._decisions: dict[str, tuple[RouteRequest, Decision]] = {}
         self._req_replica: dict[str, str] = {}
         self._followers: dict[str, EventFollower] = {}
-        self._urls: dict[str, str] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         ray_state.ROUTERS.append(self)
 
@@ -188,7 +191,7 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         index = getattr(self.policy, "index", None)
         for r in replicas:
             rid, url = r.replica_id.unique_id, r.replica_metadata.get("url")
-            self._urls.setdefault(rid, url or "")
+            self._meta.setdefault(rid, r.replica_metadata)
             if index is not None and url and rid not in self._followers:
                 f = EventFollower(rid, url, index, headers=self.headers)
                 f.start()
@@ -212,11 +215,8 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
                         int(stats.get("waiting", 0)), float(stats.get("kv_usage", 0.0)))
             )  # fmt: skip
         call = pending_request.args[0] if pending_request and pending_request.args else None
-        req = (
-            RouteRequest(call.token_ids, call.cache_salt)
-            if isinstance(call, EngineCall)
-            else RouteRequest(())
-        )
+        # Duck-typed: Ray ships this class by value, so its ``EngineCall`` may be a copy.
+        req = RouteRequest(getattr(call, "token_ids", ()), getattr(call, "cache_salt", None))
         key = pending_request.metadata.internal_request_id if pending_request else None
         if key is not None and key in self._decisions:  # Ray asks again (backoff): same answer
             d = self._decisions[key][1]
@@ -268,10 +268,10 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
     def state(self) -> dict[str, Any]:
         index = getattr(self.policy, "index", None)
         replicas = []
-        for rid, url in sorted(self._urls.items()):
+        for rid in sorted(self._meta):
             fresh = index.is_fresh(rid) if index is not None else None
             replicas.append(
-                {"id": rid, "url": url, "inflight": self.inflight.get(rid, 0),
+                {"id": rid, **self._meta.get(rid, {}), "inflight": self.inflight.get(rid, 0),
                  "routed": self.routed.get(rid, 0), "events_fresh": fresh}
             )  # fmt: skip
         return {"policy": self.policy_name, "reasons": dict(self.reasons), "replicas": replicas}
