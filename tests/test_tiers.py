@@ -316,3 +316,27 @@ def test_offload_manager_loads_waterfall_promotes_and_bounds_stores(tmp_path: Pa
     mgr.check_integrity()
     mgr.close()
     assert host.closed and disk.closed
+
+
+def test_tier_stores_and_evictions_are_kv_events(tmp_path: Path) -> None:
+    """What the I/O thread puts into a tier, and what a tier's budget evicts, is published
+    with the tier as ``medium`` (the router's index counts a host/disk hit as held)."""
+    from kvstack.kv.events import BlockRemoved, BlockStored, KVEventLog
+
+    events = KVEventLog()
+    host = HostTier(LAYOUT, capacity_bytes=3 * 256)
+    disk = DiskTier(LAYOUT, tmp_path, capacity_bytes=1 << 20)
+    mgr = OffloadManager([host, disk], LAYOUT, events=events)
+    data = (torch.arange(4 * 256) % 251).to(torch.uint8).view(4, 256)
+    assert mgr.submit_store([h(i) for i in range(4)], data)
+    assert mgr.flush(10)
+    got = events.drain().events
+    stored = {e.medium: e.block_hashes for e in got if isinstance(e, BlockStored)}
+    assert stored == {"host": [h(i) for i in range(4)], "disk": [h(i) for i in range(4)]}
+    assert all(e.token_ids == [] for e in got if isinstance(e, BlockStored))
+    removed = [e for e in got if isinstance(e, BlockRemoved)]
+    assert [(e.medium, e.block_hashes) for e in removed] == [("host", [h(0)])]  # 3-block budget
+    assert sorted(host.held_hashes() or []) == sorted(h(i) for i in range(1, 4))
+    assert len(disk.held_hashes() or []) == 4
+    mgr.close()
+    mgr.check_integrity()

@@ -7,7 +7,9 @@ engine holds by consuming this stream instead of polling. The shapes follow vLLM
 * ``BlockStored``: consecutive full blocks of one sequence became reusable. Their
   hashes form a chain: ``block_hashes[0]``'s parent is ``parent_block_hash`` (None for
   the first block of a sequence); ``token_ids`` holds ``len(block_hashes) * block_size``
-  tokens.
+  tokens for the device pool, and is empty for an offload tier's store (``medium`` =
+  "host", "disk", "redis": tiers keep no token ids, and their blocks need not be
+  consecutive).
 * ``BlockRemoved``: these hashes are no longer served by ``medium`` (evicted or dropped).
 * ``AllBlocksCleared``: the medium's cache was reset.
 

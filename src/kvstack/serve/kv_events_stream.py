@@ -15,8 +15,9 @@ Wire format (one ``data: <json>`` line and a blank line per batch)::
 Invariants:
 
 * ``seq`` grows by exactly one per batch on a connection; the first batch is always a
-  snapshot of every hash the device cache serves at that instant, and the batches after
-  it carry exactly the events published after that instant (no loss, no repeat).
+  snapshot of every hash the device cache (and each host or disk tier) serves at that
+  instant, and the batches after it carry exactly the events published after that
+  instant (no loss; a tier event racing the snapshot may repeat, harmlessly).
 * Consistency comes from the engine thread: events are published there, and the
   snapshot is taken there (``AsyncEngine.run``), under the same lock that numbers
   events, so the snapshot and the event cursor describe the same moment.
@@ -66,11 +67,24 @@ class KVEventBroadcaster:
             self._ring.append((self._next, event))
             self._next += 1
 
-    def _snapshot(self) -> tuple[int, list[str]]:  # engine thread, between steps
-        cache = self.engine.engine.kv_manager.cache
+    def _snapshot(self) -> tuple[int, list[dict[str, Any]]]:  # engine thread, between steps
+        """The cursor and one ``BlockSnapshot`` per medium that can list its blocks: the
+        device cache, and the host and disk tiers (Redis is shared and cannot)."""
+        eng = self.engine.engine
+        cache = eng.kv_manager.cache
         with self._lock:
-            hashes = [h.hex() for h in cache.cached_hashes()] if cache is not None else []
-            return self._next, hashes
+            held = {"device": cache.cached_hashes() if cache is not None else []}
+            for tier in eng.connector.offload.tiers if eng.connector is not None else []:
+                # Tier events come from the I/O thread: one that lands between this read
+                # and the cursor is sent after the snapshot too; set semantics absorb it.
+                hashes = tier.held_hashes()
+                if hashes is not None:
+                    held[tier.name] = hashes
+            snaps = [
+                {"type": "BlockSnapshot", "block_hashes": [h.hex() for h in hs], "medium": m}
+                for m, hs in held.items()
+            ]
+            return self._next, snaps
 
     def _since(self, cursor: int) -> tuple[list[KVEvent], int] | None:
         """Events numbered ``>= cursor`` and the new cursor; None if some were dropped."""
@@ -85,10 +99,9 @@ class KVEventBroadcaster:
 
     async def stream(self) -> AsyncIterator[bytes]:
         """One connection: a snapshot batch, then every later event in batches."""
-        cursor, hashes = await self.engine.run(self._snapshot)
+        cursor, snaps = await self.engine.run(self._snapshot)
         seq = 0
-        snap = {"type": "BlockSnapshot", "block_hashes": hashes, "medium": "device"}
-        yield _frame({"seq": seq, "ts": time.time(), "snapshot": True, "events": [snap]})
+        yield _frame({"seq": seq, "ts": time.time(), "snapshot": True, "events": snaps})
         self.num_clients += 1
         idle = 0.0
         try:

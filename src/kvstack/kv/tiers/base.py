@@ -23,7 +23,7 @@ import abc
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -101,6 +101,15 @@ class OffloadTier(abc.ABC):
 
     def describe(self) -> str:
         return self.name
+
+    def held_hashes(self) -> list[bytes] | None:
+        """Every hash the tier holds, for a KV-event snapshot; None when the tier cannot
+        enumerate them cheaply (Redis: shared, expiring, evicted by the server)."""
+        return None
+
+    def watch_evictions(self, callback: Callable[[list[bytes]], None]) -> None:
+        """Have ``callback`` told the hashes the tier evicts (tiers that can observe it)."""
+        del callback  # a tier whose store evicts on its own (Redis) cannot say which
 
     def close(self) -> None:
         """Release connections and files (the data itself stays, for disk and Redis)."""

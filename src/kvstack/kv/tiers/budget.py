@@ -8,6 +8,8 @@ release, as a device prefix hit is. Invariant:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvstack.kv.policies import make_policy
 
 
@@ -20,6 +22,8 @@ class BlockBudget:
         self.policy = make_policy(policy, 1 << 20)
         self.sizes: dict[bytes, int] = {}
         self.used_bytes = 0
+        # Told the keys ``admit`` evicts (the offload manager publishes them as KV events).
+        self.on_evict: Callable[[list[bytes]], None] | None = None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.sizes
@@ -43,6 +47,8 @@ class BlockBudget:
         self.used_bytes += size
         self.policy.on_insert(key)
         self.policy.on_release(key)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
         return victims
 
     def hit(self, key: bytes) -> None:

@@ -220,4 +220,4 @@ def make_connector(
         "; ".join(t.describe() for t in tiers),
         layout.payload_bytes // 1024,
     )
-    return TierConnector(kv, storage, OffloadManager(tiers, layout))
+    return TierConnector(kv, storage, OffloadManager(tiers, layout, events=kv.events))

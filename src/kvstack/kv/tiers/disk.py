@@ -25,7 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstack.kv.tiers.base import OffloadTier
@@ -164,6 +164,12 @@ class DiskTier(OffloadTier):
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self.budget
+
+    def held_hashes(self) -> list[bytes] | None:
+        return list(self.budget.sizes)
+
+    def watch_evictions(self, callback: Callable[[list[bytes]], None]) -> None:
+        self.budget.on_evict = callback
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -12,7 +12,7 @@ never leave the process).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstack.kv.tiers.base import OffloadTier
 from kvstack.kv.tiers.block_format import BlockLayout
@@ -60,6 +60,12 @@ class HostTier(OffloadTier):
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self.data
+
+    def held_hashes(self) -> list[bytes] | None:
+        return list(self.data)
+
+    def watch_evictions(self, callback: Callable[[list[bytes]], None]) -> None:
+        self.budget.on_evict = callback
 
     def check_integrity(self) -> None:
         super().check_integrity()

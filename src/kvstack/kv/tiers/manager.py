@@ -24,11 +24,12 @@ import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvstack.kv.events import BlockRemoved, BlockStored, KVEventLog
 from kvstack.kv.tiers.base import OffloadTier, TierStats
 from kvstack.kv.tiers.block_format import BlockLayout
 
@@ -62,16 +63,27 @@ class _StoreJob:
         return self.data.numel() * self.data.element_size()
 
 
+def _publish_removed(events: KVEventLog, medium: str) -> Callable[[list[bytes]], None]:
+    return lambda hashes: events.publish(BlockRemoved(hashes, medium))
+
+
 class OffloadManager:
     def __init__(
         self,
         tiers: Sequence[OffloadTier],
         layout: BlockLayout,
         max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES,
+        events: KVEventLog | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("an OffloadManager needs at least one tier")
         self.tiers = list(tiers)
+        # KV events with the tier as ``medium`` (published from the I/O thread): what each
+        # store put into a tier, and what a tier's budget evicted for it.
+        self.events = events
+        if events is not None:
+            for t in self.tiers:
+                t.watch_evictions(_publish_removed(events, t.name))
         self.layout = layout
         self.max_pending_store_bytes = max_pending_store_bytes
         self._cv = threading.Condition()
@@ -219,6 +231,7 @@ class OffloadManager:
 
     def _do_store(self, job: _StoreJob) -> None:
         raw = job.data.view(torch.uint8).reshape(len(job.hashes), -1).numpy()
+        stored: dict[str, list[bytes]] = {}
         for i, h in enumerate(job.hashes):
             missing = [t for t in self.tiers if not t.contains(h)]
             if not missing:
@@ -226,3 +239,9 @@ class OffloadManager:
             payload = raw[i].tobytes()
             for t in missing:
                 t.store(h, payload)
+                if self.events is not None and t.contains(h):
+                    stored.setdefault(t.name, []).append(h)
+        bs = self.layout.block_size
+        for medium, hashes in stored.items():  # tiers keep no token ids: none in the event
+            assert self.events is not None
+            self.events.publish(BlockStored(hashes, None, [], bs, medium))
