@@ -8,13 +8,13 @@ serve`` (the project's serving client, run as a child process with ``--save-resu
 sends two workloads from :mod:`kvstack.tools.workloads`, each with ``--repeats`` seeds
 (new prompts every time, so an earlier run's cache does not help):
 
-* ``multi-turn``: 16 conversations × 5 turns (80 requests) after one 400-token system
+* ``multi-turn``: 15 conversations × 5 turns (75 requests) after one 400-token system
   prompt, 60-token user turns and 80-token assistant turns; turn k is sent after turn
-  k-1 finished. At the last round the 16 histories need ~585 blocks: more than one
+  k-1 finished. At the last round the 15 histories need ~550 blocks: more than one
   replica holds, about what two hold when each keeps its own conversations.
-* ``shared-prefix``: 64 requests of 1,100 tokens in 8 groups sharing a 1,000-token
+* ``shared-prefix``: 63 requests of 1,100 tokens in 7 groups sharing a 1,000-token
   prefix (a long system prompt or document per group), arriving round-robin over the
-  groups: the 8 prefixes need 504 blocks, 252 per replica if each keeps half.
+  groups: the 7 prefixes need 441 blocks, ~250 per replica if each keeps its own groups.
 
 That is the regime a router is for: the replicas' caches together hold the working set,
 one alone does not. With caches larger than the working set, round-robin loses only the
@@ -58,14 +58,18 @@ from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json
 
 POLICIES = ("round_robin", "prefix", "kv_events")
 MULTI_TURN = ["--set", "system_len=400", "--set", "user_len=60", "--set", "assistant_len=80"]
-SHARED = ["--set", "shared_prefix_len=1000", "--set", "prompt_len=1100", "--set", "num_groups=8"]
+SHARED = ["--set", "shared_prefix_len=1000", "--set", "prompt_len=1100", "--set", "num_groups=7"]
+# Odd counts on purpose: the workloads arrive round-major (conversation c's turn k after
+# every conversation's turn k-1; request i in group i % groups), so with an even count
+# round-robin over 2 replicas would send each conversation or group to one replica by
+# accident and look cache-aware.
 WORKLOADS = {
-    "multi-turn": ["--num-prompts", "80", *MULTI_TURN],
-    "shared-prefix": ["--num-prompts", "64", *SHARED],
+    "multi-turn": ["--num-prompts", "75", *MULTI_TURN],
+    "shared-prefix": ["--num-prompts", "63", *SHARED],
 }
 QUICK = {
-    "multi-turn": ["--num-prompts", "40", *MULTI_TURN],
-    "shared-prefix": ["--num-prompts", "32", *SHARED],
+    "multi-turn": ["--num-prompts", "35", *MULTI_TURN],
+    "shared-prefix": ["--num-prompts", "35", *SHARED],
 }
 NUM_BLOCKS = 384
 BEGIN, END = "<!-- bench:routing -->", "<!-- /bench -->"

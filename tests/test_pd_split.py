@@ -97,11 +97,13 @@ def test_router_sequences_prefill_and_decode(
             assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()
             time.sleep(0.3)
         prompt = PROMPT.replace("nine", "ten").replace("six", "seven")
-        out = complete(url, prompt=prompt)
+        out = complete(url, prompt=prompt, ignore_eos=True)
         assert out["usage"]["completion_tokens"] == 16  # the decode replica's answer
         assert out["usage"]["kvstack_cached_tokens"]["redis"] > 0
-        want = complete(replicas["plain"].url, prompt=prompt)
+        want = complete(replicas["plain"].url, prompt=prompt, ignore_eos=True)
         assert out["choices"][0]["text"] == want["choices"][0]["text"]
+        state = httpx.get(url + "/router/state", timeout=10).json()
+        assert state, state
     finally:
         proc.terminate()
         proc.wait(30)

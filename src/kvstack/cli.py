@@ -17,6 +17,7 @@ from kvstack.deploy.k8s import add_deploy_args
 from kvstack.errors import ConfigError, KvstackError
 from kvstack.request import SamplingParams
 from kvstack.route.ray_cli import add_ray_args
+from kvstack.route.router_cli import add_router_args, run_router
 from kvstack.serve.cli import add_serve_args, cmd_serve
 from kvstack.tools.analyze import add_analyze_args, run_analyze
 from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
@@ -404,6 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_eval_args(ev)
     ev.set_defaults(func=run_eval_cli)
+    rt = sub.add_parser(
+        "router",
+        help="KV-aware OpenAI front over `kvstack serve` replicas (picks a replica, proxies)",
+        description="Route each OpenAI request to one of several `kvstack serve` replicas by "
+        "a KV-aware policy (round_robin, least_load, prefix, kv_events) and proxy it, with "
+        "health checks, one retry before the first byte, and prefill/decode sequencing. It "
+        "never places, scales or restarts replicas: Kubernetes, Ray or you do.",
+    )
+    add_router_args(rt)
+    rt.set_defaults(func=run_router)
     dp = sub.add_parser(
         "deploy",
         help="render deployment manifests (Kubernetes: engine, router, Redis, KEDA, PodMonitor)",

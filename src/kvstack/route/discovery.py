@@ -1,0 +1,111 @@
+"""Backend addresses: URL validation and DNS discovery (a Kubernetes headless Service).
+
+:class:`DnsDiscovery` re-resolves a name's A/AAAA records every ``interval`` seconds and
+hands the resulting ``http://ADDRESS:PORT`` set to a callback (``BackendPool.sync_discovered``
+adds the new backends and removes the vanished ones). A failed lookup keeps the current
+set: health checks already eject dead backends, and a DNS hiccup must not empty the pool.
+This is how the Gateway API Inference Extension's endpoint picker and SGLang's router
+follow pods without talking to the Kubernetes API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from urllib.parse import urlsplit
+
+from kvstack.errors import ConfigError
+
+logger = logging.getLogger("kvstack.route")
+
+Resolver = Callable[[str, int], Awaitable[Iterable[str]]]
+
+
+def normalize_url(url: str) -> str:
+    """``http(s)://host[:port]`` with the scheme lower-cased and no trailing slash."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"malformed backend URL {url!r}: {e}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"malformed backend URL {url!r}: expected http://HOST:PORT")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ConfigError(f"malformed backend URL {url!r}: give only scheme, host and port")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"backend URL {url!r}: port must be in 1..65535")
+    return f"{parts.scheme.lower()}://{parts.netloc}"
+
+
+def parse_dns_target(target: str) -> tuple[str, int]:
+    """``HOST:PORT`` → ``(host, port)`` for ``--discover-dns``."""
+    host, sep, port_s = target.strip().rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ConfigError(f"--discover-dns wants HOST:PORT (port 1..65535), got {target!r}")
+    return host.strip("[]"), int(port_s)
+
+
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    """The A/AAAA addresses of ``host`` (``socket.gaierror`` if the name does not resolve)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def address_url(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+class DnsDiscovery:
+    """Calls ``sync(urls)`` with the backends ``target`` (``HOST:PORT``) resolves to."""
+
+    def __init__(
+        self,
+        target: str,
+        sync: Callable[[set[str]], Awaitable[None]],
+        *,
+        interval: float = 5.0,
+        resolver: Resolver | None = None,
+    ) -> None:
+        self.host, self.port = parse_dns_target(target)
+        self.sync = sync
+        self.interval = interval
+        self.resolver: Resolver = resolver or resolve_addresses
+        self.last_error: str | None = None
+        self.lookups = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="router-dns")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                addresses = list(await self.resolver(self.host, self.port))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if self.last_error is None:
+                    logger.warning("DNS lookup of %s failed (%s); keeping the current backends",
+                                   self.host, e)  # fmt: skip
+                self.last_error = str(e) or type(e).__name__
+            else:
+                if self.last_error is not None:
+                    logger.info("DNS lookup of %s works again", self.host)
+                self.last_error = None
+                self.lookups += 1
+                try:
+                    await self.sync({address_url(a, self.port) for a in addresses})
+                except Exception:  # a bad address must not end discovery
+                    logger.exception("applying the DNS answer for %s failed", self.host)
+            await asyncio.sleep(self.interval)
