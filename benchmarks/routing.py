@@ -211,15 +211,16 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
+def write_readme(section: str, begin: str = BEGIN, readme: Path = REPO_ROOT / "README.md") -> None:
+    """Replace the block after ``begin`` (added after the last benchmark block if missing)."""
     text = readme.read_text()
-    if BEGIN not in text:
+    if begin not in text:
         end = text.rfind(END)
         at = end + len(END) if end >= 0 else len(text)
-        text = f"{text[:at]}\n\n{BEGIN}\n{END}{text[at:]}"
-    start = text.find(BEGIN) + len(BEGIN)
+        text = f"{text[:at]}\n\n{begin}\n{END}{text[at:]}"
+    start = text.find(begin) + len(begin)
     readme.write_text(f"{text[:start]}\n{section}\n{text[text.find(END, start) :]}")
-    log(f"updated the routing table in {readme}")
+    log(f"updated {begin} in {readme}")
 
 
 def main(argv: list[str] | None = None) -> None:
