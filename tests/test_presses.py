@@ -225,3 +225,65 @@ def test_bad_per_request_press_is_rejected(llm: LLM) -> None:
         with pytest.raises(InvalidRequestError, match=message):
             llm.generate([TEXT], SamplingParams(max_tokens=2, **kwargs))  # type: ignore[arg-type]
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "snapkv"])
+def test_press_every_holds_the_budget_while_decoding(llm: LLM, name: str) -> None:
+    """``kv_press_every=8``: after the prompt's press, the request's KV never grows past
+    budget + 8 slots however long it decodes; each re-press returns blocks at once and
+    the positions keep counting (the request produces all its tokens). SnapKV scores
+    with the queries of the tokens decoded since the last press."""
+    eng = llm.engine
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=48, ignore_eos=True, kv_press=name, kv_press_ratio=0.75,
+        kv_press_every=8,
+    )  # fmt: skip
+    rid = eng.new_request_id()
+    eng.add_request(rid, TEXT, sp)
+    before = eng.stats()
+    eng.step()
+    req = eng.scheduler.requests[rid]
+    budget = req.press_budget
+    n = len(req.prompt_token_ids)
+    assert budget == n - int(n * 0.75) and req.num_kv_tokens == budget
+    peak, outs = 0, []
+    while eng.has_unfinished_requests():
+        outs.extend(eng.step())
+        eng.check_integrity()
+        if not req.is_finished():
+            peak = max(peak, req.num_kv_tokens)
+            assert len(eng.kv_manager.req_blocks[rid]) <= -(-(budget + 8) // 16)
+    assert peak <= budget + 8
+    after = eng.stats()
+    assert after.num_represses - before.num_represses == (48 - 1) // 8  # every 8 tokens
+    assert after.num_pressed_requests - before.num_pressed_requests == 1
+    assert len(outs[-1].outputs[0].token_ids) == 48 and outs[-1].outputs[0].text.strip()
+    assert req.num_dropped == req.num_computed_tokens - req.num_kv_tokens
+    assert eng.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_press_every_leaves_unpressed_neighbours_alone(llm: LLM) -> None:
+    prompts = [TEXT + " What did she log?", TEXT + " Which birds came?"]
+    alone = run(llm, prompts, [SP, SP])
+    holding = SamplingParams(
+        temperature=0.0, max_tokens=32, ignore_eos=True, kv_press="knorm", kv_press_ratio=0.5,
+        kv_press_every=4,
+    )  # fmt: skip
+    mixed = run(llm, [prompts[0], TEXT, prompts[1]], [SP, holding, SP])
+    assert [mixed[0], mixed[2]] == alone
+
+
+def test_bad_press_every_is_rejected(llm: LLM) -> None:
+    cases = [
+        ({"kv_press": "snapkv", "kv_press_ratio": 0.5, "kv_press_every": 0}, "at least 1"),
+        ({"kv_press_every": 8}, "needs a kv_press"),
+        ({"kv_press": "pyramidkv", "kv_press_ratio": 0.5, "kv_press_every": 8}, "one budget"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.generate([TEXT], SamplingParams(max_tokens=2, **kwargs))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs a --kv-press"):
+        CacheConfig(kv_press_every=8)
+    with pytest.raises(ConfigError, match="one budget"):
+        CacheConfig(kv_press="layer_defensivekv", kv_press_ratio=0.5, kv_press_every=8)
+    assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks

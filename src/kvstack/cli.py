@@ -133,6 +133,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "compression_ratio: 0 keeps all, 0.8 keeps a 20%% budget)",
     )
     k.add_argument(
+        "--kv-press-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hold the budget while decoding: every N generated tokens, press the request's "
+        "KV back to what the first press kept (presses with one budget for all layers; "
+        "requests may set kv_press_every). Default: press once, after the prompt",
+    )
+    k.add_argument(
         "--kv-offload",
         default=None,
         metavar="TIERS",
@@ -210,6 +219,7 @@ def build_llm(a: argparse.Namespace) -> Any:
         kv_cache_dtype=a.kv_cache_dtype,
         kv_press=a.kv_press,
         kv_press_ratio=a.kv_press_ratio,
+        kv_press_every=a.kv_press_every,
     )
 
 

@@ -90,6 +90,9 @@ class CacheConfig:
     # fraction of its KV removed; requests may override both.
     kv_press: str | None = None
     kv_press_ratio: float = 0.0
+    # Press again every N generated tokens, back to the budget the first press left
+    # (None: only after the prompt); requests may override it.
+    kv_press_every: int | None = None
 
     def __post_init__(self) -> None:
         from kvstack.kv.policies import POLICIES
@@ -116,12 +119,21 @@ class CacheConfig:
         from kvstack.kv.codecs import codec_class
 
         codec_class(self.kv_cache_dtype)  # one clear error for an unknown codec
-        from kvstack.kv.press import check_press
+        from kvstack.kv.press import check_press, check_repress
 
         try:
             check_press(self.kv_press, self.kv_press_ratio)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.kv_press_every is not None:
+            if self.kv_press_every < 1:
+                raise ConfigError(f"kv_press_every must be at least 1, got {self.kv_press_every}")
+            if self.kv_press is None:
+                raise ConfigError("--kv-press-every needs a --kv-press")
+            try:
+                check_repress(self.kv_press)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.kv_press is not None and self.kv_layout != "paged":
             raise ConfigError("--kv-press needs the paged layout (--kv-layout paged)")
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":

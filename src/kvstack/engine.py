@@ -20,8 +20,8 @@ from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.manager import KVCacheManager, KVCacheStats
-from kvstack.kv.press import Press, make_press
-from kvstack.kv.press.compact import apply_press
+from kvstack.kv.press import Press, check_repress, make_press
+from kvstack.kv.press.compact import PressResult, apply_press
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.llama import LlamaModel
@@ -108,6 +108,9 @@ class LLMEngine:
         self.num_pressed_requests = 0  # era 5: requests a press compacted
         self.num_press_dropped_tokens = 0
         self.num_press_input_tokens = 0  # cached tokens the presses looked at
+        self.num_represses = 0  # presses again while decoding (--kv-press-every)
+        # Per request pressing again: the last ``window`` query rows of each layer.
+        self._press_windows: dict[str, list[torch.Tensor]] = {}
         self.num_reclaimed_blocks = 0  # blocks compaction returned to the pool
         plain = mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
         logger.info(
@@ -173,7 +176,7 @@ class LLMEngine:
             sp.max_tokens = max(1, self.max_model_len - len(ids))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
-        press = self._resolve_press(sp)
+        press, press_every = self._resolve_press(sp)
         eos = frozenset(self.tokenizer.eos_token_ids)
         children = []
         for i in range(sp.n):
@@ -182,7 +185,7 @@ class LLMEngine:
                 csp.seed = sp.seed + i
             cid = rid if sp.n == 1 else f"{rid}#{i}"
             child = Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt)
-            child.press = press
+            child.press, child.press_every = press, press_every
             children.append(child)
         for child in children:
             if child.request_id in self.scheduler.requests:
@@ -196,22 +199,30 @@ class LLMEngine:
                 self.connector.on_request_added(child)
         return rid
 
-    def _resolve_press(self, sp: SamplingParams) -> Press | None:
-        """The press a request gets: its own ``kv_press``/``kv_press_ratio`` or the engine's."""
+    def _resolve_press(self, sp: SamplingParams) -> tuple[Press | None, int | None]:
+        """The press a request gets and how often it presses again while decoding: its
+        own ``kv_press`` / ``kv_press_ratio`` / ``kv_press_every`` or the engine's."""
         cc = self.config.cache
         name = sp.kv_press if sp.kv_press is not None else cc.kv_press
         ratio = sp.kv_press_ratio if sp.kv_press_ratio is not None else cc.kv_press_ratio
+        every = sp.kv_press_every if sp.kv_press_every is not None else cc.kv_press_every
         if sp.kv_press_ratio is not None and name is None:
             raise InvalidRequestError("kv_press_ratio needs a kv_press (request or --kv-press)")
+        if sp.kv_press_every is not None and name is None:
+            raise InvalidRequestError("kv_press_every needs a kv_press (request or --kv-press)")
         if name is None:
-            return None
+            return None, None
         if cc.kv_layout != "paged":
             raise InvalidRequestError("KV presses need the paged layout")
         try:
             press = make_press(name, ratio)
+            if every is not None:
+                check_repress(name)
         except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        return press if ratio > 0 else None  # ratio 0 removes nothing: no press at all
+            raise InvalidRequestError(str(e), "kv_press_every" if every else None) from None
+        if ratio == 0:  # ratio 0 removes nothing: no press at all
+            return None, None
+        return press, every
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort requests (by the id given to ``add_request``); frees their KV at once."""
@@ -267,34 +278,67 @@ class LLMEngine:
         return outputs
 
     def _apply_presses(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        """Era 5: press every request whose prompt this step completed (``kv/press/``)."""
+        """Era 5: press every request whose prompt this step completed (``kv/press/``),
+        and press again those holding a budget while they decode (``press_every``)."""
         if not isinstance(self.kv_manager, KVCacheManager):
             return
+        for rid in [r for r in self._press_windows if r not in self.scheduler.requests]:
+            del self._press_windows[rid]  # aborted
         for s in out.scheduled:
-            req, press = s.request, s.request.press
-            if press is None or req.press_applied or req.is_finished():
+            req = s.request
+            rid = req.request_id
+            if req.press is None or req.is_finished():
+                self._press_windows.pop(rid, None)
                 continue
-            if req.num_computed_tokens < req.press_point:
-                continue
-            try:
-                res = apply_press(
-                    req,
-                    result.press_queries.get(req.request_id),
-                    self.kv_manager,
-                    self.kv_storage,
-                    self.model.scale,
-                )
-            except Exception:  # a press bug costs the compression, never the request
-                logger.exception(
-                    "press %s failed on %s; left unpressed", press.name, req.request_id
-                )
-                req.press_applied = True
-                continue
-            if res is not None:
+            queries = result.press_queries.get(rid)
+            if not req.press_applied:
+                if req.num_computed_tokens >= req.press_point:
+                    self._press_windows.pop(rid, None)  # (a preempted request starts over)
+                    res = self._press(req, queries, None)
+                    req.press_budget = res.kept if res is not None else req.num_kv_tokens
+            elif req.press_every is not None:
+                self._hold_budget(req, queries)
+
+    def _hold_budget(self, req: Request, queries: list[torch.Tensor] | None) -> None:
+        """Keep the queries of the request's last ``window`` tokens; once its slots reach
+        ``press_budget + press_every``, press them back to ``press_budget``."""
+        assert req.press is not None and req.press_every is not None
+        window = req.press.window
+        if window and queries is not None:
+            old = self._press_windows.get(req.request_id)
+            if old is not None:
+                queries = [torch.cat((o, q))[-window:] for o, q in zip(old, queries, strict=True)]
+            self._press_windows[req.request_id] = queries
+        if req.num_kv_tokens < req.press_budget + req.press_every:
+            return
+        held = self._press_windows.pop(req.request_id, None)
+        if window and held is None:
+            return  # no decode queries yet (just recomputed after a preemption)
+        if self._press(req, held, req.press_budget) is not None:
+            self.num_represses += 1
+
+    def _press(
+        self, req: Request, queries: list[torch.Tensor] | None, keep: int | None
+    ) -> PressResult | None:
+        assert req.press is not None and isinstance(self.kv_manager, KVCacheManager)
+        try:
+            res = apply_press(
+                req, queries, self.kv_manager, self.kv_storage, self.model.scale, keep
+            )
+        except Exception:  # a press bug costs the compression, never the request
+            logger.exception(
+                "press %s failed on %s; left unpressed", req.press.name, req.request_id
+            )
+            req.press_applied = True
+            req.press_every = None
+            return None
+        if res is not None:
+            if keep is None:
                 self.num_pressed_requests += 1
-                self.num_press_dropped_tokens += res.dropped
-                self.num_press_input_tokens += res.dropped + res.kept
-                self.num_reclaimed_blocks += res.reclaimed_blocks
+            self.num_press_dropped_tokens += res.dropped
+            self.num_press_input_tokens += res.dropped + res.kept
+            self.num_reclaimed_blocks += res.reclaimed_blocks
+        return res
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         for rid, lp in result.logprobs.items():
@@ -376,6 +420,7 @@ class LLMEngine:
             num_pressed_requests=self.num_pressed_requests,
             num_press_dropped_tokens=self.num_press_dropped_tokens,
             num_press_input_tokens=self.num_press_input_tokens,
+            num_represses=self.num_represses,
             num_reclaimed_blocks=self.num_reclaimed_blocks,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )

@@ -25,7 +25,8 @@ class LLM:
     ``max_pinned_fraction``, ``kv_layout`` (paged | contiguous | contiguous-request) and
     ``kv_offload`` (offload tiers, e.g. ``"host:1GiB,disk:/tmp/kv:4GiB"``) and
     ``kv_cache_dtype`` (KV codec: auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4),
-    ``kv_press`` / ``kv_press_ratio`` (token-eviction press after each prompt)).
+    ``kv_press`` / ``kv_press_ratio`` / ``kv_press_every`` (token-eviction press after
+    each prompt, and again every N decoded tokens)).
     Call ``shutdown()`` when done with offload tiers so queued stores are written.
     """
 
@@ -51,6 +52,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         kv_press: str | None = None,
         kv_press_ratio: float = 0.0,
+        kv_press_every: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -69,6 +71,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 kv_press=kv_press,
                 kv_press_ratio=kv_press_ratio,
+                kv_press_every=kv_press_every,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -59,6 +59,8 @@ class SamplingParams:
     # Press after this many prompt tokens instead of after the whole prompt (kvpress's
     # question-agnostic setting: compress a document, then read the question in full).
     kv_press_after: int | None = None
+    # Press again every this many generated tokens, back to the first press's budget.
+    kv_press_every: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +80,8 @@ class SamplingParams:
             raise bad(f"n must be at least 1, got {self.n}")
         if self.kv_press_after is not None and self.kv_press_after < 1:
             raise bad(f"kv_press_after must be at least 1, got {self.kv_press_after}")
+        if self.kv_press_every is not None and self.kv_press_every < 1:
+            raise bad(f"kv_press_every must be at least 1, got {self.kv_press_every}")
         if self.kv_press_ratio is not None and not 0.0 <= self.kv_press_ratio < 1.0:
             raise bad(f"kv_press_ratio must be in [0, 1), got {self.kv_press_ratio}")
         if self.temperature < 0:
@@ -184,6 +188,10 @@ class Request:
     press: Press | None = None
     press_applied: bool = False
     num_dropped: int = 0  # cached tokens the press removed (slots = positions - this)
+    # Hold a budget while decoding: press again whenever the KV slots reach
+    # ``press_budget + press_every`` (``press_budget``: the slots the first press kept).
+    press_every: int | None = None
+    press_budget: int = 0
     kv_layer_lens: list[int] | None = None  # kept tokens per layer when budgets differ
     # Chained hashes of the full blocks of all_token_ids, extended by the KV manager.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -224,6 +232,7 @@ class Request:
         self.press_applied = False
         self.num_dropped = 0
         self.kv_layer_lens = None
+        self.press_budget = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -47,6 +47,7 @@ class EngineStats:
     num_press_dropped_tokens: int = 0
     num_press_input_tokens: int = 0  # dropped / input = the share of KV presses removed
     num_reclaimed_blocks: int = 0
+    num_represses: int = 0  # presses again while decoding, holding a budget
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -235,14 +235,16 @@ class ModelRunner:
     @staticmethod
     def _press_rows(ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
         """Rows whose queries a press needs: the last ``press.window`` rows of each request
-        whose prompt this step completes and that has a press still to apply."""
+        whose prompt this step completes and that has a press still to apply, and every
+        row of a pressed request that presses again while decoding (``press_every``)."""
         rows: dict[str, tuple[int, int]] = {}
         row = 0
         for s in ordered:
             req, n = s.request, s.num_new_tokens
             press = req.press
             done = s.num_computed_tokens + n >= req.press_point
-            if press is not None and press.window and done and not req.press_applied:
+            repress = req.press_applied and req.press_every is not None
+            if press is not None and press.window and done and (repress or not req.press_applied):
                 rows[req.request_id] = (row + n - min(press.window, n), row + n)
             row += n
         return rows

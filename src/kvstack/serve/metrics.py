@@ -67,6 +67,7 @@ class _EngineCollector(Collector):
             "prefill_tokens_computed": ("Prompt tokens computed", s.prefill_tokens_computed),
             "reclaimed_blocks": ("KV blocks a press freed by compaction", s.num_reclaimed_blocks),
             "pressed_requests": ("Requests whose KV a press compacted", s.num_pressed_requests),
+            "press_reapplied": ("Presses again while decoding (--kv-press-every)", s.num_represses),
             "press_dropped_tokens": ("Cached tokens presses removed", s.num_press_dropped_tokens),
         }
         for key, (doc, value) in counters.items():

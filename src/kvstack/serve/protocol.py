@@ -58,6 +58,7 @@ class _Sampling(_Strict):
     # kvstack extension (era 5): a KV press for this request (``kv/press/``).
     kv_press: str | None = None
     kv_press_ratio: float | None = None
+    kv_press_every: StrictInt | None = None
 
     @field_validator("stop")
     @classmethod
@@ -104,6 +105,7 @@ class _Sampling(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             kv_press=self.kv_press,
             kv_press_ratio=self.kv_press_ratio,
+            kv_press_every=self.kv_press_every,
         )
 
     @property

@@ -38,9 +38,24 @@ def check_press(name: str | None, ratio: float) -> None:
         raise ValueError(f"kv_press_ratio must be in [0, 1), got {ratio}")
 
 
+def check_repress(name: str) -> None:
+    """Raise ``ValueError`` unless press ``name`` can be applied again while decoding.
+
+    Re-pressing compacts all of a request's slots to one budget; presses with per-layer
+    budgets (PyramidKV, Layer-DefensiveKV) leave layers of different lengths, whose
+    later tokens share slots with masked ones, so they press once, after the prompt.
+    """
+    if not PRESSES[name].uniform:
+        uniform = ", ".join(n for n, p in PRESSES.items() if p.uniform)
+        raise ValueError(
+            f"kv_press_every needs a press with one budget for all layers ({uniform}); "
+            f"{name} gives each layer its own"
+        )
+
+
 def make_press(name: str, ratio: float) -> Press:
     check_press(name, ratio)
     return PRESSES[name](ratio)
 
 
-__all__ = ["PRESSES", "Press", "PressInput", "check_press", "make_press"]
+__all__ = ["PRESSES", "Press", "PressInput", "check_press", "check_repress", "make_press"]

@@ -29,8 +29,11 @@ class PressInput:
 
     keys: list[torch.Tensor]  # per layer [n, kv_heads, head_dim], post-RoPE
     values: list[torch.Tensor]
-    queries: list[torch.Tensor] | None  # per layer [w, heads, head_dim]: last w prompt rows
+    queries: list[torch.Tensor] | None  # per layer [w, heads, head_dim]: last w rows
     scale: float  # attention scale (head_dim ** -0.5)
+    # Tokens to keep per head and layer when pressing again during decode (the budget
+    # the first press left); None: the press's own ratio of ``n``.
+    keep: int | None = None
 
     @property
     def n(self) -> int:
@@ -45,6 +48,7 @@ class Press(abc.ABC):
     name: ClassVar[str]
     paper: ClassVar[str]
     window: ClassVar[int] = 0  # trailing prompt queries the press needs (0: none)
+    uniform: ClassVar[bool] = True  # one budget for all layers (re-pressable)
 
     def __init__(self, ratio: float) -> None:
         if not 0.0 <= ratio < 1.0:
@@ -54,6 +58,10 @@ class Press(abc.ABC):
     def budget(self, n: int) -> int:
         """Tokens kept per head and layer out of ``n``."""
         return max(1, n - int(n * self.ratio))
+
+    def kept(self, inp: PressInput) -> int:
+        """Tokens to keep for this input: ``inp.keep`` when re-pressing, else ``budget``."""
+        return min(inp.n, inp.keep) if inp.keep is not None else self.budget(inp.n)
 
     @abc.abstractmethod
     def select(self, inp: PressInput) -> list[torch.Tensor]:
@@ -132,7 +140,7 @@ class WindowScorePress(Press):
         """``[kv_heads, n - w]`` scores of the tokens before the window, and ``w``."""
 
     def select(self, inp: PressInput) -> list[torch.Tensor]:
-        m = self.budget(inp.n)
+        m = self.kept(inp)
         out = []
         for layer in range(inp.num_layers):
             scores, w = self.layer_scores(inp, layer)

@@ -21,6 +21,9 @@ blocks; the request's old blocks are released at once::
   new blocks are never entered in the prefix cache.
 * If the pool cannot give the new blocks right now, the press is skipped for this
   request (counted), never blocking the batch.
+* **Pressing again** (``keep``, ``--kv-press-every``): while decoding, the same press
+  compacts all the request's slots (survivors and tokens generated since) back to the
+  first press's budget; ``num_dropped`` accumulates, so positions still count on.
 """
 
 from __future__ import annotations
@@ -61,10 +64,18 @@ def apply_press(
     kv: KVCacheManager,
     storage: KVStorage,
     scale: float,
+    keep: int | None = None,
 ) -> PressResult | None:
-    """Press ``req``'s cached tokens now; None when skipped (no room, or nothing to drop)."""
+    """Press ``req``'s cached tokens now; None when skipped (no room, or nothing to drop).
+
+    ``keep`` presses an already pressed request again, down to ``keep`` slots per head.
+    """
     press = req.press
-    assert press is not None and not req.press_applied and req.num_dropped == 0
+    assert press is not None
+    if keep is None:
+        assert not req.press_applied and req.num_dropped == 0
+    else:
+        assert req.press_applied and req.kv_layer_lens is None and press.uniform
     n = req.num_kv_tokens
     bs = kv.block_size
     old = kv.req_blocks[req.request_id]
@@ -76,8 +87,8 @@ def apply_press(
         values.append(v.reshape(-1, *v.shape[-2:])[:n].float())
     if press.window and queries is None:
         raise RuntimeError(f"press {press.name} needs window queries that were not captured")
-    keep = press.select(PressInput(keys, values, queries, scale))
-    lens = [int(idx.shape[1]) for idx in keep]
+    chosen = press.select(PressInput(keys, values, queries, scale, keep))
+    lens = [int(idx.shape[1]) for idx in chosen]
     m = max(lens)
     req.press_applied = True  # decided once per (re)computation, even if nothing drops
     if min(lens) >= n:
@@ -91,7 +102,7 @@ def apply_press(
     table = torch.tensor([b.block_id for b in new])
     slots = table[pos // bs] * bs + pos % bs
     try:
-        for layer, idx in enumerate(keep):
+        for layer, idx in enumerate(chosen):
             k = _select_rows(keys[layer], idx, m).to(storage.dtype)
             v = _select_rows(values[layer], idx, m).to(storage.dtype)
             storage.write(layer, slots, k, v)
@@ -99,6 +110,6 @@ def apply_press(
         kv.pool.free(reversed(new))  # the request keeps its old, intact blocks
         raise
     reclaimed = kv.replace_blocks(req, new)
-    req.num_dropped = n - m
+    req.num_dropped += n - m
     req.kv_layer_lens = lens if min(lens) < m else None
     return PressResult(kept=m, dropped=n - m, reclaimed_blocks=reclaimed)

@@ -21,7 +21,7 @@ class H2OPress(Press):
 
     def select(self, inp: PressInput) -> list[torch.Tensor]:
         assert inp.queries is not None, "h2o needs the prompt's window queries"
-        n, m = inp.n, self.budget(inp.n)
+        n, m = inp.n, self.kept(inp)
         recent = min(m // 2, n - 1)
         out = []
         for layer in range(inp.num_layers):

@@ -18,7 +18,7 @@ class KnormPress(Press):
     paper = "Devoto et al., EMNLP 2024"
 
     def select(self, inp: PressInput) -> list[torch.Tensor]:
-        m = self.budget(inp.n)
+        m = self.kept(inp)
         out = []
         for k in inp.keys:
             norms = k.norm(dim=-1).T  # [kv_heads, n]

@@ -18,6 +18,7 @@ from kvstack.kv.press.defensivekv import DefensiveKVPress
 
 class LayerDefensiveKVPress(DefensiveKVPress):
     name = "layer_defensivekv"
+    uniform = False
     paper = "Feng et al., ICLR 2026 (layer-wise budgets)"
 
     def select(self, inp: PressInput) -> list[torch.Tensor]:

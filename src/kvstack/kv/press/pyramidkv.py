@@ -31,6 +31,7 @@ def pyramid_budgets(m: int, n: int, num_layers: int, window: int, beta: float) -
 
 class PyramidKVPress(SnapKVPress):
     name = "pyramidkv"
+    uniform = False
     paper = "Cai et al., 2024"
     BETA = 20.0
 

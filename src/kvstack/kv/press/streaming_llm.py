@@ -19,7 +19,7 @@ class StreamingLLMPress(Press):
 
     def select(self, inp: PressInput) -> list[torch.Tensor]:
         n, kvh = inp.n, inp.keys[0].shape[1]
-        m = self.budget(n)
+        m = self.kept(inp)
         sinks = min(self.SINKS, m)
         idx = torch.cat((torch.arange(sinks), torch.arange(n - (m - sinks), n)))
         return [idx.expand(kvh, -1) for _ in range(inp.num_layers)]
