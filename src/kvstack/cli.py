@@ -21,7 +21,7 @@ from kvstack.route.router_cli import add_router_args, run_router
 from kvstack.serve.cli import add_serve_args, cmd_serve
 from kvstack.tools.analyze import add_analyze_args, run_analyze
 from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
-from kvstack.tools.eval import add_eval_args, run_eval_cli
+from kvstack.tools.eval_cli import add_eval_args, run_eval_cli
 from kvstack.tools.plan import add_plan_args, run_plan
 
 

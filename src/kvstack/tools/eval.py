@@ -1,6 +1,7 @@
-"""``kvstack eval``: what a KV codec costs in quality, memory and speed.
+"""``kvstack eval``: what a KV codec or press costs in quality, memory and speed.
 
-Every variant (today: one ``--kv-cache-dtype`` codec each) runs the model on the same
+Every variant (a ``--kv-cache-dtype`` codec, or a ``--kv-press`` at one ratio) runs the
+model on the same
 inputs as the baseline (``auto``: the KV cache in the model's ``--dtype``), each with a
 fresh :class:`~kvstack.llm.LLM` (one engine alive at a time), and is compared on:
 
@@ -15,20 +16,19 @@ fresh :class:`~kvstack.llm.LLM` (one engine alive at a time), and is compared on
     output tokens / wall time of ``generate`` (the ratio to the baseline), and the decode
     phase alone (tokens after the last prompt chunk / time after it).
 
-The corpus is seeded synthetic prose (TextMaker, see ``eval_tasks``). Every variant gets
+The corpus is seeded synthetic prose (TextMaker, see ``eval_tasks``), or text the model
+wrote itself (``--corpus generated``). Every variant gets
 the same number of KV blocks, so scheduling (and with it the numerics of batched steps)
 is identical and differences come from the codec alone. The baseline's log-distributions
 wait in a temporary directory: at most two ``[n, vocab]`` matrices are in memory. A
 variant is a label plus ``LLM`` keyword arguments, so other KV compression methods can be
-compared the same way.
+compared the same way. The command line is ``tools/eval_cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstack.config import parse_size
 from kvstack.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -321,9 +320,6 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------- CLI
-
-
 def _model_config(model: str) -> Any:
     """The model's architecture from its config alone (no weights loaded)."""
     from kvstack.model.gguf import read_gguf_config
@@ -334,125 +330,3 @@ def _model_config(model: str) -> Any:
     if model_format(path) == "gguf":
         return read_gguf_config(path)
     return config_from_hf(read_hf_config(path), path)
-
-
-def _opt(args: argparse.Namespace, name: str, kind: type = int) -> Any:
-    """Option ``name`` parsed (a number, or a comma list when its default is a list)."""
-    text, default = getattr(args, name), DEFAULTS[name][int(bool(args.quick))]
-    if text is None:
-        return default
-    opt = "--" + name.replace("_", "-")
-    try:
-        out = [kind(t.strip()) for t in str(text).split(",") if t.strip()]
-    except ValueError:
-        raise ConfigError(f"{opt} must be a number or a comma list of numbers: {text!r}") from None
-    if not out:
-        raise ConfigError(f"{opt} is empty")
-    if not isinstance(default, list) and len(out) != 1:
-        raise ConfigError(f"{opt} takes one number, got {text!r}")
-    return out if isinstance(default, list) else out[0]
-
-
-def add_eval_args(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstack eval`` (list defaults shown as full / --quick)."""
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default=",".join(DEFAULT_CODECS),
-        help="comma list of KV codecs to compare with 'auto' (default: %(default)s; "
-        "'none' for no codec, e.g. to compare presses only)",
-    )
-    parser.add_argument(
-        "--kv-press",
-        default=None,
-        help="comma list of presses to compare as well (streaming_llm, snapkv, h2o, "
-        "pyramidkv, knorm, defensivekv, layer_defensivekv), each at every --kv-press-ratios",
-    )
-    parser.add_argument(
-        "--kv-press-ratios",
-        default="0.5,0.8",
-        help="fractions of KV each press removes (default %(default)s; 0.8 = a 20%% budget)",
-    )
-    parser.add_argument("--model", default="default", help="model (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")
-    for name, what in (
-        ("contexts", "text lengths in tokens for teacher-forced quality and greedy agreement"),
-        ("num-texts", "texts per context length"),
-        ("greedy-tokens", "greedy tokens generated after each text's first half"),
-        ("needle-lengths", "passkey prompt lengths in tokens"),
-        ("needle-depths", "needle depths, fractions of the haystack"),
-        ("needle-trials", "random pass keys per (length, depth) cell"),
-        ("batch", f"requests of {DECODE_PROMPT_TOKENS} prompt tokens in the speed test"),
-    ):
-        full, quick = (
-            str(v).strip("[]").replace(" ", "") for v in DEFAULTS[name.replace("-", "_")]
-        )
-        parser.add_argument(
-            f"--{name}", default=None, help=f"{what} (default {full}; quick {quick})"
-        )
-    parser.add_argument(
-        "--memory", default="1GiB", help="KV memory for the capacity column (default 1GiB)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of texts and keys")
-    parser.add_argument(
-        "--corpus",
-        default="prose",
-        choices=("prose", "generated"),
-        help="texts for (a) and (b): seeded synthetic prose (default; perplexity ~50, flat "
-        "distributions) or text the model generates itself first (perplexity ~1.6)",
-    )
-    parser.add_argument("--output", default="eval-results.json", help="JSON results file")
-    parser.add_argument("--plot", default=None, help="write a quality-vs-memory PNG here")
-    parser.add_argument("--markdown", default=None, help="write the table as markdown here")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-
-
-def run_eval_cli(args: argparse.Namespace) -> int:
-    """``kvstack eval``: user errors raise ``ConfigError`` (one line, exit code 2)."""
-    codecs = [c.strip() for c in str(args.kv_cache_dtype).split(",") if c.strip()]
-    if codecs == ["none"]:
-        codecs = []
-    variants = [codec_variant(c) for c in codecs]
-    presses = [p.strip() for p in str(args.kv_press or "").split(",") if p.strip()]
-    try:
-        ratios = [float(r) for r in str(args.kv_press_ratios).split(",") if r.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--kv-press-ratios must be numbers, got {args.kv_press_ratios!r}"
-        ) from None
-    variants += [press_variant(p, r) for p in presses for r in ratios]
-    config = EvalConfig(
-        variants=variants,
-        model=args.model,
-        dtype=args.dtype,
-        contexts=_opt(args, "contexts"),
-        num_texts=_opt(args, "num_texts"),
-        greedy_tokens=_opt(args, "greedy_tokens"),
-        needle_lengths=_opt(args, "needle_lengths"),
-        needle_depths=_opt(args, "needle_depths", float),
-        needle_trials=_opt(args, "needle_trials"),
-        memory=int(parse_size(args.memory)),
-        batch=_opt(args, "batch"),
-        seed=args.seed,
-        quick=bool(args.quick),
-        corpus=str(args.corpus),
-        progress=not args.quiet,
-    )
-    config.validate()  # cheap checks before any model is loaded
-    for path in (args.output, args.plot, args.markdown):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ConfigError(f"cannot write {path!r}: no such directory")
-    if args.plot:
-        rep.check_plot_available()
-    report = run_eval(config)
-    print(rep.format_table(report))
-    rep.write_json(report, args.output)
-    written = [args.output]
-    if args.markdown:
-        rep.write_text(rep.format_markdown(report), args.markdown)
-        written.append(args.markdown)
-    if args.plot:
-        rep.write_plot(report, args.plot)
-        written.append(args.plot)
-    print(f"wrote {', '.join(written)}", file=sys.stderr)
-    return 0
