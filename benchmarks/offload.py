@@ -41,14 +41,22 @@ from typing import Any
 
 import torch
 
-from bench_common import REPO_ROOT, RESULTS_DIR, LoadMeter, log, median, wait_for_idle, write_json
+from bench_common import (
+    RESULTS_DIR,
+    LoadMeter,
+    log,
+    median,
+    wait_for_idle,
+    write_json,
+    write_readme_block,
+)
 from kvstack import LLM, SamplingParams
 from offline_throughput import machine_info
 
 MODES = ("recompute", "device", "host", "disk", "disk-restart", "redis")
 TIER = {"host": "host", "disk": "disk", "disk-restart": "disk", "redis": "redis"}
 SUFFIX_LEN = 16
-BEGIN, END = "<!-- bench:offload -->", "<!-- /bench -->"
+BEGIN = "<!-- bench:offload -->"
 MAX_OTHER_LOAD = 0.1  # cores other processes may use during a timed request
 ONE_TOKEN = SamplingParams(max_tokens=1)
 GBS = "GB/s = bytes / (TTFT - device TTFT), in parentheses bytes / time inside the tier's lookup"
@@ -274,18 +282,6 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the offload block (added after the last benchmark block when missing)."""
-    text = readme.read_text()
-    if BEGIN not in text:
-        end = text.rfind(END)
-        at = end + len(END) if end >= 0 else len(text)
-        text = f"{text[:at]}\n\n{BEGIN}\n{END}{text[at:]}"
-    start = text.find(BEGIN) + len(BEGIN)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[text.find(END, start) :]}")
-    log(f"updated the offload table in {readme}")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--lengths", default="64,256,1024,2048,4000", help="prefix lengths (tokens)")
@@ -331,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         png = f"![TTFT by KV source](benchmarks/results/{stem}.png)"
         head = "#### KV tiers (era 4): TTFT by where a shared prefix's KV comes from"
-        write_readme(f"{head}\n\n{table}\n\n{png}\n\n{note}")
+        write_readme_block(f"{head}\n\n{table}\n\n{png}\n\n{note}", BEGIN)
 
 
 if __name__ == "__main__":

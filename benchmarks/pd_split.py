@@ -38,9 +38,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json
+from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
 from kvstack.tools.redis_server import LocalRedis
-from routing import free_port, write_readme
+from routing import free_port
 
 KVSTACK = [sys.executable, "-m", "kvstack.cli"]
 BEGIN = "<!-- bench:pd -->"
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(doc)
     print(table)
     if a.write_readme:
-        write_readme(table, begin=BEGIN)
+        write_readme_block(table, BEGIN)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json
+from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
 
 POLICIES = ("round_robin", "prefix", "kv_events")
 MULTI_TURN = ["--set", "system_len=400", "--set", "user_len=60", "--set", "assistant_len=80"]
@@ -72,7 +72,7 @@ QUICK = {
     "shared-prefix": ["--num-prompts", "35", *SHARED],
 }
 NUM_BLOCKS = 384
-BEGIN, END = "<!-- bench:routing -->", "<!-- /bench -->"
+BEGIN = "<!-- bench:routing -->"
 KVSTACK = [sys.executable, "-m", "kvstack.cli"]
 
 
@@ -211,18 +211,6 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(section: str, begin: str = BEGIN, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the block after ``begin`` (added after the last benchmark block if missing)."""
-    text = readme.read_text()
-    if begin not in text:
-        end = text.rfind(END)
-        at = end + len(END) if end >= 0 else len(text)
-        text = f"{text[:at]}\n\n{begin}\n{END}{text[at:]}"
-    start = text.find(begin) + len(begin)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[text.find(END, start) :]}")
-    log(f"updated {begin} in {readme}")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
@@ -262,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(doc)
     print(table)
     if a.write_readme:
-        write_readme(table)
+        write_readme_block(table, BEGIN)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,15 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvstack
 from kvstack.route.backends import BackendPool
 from kvstack.route.policy import RoutingPolicy
 from kvstack.route.proxy import SERVING_ROLES, PolicyFactory, ProxyConfig, Router
-from kvstack.serve.protocol import error_body
+from kvstack.serve.http_errors import ApiError, check_bearer, install_error_handlers, read_body
 
 logger = logging.getLogger("kvstack.route")
 
@@ -48,15 +46,6 @@ class RouterConfig:
     prefill_timeout_s: float = 30.0
     status_interval_s: float | None = 10.0  # None: no periodic status line
     policy_name: str | None = None  # shown by /router/state before a factory builds it
-
-
-class _HttpError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", code: Any = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
-        self.code = code if code is not None else status
 
 
 def status_line(router: Router) -> str:
@@ -113,45 +102,14 @@ def create_router_app(
     app = FastAPI(title="kvstack router", version=kvstack.__version__, lifespan=lifespan)
     app.state.router = router
 
-    def err(e: _HttpError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, None, e.code), status_code=e.status)
-
-    @app.exception_handler(_HttpError)
-    async def _http_error(_: Request, e: _HttpError) -> JSONResponse:
-        return err(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _starlette_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return err(_HttpError(e.status_code, str(e.detail), kind))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the router")
-        return err(_HttpError(500, f"internal router error: {e}", "server_error"))
+    install_error_handlers(app, logger)
 
     def check_auth(raw: Request) -> None:
-        if cfg.api_key is None:
-            return
-        got = raw.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
-            raise _HttpError(401, "invalid or missing API key", code="invalid_api_key")
-
-    async def read_body(raw: Request) -> bytes:
-        limit = cfg.max_body_bytes
-        length = raw.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise _HttpError(413, f"request body over {limit} bytes")
-        body = bytearray()
-        async for chunk in raw.stream():
-            body += chunk
-            if len(body) > limit:
-                raise _HttpError(413, f"request body over {limit} bytes")
-        return bytes(body)
+        check_bearer(raw, cfg.api_key)
 
     async def proxied(raw: Request) -> Response:
         check_auth(raw)
-        body = await read_body(raw)
+        body = await read_body(raw, cfg.max_body_bytes)
         return await router.handle(
             raw.url.path, body, raw.headers, disconnected=lambda: _wait_disconnect(raw)
         )
@@ -172,7 +130,7 @@ def create_router_app(
     @app.get("/health")
     async def health() -> Response:
         if not pool.healthy(SERVING_ROLES):
-            raise _HttpError(503, "no healthy backend", "server_error")
+            raise ApiError(503, "no healthy backend", "server_error")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -10,7 +10,6 @@ validates them, so no malformed input reaches the engine.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import uuid
@@ -23,7 +22,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvstack
 from kvstack.errors import InvalidRequestError
@@ -35,6 +33,7 @@ from kvstack.serve.async_engine import (
     RequestInfo,
     RequestTimeoutError,
 )
+from kvstack.serve.http_errors import ApiError, check_bearer, install_error_handlers, read_body
 from kvstack.serve.kv_events_stream import KVEventBroadcaster
 from kvstack.serve.openai_api import ApiContext, OpenAIHandler
 from kvstack.serve.protocol import (
@@ -44,22 +43,10 @@ from kvstack.serve.protocol import (
     DetokenizeRequest,
     PinRequest,
     TokenizeRequest,
-    error_body,
 )
 
 logger = logging.getLogger("kvstack.serve")
 M = TypeVar("M", bound=BaseModel)
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error",
-        param: str | None = None, code: Any = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-        self.code = code if code is not None else status
-        self.headers = headers
 
 
 @dataclass
@@ -93,33 +80,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvstack", version=kvstack.__version__, lifespan=lifespan)
 
-    def err(e: ApiError) -> JSONResponse:
+    def count_error(status: int) -> None:
         if metrics is not None:
-            metrics.http_errors.labels(str(e.status)).inc()
-        return JSONResponse(
-            error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers
-        )
+            metrics.http_errors.labels(str(status)).inc()
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return err(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return err(ApiError(e.status_code, str(e.detail), kind))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return err(ApiError(500, f"internal error: {e}", "server_error"))
+    install_error_handlers(app, logger, count_error)
 
     def check_auth(raw: Request) -> None:
-        if config.api_key is None:
-            return
-        got = raw.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {config.api_key}".encode()):
-            raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        check_bearer(raw, config.api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:
@@ -128,14 +96,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             )
 
     async def parse(raw: Request, model: type[M]) -> M:
-        length = raw.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            raise ApiError(413, f"request body over {config.max_body_bytes} bytes")
-        body = bytearray()
-        async for chunk in raw.stream():
-            body += chunk
-            if len(body) > config.max_body_bytes:
-                raise ApiError(413, f"request body over {config.max_body_bytes} bytes")
+        body = await read_body(raw, config.max_body_bytes)
         try:
             data = json.loads(body.decode("utf-8"))
         except UnicodeDecodeError:
