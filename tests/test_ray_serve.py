@@ -7,6 +7,7 @@ cache affinity), and a replica killed mid-run losing no request that had not str
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -123,3 +124,43 @@ def test_ray_options_are_checked(tmp_path: Path) -> None:
 
     assert main(["serve", "--ray", "--replicas", "0"]) == 2
     assert main(["serve", "--ray", "--replica-cpus", "0"]) == 2
+
+
+def test_router_counts_a_burst_before_ray_reports_it_routed() -> None:
+    """Ray asks ``choose_replicas`` for a burst of queued requests before it reports any
+    of them routed; each decision must see the ones before it, or a shared system prompt
+    drags the whole burst onto one replica. No Ray cluster needed: fake replicas."""
+    from types import SimpleNamespace
+
+    from kvstack.route.ray_serve import EngineCall, KVRequestRouter
+
+    router = KVRequestRouter.__new__(KVRequestRouter)  # the policy part, without Ray
+    router.initialize_state(policy="prefix")
+    reps = [
+        SimpleNamespace(
+            replica_id=SimpleNamespace(unique_id=name),
+            replica_metadata={"url": "", "block_size": 16, "model_id": "m"},
+            routing_stats={},
+        )
+        for name in ("a", "b")
+    ]
+    system = list(range(1000, 1400))  # 25 shared blocks, then 4 of each session's own
+    pending = [
+        SimpleNamespace(
+            args=[EngineCall("POST", "/v1/completions", b"", {}, (*system, *range(s, s + 64)))],
+            metadata=SimpleNamespace(internal_request_id=f"r{s}"),
+        )
+        for s in range(8)
+    ]
+    chosen = [
+        asyncio.run(router.choose_replicas(reps, p))[0][0].replica_id.unique_id for p in pending
+    ]  # type: ignore[arg-type]
+    assert sorted(chosen).count("a") == 4, chosen  # misses and balance alternate: 4 / 4
+    assert router.inflight == {"a": 4, "b": 4}
+    again = asyncio.run(router.choose_replicas(reps, pending[0]))  # type: ignore[arg-type]
+    assert again[0][0].replica_id.unique_id == chosen[0]  # asked again: same answer
+    assert router.inflight == {"a": 4, "b": 4}  # and not counted twice
+    for p, name in zip(pending, chosen, strict=True):
+        router.on_request_routed(p, SimpleNamespace(unique_id=name), None)  # type: ignore[arg-type]
+        router.on_request_completed(SimpleNamespace(unique_id=name), p.metadata.internal_request_id)  # type: ignore[arg-type]
+    assert router.inflight == {"a": 0, "b": 0} and not router._decisions

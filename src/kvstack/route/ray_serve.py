@@ -225,9 +225,15 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         else:
             d = policy.choose(req, views)
             if key is not None:
+                # Count the request now, not when Ray reports it routed: Ray chooses for a
+                # burst of queued requests before any is sent, and each must see the ones
+                # before it (measured: counting late sent 27 of 36 turns to one replica).
+                policy.on_routed(req, d)
+                self._add_inflight(d.replica_id, 1)
                 self._decisions[key] = (req, d)
                 while len(self._decisions) > MAX_PENDING_DECISIONS:  # cancelled before routing
-                    del self._decisions[next(iter(self._decisions))]
+                    old_key = next(iter(self._decisions))
+                    self._add_inflight(self._decisions.pop(old_key)[1].replica_id, -1)
         load = {v.id: v.load for v in views}
         first = [r for r in candidate_replicas if r.replica_id.unique_id == d.replica_id]
         rest = sorted(
@@ -241,19 +247,28 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
     ) -> None:
         rid = replica_id.unique_id
         key = pending_request.metadata.internal_request_id
-        req, d = self._decisions.pop(key, (RouteRequest(()), Decision(rid, "least_load")))
+        got = self._decisions.pop(key, None)
+        if got is None:  # never chosen by us (no pending request): count it now
+            req, d = RouteRequest(()), Decision(rid, "least_load")
+            self._add_inflight(rid, 1)
+        else:
+            req, d = got
         if d.replica_id != rid:  # the chosen replica's queue was full: Ray took the next rank
+            self._add_inflight(d.replica_id, -1)
+            self._add_inflight(rid, 1)
             d = Decision(rid, "balance", 0, d.total_blocks, d.block_hashes)
-        if self.policy is not None:
-            self.policy.on_routed(req, d)
-        self.inflight[rid] = self.inflight.get(rid, 0) + 1
+            if self.policy is not None:
+                self.policy.on_routed(req, d)
         self.routed[rid] = self.routed.get(rid, 0) + 1
         self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
         self._req_replica[key] = rid
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._req_replica.pop(internal_request_id, replica_id.unique_id)
-        self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
+        self._add_inflight(rid, -1)
+
+    def _add_inflight(self, rid: str, delta: int) -> None:
+        self.inflight[rid] = max(0, self.inflight.get(rid, 0) + delta)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
