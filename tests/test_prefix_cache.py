@@ -262,3 +262,21 @@ def test_config_rejects_bad_cache_options() -> None:
             CacheConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="lru, lfu, adaptive"):
         KVCacheManager(4, BS, eviction_policy="mru")
+
+
+def test_event_log_buffer_is_bounded_by_weight() -> None:
+    """One long prompt's BlockStored carries all its token ids: the drain buffer is
+    bounded by weight (token ids + hashes), not by the number of events."""
+    from kvstack.kv.events import BlockStored, KVEventLog, event_weight
+
+    log = KVEventLog(max_buffered=1000)
+    seen: list[object] = []
+    log.subscribe(seen.append)
+    ev = BlockStored([bytes(16)] * 4, None, list(range(64)), 16)
+    assert event_weight(ev) == 1 + 4 + 64
+    for _ in range(100):
+        log.publish(ev)
+    assert len(seen) == 100  # subscribers see everything
+    kept = log.drain().events
+    assert len(kept) == 1000 // 69 and log.num_dropped == 100 - len(kept)
+    assert log.drain().events == []

@@ -19,6 +19,7 @@ drains them) and calls subscribers synchronously.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -70,6 +71,14 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def event_weight(event: KVEvent) -> int:
+    """What an event costs to keep, in items (token ids + hashes + 1): buffers are bounded
+    by weight, since one long prompt's ``BlockStored`` carries all its token ids."""
+    if isinstance(event, AllBlocksCleared):
+        return 1
+    return 1 + len(event.block_hashes) + len(getattr(event, "token_ids", ()))
+
+
 @dataclass(frozen=True)
 class KVEventBatch:
     ts: float
@@ -81,29 +90,41 @@ class KVEventBatch:
 
 @dataclass
 class KVEventLog:
-    """Bounded buffer of events plus synchronous subscribers."""
+    """Bounded buffer of events plus synchronous subscribers.
 
-    max_buffered: int = 100_000
+    The buffer (for ``drain``) holds at most ``max_buffered`` weight (``event_weight``:
+    token ids + hashes); past it the oldest events are dropped and counted.
+    """
+
+    max_buffered: int = 1_000_000
     enabled: bool = True
     _buffer: deque[KVEvent] = field(default_factory=deque)
     _subscribers: list[Callable[[KVEvent], None]] = field(default_factory=list)
+    _weight: int = 0
     num_dropped: int = 0
+    # The engine thread publishes the device cache's events, the offload I/O thread the
+    # tiers' (subscribers are called under this lock, so they see one order).
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def publish(self, event: KVEvent) -> None:
         if not self.enabled:
             return
-        for fn in self._subscribers:
-            fn(event)
-        if len(self._buffer) >= self.max_buffered:
-            self._buffer.popleft()
-            self.num_dropped += 1
-        self._buffer.append(event)
+        with self._lock:
+            for fn in self._subscribers:
+                fn(event)
+            self._buffer.append(event)
+            self._weight += event_weight(event)
+            while self._weight > self.max_buffered and len(self._buffer) > 1:
+                self._weight -= event_weight(self._buffer.popleft())
+                self.num_dropped += 1
 
     def subscribe(self, fn: Callable[[KVEvent], None]) -> None:
         self._subscribers.append(fn)
 
     def drain(self) -> KVEventBatch:
         """Return and forget everything buffered since the last drain."""
-        events = list(self._buffer)
-        self._buffer.clear()
+        with self._lock:
+            events = list(self._buffer)
+            self._buffer.clear()
+            self._weight = 0
         return KVEventBatch(time.time(), events)

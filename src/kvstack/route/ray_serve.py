@@ -119,7 +119,8 @@ class EngineReplica:
         self.url = f"http://{public}:{a.port}"
         kv = self.engine.engine.kv_manager
         self.meta = {
-            "url": self.url, "block_size": kv.block_size, "model_id": kv.model_id,
+            "url": self.url, "block_size": kv.block_size,
+            "model_id": getattr(kv, "model_id", ""),  # (the contiguous baseline has none)
             "pid": os.getpid(), "node": socket.gethostname(),
         }  # fmt: skip
         self._session: aiohttp.ClientSession | None = None

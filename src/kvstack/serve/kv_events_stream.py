@@ -21,9 +21,10 @@ Invariants:
 * Consistency comes from the engine thread: events are published there, and the
   snapshot is taken there (``AsyncEngine.run``), under the same lock that numbers
   events, so the snapshot and the event cursor describe the same moment.
-* Events live in one bounded ring shared by all connections. A connection that falls
-  so far behind that the ring dropped events it has not sent is closed; the client
-  reconnects and gets a fresh snapshot (a gap is never papered over).
+* Events live in one ring shared by all connections, holding only what some connection
+  has not sent yet and bounded by weight. A connection that falls so far behind that
+  the ring dropped events it has not sent is closed; the client reconnects and gets a
+  fresh snapshot (a gap is never papered over).
 * Idle connections get a ``: keep-alive`` comment every ``keepalive_s`` so a client can
   tell a silent replica from a dead one.
 """
@@ -31,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -38,38 +40,56 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvstack.kv.events import KVEvent
+from kvstack.kv.events import KVEvent, event_weight
 from kvstack.serve.async_engine import AsyncEngine
 
 
 class KVEventBroadcaster:
-    """Numbers the engine's KV events and serves them to any number of SSE clients."""
+    """Numbers the engine's KV events and serves them to any number of SSE clients.
+
+    Events are kept only while a connection still needs them: the ring holds what the
+    slowest connection has not sent yet (nothing at all without connections), bounded by
+    ``max_weight`` (token ids + hashes; a 4,000-token prompt's event weighs ~4,000).
+    """
 
     def __init__(
         self,
         engine: AsyncEngine,
         *,
-        max_events: int = 200_000,
+        max_weight: int = 4_000_000,
         poll_s: float = 0.05,
         keepalive_s: float = 5.0,
     ) -> None:
         self.engine = engine
+        self.max_weight = max_weight
         self.poll_s = poll_s
         self.keepalive_s = keepalive_s
         self._lock = threading.Lock()
-        self._ring: deque[tuple[int, KVEvent]] = deque(maxlen=max_events)
+        self._ring: deque[tuple[int, KVEvent]] = deque()
+        self._weight = 0
         self._next = 0  # number the next published event gets
-        self.num_clients = 0
+        self._cursors: dict[int, int] = {}  # connection -> next event number it needs
+        self._conns = itertools.count()
         engine.engine.kv_events.subscribe(self._publish)
 
-    def _publish(self, event: KVEvent) -> None:  # engine thread
+    @property
+    def num_clients(self) -> int:
+        return len(self._cursors)
+
+    def _publish(self, event: KVEvent) -> None:  # engine thread (tiers: the I/O thread)
         with self._lock:
-            self._ring.append((self._next, event))
+            if self._cursors:
+                self._ring.append((self._next, event))
+                self._weight += event_weight(event)
+                while self._weight > self.max_weight:  # the slowest connection will close
+                    self._weight -= event_weight(self._ring.popleft()[1])
             self._next += 1
 
-    def _snapshot(self) -> tuple[int, list[dict[str, Any]]]:  # engine thread, between steps
-        """The cursor and one ``BlockSnapshot`` per medium that can list its blocks: the
-        device cache, and the host and disk tiers (Redis is shared and cannot)."""
+    def _snapshot(self, conn: int) -> tuple[int, list[dict[str, Any]]]:  # engine thread
+        """Register ``conn`` and return its cursor and one ``BlockSnapshot`` per medium
+        that can list its blocks: the device cache, and the host and disk tiers (Redis is
+        shared and cannot). Runs between engine steps, under the lock that numbers events.
+        """
         eng = self.engine.engine
         cache = eng.kv_manager.cache
         with self._lock:
@@ -80,14 +100,16 @@ class KVEventBroadcaster:
                 hashes = tier.held_hashes()
                 if hashes is not None:
                     held[tier.name] = hashes
+            self._cursors[conn] = self._next
             snaps = [
                 {"type": "BlockSnapshot", "block_hashes": [h.hex() for h in hs], "medium": m}
                 for m, hs in held.items()
             ]
             return self._next, snaps
 
-    def _since(self, cursor: int) -> tuple[list[KVEvent], int] | None:
-        """Events numbered ``>= cursor`` and the new cursor; None if some were dropped."""
+    def _since(self, conn: int, cursor: int) -> tuple[list[KVEvent], int] | None:
+        """Events numbered ``>= cursor`` and the new cursor; None if some were dropped.
+        Forgets the events no connection needs any more."""
         with self._lock:
             if cursor >= self._next:
                 return [], cursor
@@ -95,18 +117,30 @@ class KVEventBroadcaster:
                 return None
             first = cursor - self._ring[0][0]
             events = [self._ring[i][1] for i in range(first, len(self._ring))]
+            self._cursors[conn] = self._next
+            self._trim()
             return events, self._next
+
+    def _trim(self) -> None:
+        oldest = min(self._cursors.values(), default=self._next)
+        while self._ring and self._ring[0][0] < oldest:
+            self._weight -= event_weight(self._ring.popleft()[1])
+
+    def _close(self, conn: int) -> None:
+        with self._lock:
+            self._cursors.pop(conn, None)
+            self._trim()
 
     async def stream(self) -> AsyncIterator[bytes]:
         """One connection: a snapshot batch, then every later event in batches."""
-        cursor, snaps = await self.engine.run(self._snapshot)
-        seq = 0
-        yield _frame({"seq": seq, "ts": time.time(), "snapshot": True, "events": snaps})
-        self.num_clients += 1
-        idle = 0.0
+        conn = next(self._conns)
         try:
+            cursor, snaps = await self.engine.run(lambda: self._snapshot(conn))
+            seq = 0
+            yield _frame({"seq": seq, "ts": time.time(), "snapshot": True, "events": snaps})
+            idle = 0.0
             while self.engine.alive:
-                got = self._since(cursor)
+                got = self._since(conn, cursor)
                 if got is None:  # too slow: close; the client reconnects for a snapshot
                     return
                 events, cursor = got
@@ -121,7 +155,7 @@ class KVEventBroadcaster:
                 await asyncio.sleep(self.poll_s)
                 idle += self.poll_s
         finally:
-            self.num_clients -= 1
+            self._close(conn)
 
 
 def _frame(batch: dict[str, Any]) -> bytes:
