@@ -26,72 +26,25 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
+from bench_procs import ChildServer, bench_serve
 from kvstack.tools.redis_server import LocalRedis
-from routing import free_port
 
-KVSTACK = [sys.executable, "-m", "kvstack.cli"]
 BEGIN = "<!-- bench:pd -->"
 KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 KEYS += ("median_e2el_ms",)
 
 
-class Proc:
-    """A kvstack child process on a free port, healthy on ``/health``; SIGTERM on exit."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args, self.log_path, self.env = args, log_path, env
-
-    def __enter__(self) -> Proc:
-        self._log = open(self.log_path, "wb")
-        cmd = [*KVSTACK, *self.args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.args[0]} exited; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"not healthy in 180 s; see {self.log_path}")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
 def bench(url: str, seed: int, a: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [*KVSTACK, "bench", "serve", "--base-url", url, "--workload", "random"]
-        cmd += ["--num-prompts", str(a.num_prompts), "--set", f"prompt_len={a.prompt_len}"]
-        cmd += ["--max-tokens", "64", "--request-rate", str(a.rate), "--seed", str(seed)]
-        cmd += ["--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
-        cmd += ["--disable-tqdm"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        res = json.loads((Path(tmp) / "r.json").read_text())
+    args = ["--workload", "random", "--num-prompts", str(a.num_prompts)]
+    args += ["--set", f"prompt_len={a.prompt_len}", "--max-tokens", "64"]
+    res = bench_serve(url, [*args, "--request-rate", str(a.rate), "--seed", str(seed)])
     return {k: res[k] for k in (*KEYS, "completed", "failed", "cache_hit_rate")}
 
 
@@ -103,13 +56,15 @@ def run_setup(name: str, a: argparse.Namespace, redis: LocalRedis, logs: Path) -
     runs = []
     with ExitStack() as stack:
         reps = [
-            stack.enter_context(Proc([*common, "--role", r], logs / f"pd-{name}-{i}.log", env))
+            stack.enter_context(
+                ChildServer([*common, "--role", r], logs / f"pd-{name}-{i}.log", env)
+            )
             for i, r in enumerate(roles)
         ]
         router_args = ["router", "--policy", "least_load"]
         for r in reps:
             router_args += ["--backend", r.url]
-        router = stack.enter_context(Proc(router_args, logs / f"pd-{name}-router.log", env))
+        router = stack.enter_context(ChildServer(router_args, logs / f"pd-{name}-router.log", env))
         time.sleep(3)  # the router's first /load poll has learned the roles
         for seed in range(a.repeats):
             r = bench(router.url, seed, a)

@@ -42,19 +42,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
+from bench_procs import ChildServer, bench_serve, get_json
 
 POLICIES = ("round_robin", "prefix", "kv_events")
 MULTI_TURN = ["--set", "system_len=400", "--set", "user_len=60", "--set", "assistant_len=80"]
@@ -73,18 +67,6 @@ QUICK = {
 }
 NUM_BLOCKS = 384
 BEGIN = "<!-- bench:routing -->"
-KVSTACK = [sys.executable, "-m", "kvstack.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def replica_counters(url: str) -> dict[str, float]:
@@ -98,45 +80,21 @@ def replica_counters(url: str) -> dict[str, float]:
     return out
 
 
-class RayDeployment:
-    """``kvstack serve --ray`` as a child process (SIGTERM on exit)."""
+class RayDeployment(ChildServer):
+    """``kvstack serve --ray`` with 2 replicas and ``policy``, ready once both serve."""
 
     def __init__(self, policy: str, log_dir: Path) -> None:
-        self.policy = policy
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"routing-{policy}.log"
-
-    def __enter__(self) -> RayDeployment:
         args = ["serve", "--ray", "--replicas", "2", "--replica-cpus", "0.9", "--policy"]
-        args += [self.policy, "--port", str(self.port), "--max-num-seqs", "8"]
-        args += ["--max-model-len", "4096", "--num-blocks", str(NUM_BLOCKS)]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([*KVSTACK, *args], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"deployment exited; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200 and len(self.state()["replicas"]) == 2:
-                        return self
-            except (OSError, KeyError, IndexError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"deployment not healthy in 300 s; see {self.log_path}")
+        args += [policy, "--max-num-seqs", "8", "--max-model-len", "4096"]
+        args += ["--num-blocks", str(NUM_BLOCKS)]
+        super().__init__(args, log_dir / f"routing-{policy}.log", timeout_s=300)
+        self.policy = policy
+
+    def ready(self) -> bool:
+        return len(self.state()["replicas"]) == 2
 
     def state(self) -> dict[str, Any]:
         return dict(get_json(self.url + "/router/state")[0])
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 def snapshot(dep: RayDeployment) -> dict[str, dict[str, float]]:
@@ -153,13 +111,8 @@ def imbalance(values: list[float]) -> float:
 
 def bench_run(dep: RayDeployment, workload: str, extra: list[str], seed: int) -> dict[str, Any]:
     before = snapshot(dep)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [*KVSTACK, "bench", "serve", "--base-url", dep.url, "--workload", workload]
-        cmd += [*extra, "--seed", str(seed), "--max-tokens", "32", "--max-concurrency", "8"]
-        cmd += ["--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
-        cmd += ["--disable-tqdm", "--label", dep.policy]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        res = json.loads((Path(tmp) / "r.json").read_text())
+    args = ["--workload", workload, *extra, "--seed", str(seed), "--max-tokens", "32"]
+    res = bench_serve(dep.url, [*args, "--max-concurrency", "8", "--label", dep.policy])
     after = snapshot(dep)
     routed = [after[k]["routed"] - before.get(k, {}).get("routed", 0.0) for k in after]
     computed = [after[k]["computed"] - before.get(k, {}).get("computed", 0.0) for k in after]

@@ -161,10 +161,11 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.policy_name: str = kwargs.get("policy", "kv_events")
+        default = BalanceConfig()
         self.balance = BalanceConfig(
-            int(kwargs.get("balance_abs", 2)),
-            float(kwargs.get("balance_rel", 1.5)),
-            float(kwargs.get("min_match_ratio", 0.5)),
+            int(kwargs.get("balance_abs", default.balance_abs)),
+            float(kwargs.get("balance_rel", default.balance_rel)),
+            float(kwargs.get("min_match_ratio", default.min_match_ratio)),
         )
         api_key = kwargs.get("api_key")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -73,18 +73,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="model whose tokenizer hashes prompts like the replicas do: 'default' "
         "(SmolLM2-135M-Instruct), a .gguf file or a Hugging Face folder",
     )  # fmt: skip
+    bal = BalanceConfig()  # the policy's own defaults, not a second copy of them
     r.add_argument(
-        "--balance-abs", type=int, default=2,
-        help="cache affinity yields to load when load(best) - min load exceeds this ...",
+        "--balance-abs", type=int, default=bal.balance_abs,
+        help="cache affinity yields to load when load(best) - min load exceeds this ... "
+        f"(default {bal.balance_abs})",
     )  # fmt: skip
     r.add_argument(
-        "--balance-rel", type=float, default=1.5,
-        help="... and load(best) exceeds this times max(min load, 1) (default 1.5)",
+        "--balance-rel", type=float, default=bal.balance_rel,
+        help="... and load(best) exceeds this times max(min load, 1) "
+        f"(default {bal.balance_rel})",
     )  # fmt: skip
     r.add_argument(
-        "--min-match-ratio", type=float, default=0.0,
+        "--min-match-ratio", type=float, default=bal.min_match_ratio,
         help="a best match below this share of the prompt's blocks is a miss, routed by "
-        "load (default 0: any match counts)",
+        f"load (default {bal.min_match_ratio}, SGLang's cache_threshold; 0: any match counts)",
     )  # fmt: skip
     r.add_argument(
         "--prefix-capacity-blocks", type=int, default=65536,
