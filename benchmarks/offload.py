@@ -69,7 +69,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from kvstack.model.registry import load_tokenizer
-        from kvstack.tools.workload_text import TextMaker
+        from kvstack.tools.workloads.text import TextMaker
 
         self.args, self.maker = args, TextMaker(load_tokenizer("default"))
         self.prefixes = {n: self._text(random.Random(n), n) for n in args.lengths}
@@ -176,7 +176,7 @@ def run_all(b: Bench, modes: list[str]) -> None:
                 with contextlib.ExitStack() as stack:
                     spec = {"host": "host:2GiB", "disk": f"disk:{tmp}:8GiB"}.get(tier, "")
                     if tier == "redis":
-                        from kvstack.tools.redis_server import LocalRedis
+                        from kvstack.testing.redis_server import LocalRedis
 
                         os.environ["KVSTACK_REDIS_MAXMEMORY"] = "2gb"
                         server = stack.enter_context(LocalRedis())

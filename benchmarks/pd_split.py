@@ -34,7 +34,7 @@ from typing import Any
 
 from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
 from bench_procs import ChildServer, bench_serve
-from kvstack.tools.redis_server import LocalRedis
+from kvstack.testing.redis_server import LocalRedis
 
 BEGIN = "<!-- bench:pd -->"
 KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")

@@ -21,7 +21,7 @@ server's prefix cache is emptied (``POST /reset_prefix_cache``; vLLM needs
 run, and the script waits for the machine to be idle. During the run it measures the cores
 used by the server's processes, by this client, and by anything else (``others``); a run
 during which others used more than 0.15 core is repeated once. Reported per run (vLLM's
-definitions, :mod:`kvstack.tools.bench_report`): TTFT p50/p99, TPOT mean/p99, ITL p99,
+definitions, :mod:`kvstack.tools.bench.report`): TTFT p50/p99, TPOT mean/p99, ITL p99,
 E2EL p50 (ms), output tok/s, requests/s and the cached-token hit rate.
 
 HTTP overhead. The offline engine (``LLM(max_num_seqs=16, max_model_len=2048)``, in its
@@ -134,7 +134,7 @@ def rate_order(rate: float | str) -> float:
 def bench_once(server: Server, reqs: Sequence[Any], rate: float) -> dict[str, Any]:
     """One timed run of ``reqs`` at ``rate``; the entry stored in the result file."""
     from kvstack.tools.bench import BenchConfig, run_benchmark
-    from kvstack.tools.bench_report import calculate_metrics
+    from kvstack.tools.bench.report import calculate_metrics
 
     cfg = BenchConfig(
         base_url=server.base, request_rate=rate, seed=0, ignore_eos=True, temperature=0.0,

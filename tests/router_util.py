@@ -21,10 +21,10 @@ import httpx
 import uvicorn
 from aiohttp import web
 
-from kvstack.route.backends import BackendPool
-from kvstack.route.kv_index import BlockHasher
 from kvstack.route.policy import BalanceConfig, RoutingPolicy, make_policy
-from kvstack.route.router_app import RouterConfig, create_router_app
+from kvstack.route.policy.kv_index import BlockHasher
+from kvstack.route.router.app import RouterConfig, create_router_app
+from kvstack.route.router.backends import BackendPool
 
 MODEL_ID = "fake-model"
 BLOCK = 16

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +335,16 @@ def test_kvstack_server_log_format(tmp_path: Path) -> None:
     assert report["observed_hit_rate"] == pytest.approx(8 / 18, abs=1e-6)
     r = result(report, "lru", 64)
     assert r["hit_tokens"] == 8 and r["within_session_hit_tokens"] == 8
+
+
+def test_python_m_help() -> None:
+    """``python -m kvstack.tools.analyze --help``: the package's ``__main__`` runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstack.tools.analyze", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: python -m kvstack.tools.analyze")
+    assert "--cache-size" in out

@@ -11,7 +11,7 @@ from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, PrefillSeq, decode_attention
 from kvstack.model.kernels import kernels_disabled, load_kernels
 from kvstack.model.llama import LlamaModel
-from kvstack.model.testing import hf_config_dict, tiny_llama_config
+from kvstack.testing.tiny_models import hf_config_dict, tiny_llama_config
 
 BS = 4
 BLOCKS = [7, 3, 9, 1, 12, 5]  # a shuffled block table: logical order != physical order

@@ -9,6 +9,8 @@ import itertools
 import json
 import math
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,8 +35,8 @@ from kvstack.tools.bench import (
     run_schedule,
     session_dependencies,
 )
-from kvstack.tools.bench_cli import add_bench_serve_args, run_bench_serve
-from kvstack.tools.bench_report import (
+from kvstack.tools.bench.cli import add_bench_serve_args, run_bench_serve
+from kvstack.tools.bench.report import (
     RequestResult,
     calculate_metrics,
     format_report,
@@ -545,3 +547,16 @@ def test_failures_never_crash(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "Successful requests:                     0" in out
     assert "Failed requests:                         2" in out and "ClientConnectorError" in out
+
+
+def test_python_m_help() -> None:
+    """``python -m kvstack.tools.bench --help``: the package's ``__main__`` runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstack.tools.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: python -m kvstack.tools.bench")
+    assert "--request-rate" in out

@@ -109,3 +109,100 @@ def test_chat_streams_and_exits_on_eof(
     assert code == 0
     replies = [line for line in out.splitlines() if "bot> " in line]
     assert len(replies) == 2 and all(r.split("bot> ", 1)[1].strip() for r in replies)
+
+
+# Non-default values of every engine option, as (flag arguments, expected value). Two
+# command lines: the contiguous layout excludes the presses, codecs and offload tiers.
+NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
+    {
+        "model": (["/models/m.gguf"], "/models/m.gguf"),
+        "dtype": (["float32"], "float32"),
+        "tokenizer": (["/models/tok"], "/models/tok"),
+        "seed": (["7"], 7),
+        "block_size": (["32"], 32),
+        "num_blocks": (["100"], 100),
+        "kv_cache_memory": (["1GiB"], 1 << 30),
+        "prefix_cache": (["radix"], "radix"),
+        "eviction_policy": (["adaptive"], "adaptive"),
+        "max_pinned_fraction": (["0.25"], 0.25),
+        "kv_cache_dtype": (["int8"], "int8"),
+        "kv_press": (["snapkv"], "snapkv"),
+        "kv_press_ratio": (["0.5"], 0.5),
+        "kv_press_every": (["16"], 16),
+        "kv_offload": (["host:64MiB"], "host:64MiB"),
+        "max_num_seqs": (["4"], 4),
+        "max_num_batched_tokens": (["512"], 512),
+        "max_model_len": (["1024"], 1024),
+        "enable_chunked_prefill": ([], False),
+    },
+    {"kv_layout": (["contiguous"], "contiguous"), "prefix_cache": (["none"], "none")},
+]
+
+
+def test_every_engine_option_has_a_flag() -> None:
+    from kvstack.cli import build_parser
+    from kvstack.config import EngineConfig
+    from kvstack.options import option_specs
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for command in ("generate", "chat", "serve"):
+        parser = sub.choices[command]  # type: ignore[index]
+        by_dest = {a.dest: a for a in parser._actions}
+        for s in option_specs(EngineConfig):
+            assert s.name in by_dest, (command, s.name)
+            assert s.flag in by_dest[s.name].option_strings
+            assert by_dest[s.name].help
+
+
+def test_engine_config_from_cli_args_round_trips_every_option() -> None:
+    from kvstack.cli import build_parser
+    from kvstack.config import EngineConfig
+    from kvstack.options import option_specs
+
+    covered = set().union(*NON_DEFAULT)
+    assert covered == {s.name for s in option_specs(EngineConfig)}
+    flags = {s.name: s.flag for s in option_specs(EngineConfig)}
+    parser = build_parser()
+    for values in NON_DEFAULT:
+        argv = ["generate", "hi"]
+        for name, (args, _) in values.items():
+            argv += [flags[name], *args]
+        options = EngineConfig.from_cli_args(parser.parse_args(argv)).options()
+        for name, (_, want) in values.items():
+            assert options[name] == want != EngineConfig().options()[name], name
+    assert EngineConfig.from_cli_args(parser.parse_args(["generate"])) == EngineConfig()
+
+
+def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstack.config import EngineConfig
+    from kvstack.options import option_specs
+    from kvstack.route.ray import RayOptions
+    from kvstack.serve.server import ServerOptions
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cls in (ServerOptions, RayOptions, EngineConfig):
+        for s in option_specs(cls):
+            assert s.flag in out, s.flag
+    for opt in ("--ray", "--replicas", "--replica-cpus", "--ray-address", "--policy"):
+        assert opt in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["serve", "--max-waiting", "0"], "--max-waiting must be at least 1"),
+        (["serve", "--port", "70000"], "--port must be in 1..65535"),
+        (["serve", "--role", "prefill"], "--role prefill needs --kv-offload"),
+        (["serve", "--kv-cache-memory", "lots"], "memory size"),
+    ],
+)
+def test_serve_option_errors_are_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstack: error:") and needle in lines[0], err

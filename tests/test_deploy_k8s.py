@@ -20,15 +20,14 @@ import pytest
 import yaml
 
 import kvstack
+from kvstack.deploy.cli import add_deploy_args, run_deploy
 from kvstack.deploy.k8s import (
     CRD_SCHEMAS,
     K8sOptions,
-    add_deploy_args,
     crd_schema,
     render_files,
     render_manifests,
     render_yaml,
-    run_deploy,
 )
 from kvstack.deploy.k8s_objects import PRESTOP_SLEEP_S, SHUTDOWN_GRACE_S
 from kvstack.errors import ConfigError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ import torch
 from kvstack.cli import main
 from kvstack.errors import ConfigError
 from kvstack.model.registry import load_tokenizer
-from kvstack.tools import eval_report as rep
 from kvstack.tools.eval import EvalConfig, codec_variant, run_eval
-from kvstack.tools.eval_tasks import (
+from kvstack.tools.eval import report as rep
+from kvstack.tools.eval.tasks import (
     INTRO,
     PHRASINGS,
     build_needle_prompt,
@@ -215,3 +216,16 @@ def test_corpus_choice_is_validated() -> None:
 
     with pytest.raises(ConfigError, match="--corpus must be prose or generated"):
         EvalConfig(corpus="poems").validate()
+
+
+def test_python_m_help() -> None:
+    """``python -m kvstack.tools.eval --help``: the package's ``__main__`` runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstack.tools.eval", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: python -m kvstack.tools.eval")
+    assert "--kv-cache-dtype" in out

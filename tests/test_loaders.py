@@ -23,7 +23,7 @@ from kvstack.model.registry import (
     resolve_model_path,
 )
 from kvstack.model.safetensors import load_hf_folder
-from kvstack.model.testing import (
+from kvstack.testing.tiny_models import (
     gguf_name,
     random_llama_weights,
     tiny_llama_config,

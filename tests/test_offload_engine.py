@@ -20,7 +20,7 @@ from tests.server_util import ServerProcess
 from kvstack import LLM, SamplingParams
 from kvstack.kv.hashing import hash_blocks, root_hash
 from kvstack.kv.tiers.disk import DiskTier
-from kvstack.tools.redis_server import LocalRedis
+from kvstack.testing.redis_server import LocalRedis
 
 SYSTEM = (
     "You are the help desk of a mountain railway. Trains leave the valley station every "

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstack.tools.redis_server import LocalRedis
+from kvstack.testing.redis_server import LocalRedis
 from server_util import ServerProcess, free_port
 
 PROMPT = (

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -254,3 +256,16 @@ def test_weights_that_do_not_fit() -> None:
     p = plan("llama-3.1-405b", gpu="a100-40gb", context=4096)
     assert p.kv_budget_bytes_per_gpu < 0 and p.max_concurrent_requests == 0
     assert p.autoscale_kv_usage_threshold is None and p.warnings
+
+
+def test_python_m_help() -> None:
+    """``python -m kvstack.tools.plan --help``: the package's ``__main__`` runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstack.tools.plan", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: python -m kvstack.tools.plan")
+    assert "--gpu" in out

@@ -9,7 +9,7 @@ import pytest
 
 from kvstack.errors import ConfigError
 from kvstack.kv.policies import (
-    POLICIES,
+    EVICTION_POLICIES,
     AdaptivePolicy,
     EvictionPolicy,
     LFUPolicy,
@@ -17,7 +17,7 @@ from kvstack.kv.policies import (
     make_policy,
 )
 
-ALL = sorted(POLICIES)
+ALL = sorted(EVICTION_POLICIES)
 
 
 def k(i: int) -> bytes:
@@ -48,8 +48,8 @@ def drain(policy: EvictionPolicy) -> list[Hashable]:
 
 def test_registry_and_make_policy() -> None:
     expected = [("lru", LRUPolicy), ("lfu", LFUPolicy), ("adaptive", AdaptivePolicy)]
-    assert list(POLICIES.items()) == expected
-    for name, cls in POLICIES.items():
+    assert list(EVICTION_POLICIES.items()) == expected
+    for name, cls in EVICTION_POLICIES.items():
         policy = make_policy(name, 8)
         assert type(policy) is cls and policy.name == name and policy.capacity == 8
 
@@ -62,7 +62,7 @@ def test_make_policy_unknown_name() -> None:
 @pytest.mark.parametrize("name", ALL)
 def test_bad_capacity(name: str) -> None:
     with pytest.raises(ValueError):
-        POLICIES[name](0)
+        EVICTION_POLICIES[name](0)
     with pytest.raises(ConfigError):
         make_policy(name, 0)
 

@@ -243,7 +243,8 @@ def test_press_every_holds_the_budget_while_decoding(llm: LLM, name: str) -> Non
     before = eng.stats()
     eng.step()
     req = eng.scheduler.requests[rid]
-    budget = req.press_budget
+    assert req.press is not None
+    budget = req.press.budget
     n = len(req.prompt_token_ids)
     assert budget == n - int(n * 0.75) and req.num_kv_tokens == budget
     peak, outs = 0, []

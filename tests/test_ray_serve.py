@@ -132,7 +132,8 @@ def test_router_counts_a_burst_before_ray_reports_it_routed() -> None:
     drags the whole burst onto one replica. No Ray cluster needed: fake replicas."""
     from types import SimpleNamespace
 
-    from kvstack.route.ray_serve import EngineCall, KVRequestRouter
+    from kvstack.route.ray.replica import EngineCall
+    from kvstack.route.ray.router import KVRequestRouter
 
     router = KVRequestRouter.__new__(KVRequestRouter)  # the policy part, without Ray
     router.initialize_state(policy="prefix")

@@ -12,9 +12,8 @@ import pytest
 
 from kvstack.errors import ConfigError
 from kvstack.kv.hashing import hash_blocks, root_hash
-from kvstack.route.kv_index import ApproxPrefixIndex, BlockHasher, EventIndex
 from kvstack.route.policy import (
-    POLICIES,
+    ROUTING_POLICIES,
     BalanceConfig,
     Decision,
     KVEventsPolicy,
@@ -27,6 +26,7 @@ from kvstack.route.policy import (
     RoutingPolicy,
     make_policy,
 )
+from kvstack.route.policy.kv_index import ApproxPrefixIndex, BlockHasher, EventIndex
 
 BS = 4  # block size: small, so short prompts have several blocks
 KV_AWARE = ["prefix", "kv_events"]
@@ -163,7 +163,7 @@ def test_least_load_picks_min_and_alternates_ties() -> None:
     assert route(policy, [1], tied).reason == "least_load"
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", ROUTING_POLICIES.names())
 def test_no_healthy_replica(name: str) -> None:
     policy = make_policy(name, block_size=BS)
     with pytest.raises(NoReplicaError, match="no healthy replica"):
@@ -261,9 +261,10 @@ def test_balance_config_validation(kwargs: dict[str, Any]) -> None:
 
 def test_make_policy() -> None:
     classes = [RoundRobinPolicy, LeastLoadPolicy, PrefixPolicy, KVEventsPolicy]
-    for name, cls in zip(POLICIES, classes, strict=True):
+    for name, cls in zip(ROUTING_POLICIES.names(), classes, strict=True):
         policy = make_policy(name)
         assert type(policy) is cls and policy.name == name
+        assert ROUTING_POLICIES.get(name) is cls and cls.kv_aware == (name in KV_AWARE)
     with pytest.raises(ConfigError, match=r"'cache'.*round_robin, least_load, prefix, kv_events"):
         make_policy("cache")
     with pytest.raises(ConfigError, match="block size"):
@@ -417,7 +418,7 @@ def test_simulated_multi_turn_hit_rate() -> None:
     """2 replicas, 20 sessions x 4 turns: affinity keeps each session's history where it
     was computed (round-robin loses it half of the time), with the load still even."""
     rates = {}
-    for name in POLICIES:
+    for name in ROUTING_POLICIES.names():
         sim = Sim(make_policy(name, block_size=BS), n=2, k=6, cache_blocks=400)
         multi_turn(sim)
         assert sim.imbalance <= 1.5, (name, sim.routed)

@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 from kvstack.errors import ConfigError
-from kvstack.route.backends import BackendPool
-from kvstack.route.events_client import SSEParser
-from kvstack.route.router_app import status_line
-from kvstack.route.router_cli import add_router_args, run_router
+from kvstack.route.router.app import status_line
+from kvstack.route.router.backends import BackendPool
+from kvstack.route.router.cli import add_router_args, run_router
+from kvstack.route.router.events_client import SSEParser
 from router_util import (
     BLOCK,
     MODEL_ID,
@@ -410,7 +410,7 @@ def test_client_gone_releases_attempts(fakes: list[FakeReplica], make_router: An
 def test_run_router_serves_and_stops_on_sigterm(fakes: list[FakeReplica], tmp_path: Any) -> None:
     port = free_port()
     code = (
-        "import argparse, logging, sys; from kvstack.route.router_cli import add_router_args, "
+        "import argparse, logging, sys; from kvstack.route.router.cli import add_router_args, "
         "run_router; logging.basicConfig(level=logging.INFO); p = argparse.ArgumentParser(); "
         "add_router_args(p); sys.exit(run_router(p.parse_args(sys.argv[1:])))"
     )

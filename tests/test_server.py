@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstack import LLM, SamplingParams
+from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.async_engine import AsyncEngine
 from server_util import ServerProcess
 
 KEY = "test-key"
@@ -458,3 +460,48 @@ def test_load_and_kv_event_stream(srv: ServerProcess) -> None:
     with httpx.stream("GET", srv.url + "/v1/kv_events", headers=headers, timeout=30) as r:
         snap = read_sse_batches(r, 1)[0]
         assert set(want) <= set(snap["events"][0]["block_hashes"])  # a reconnect sees them
+
+
+@pytest.mark.parametrize("prefix_cache", ["hash", "none"])
+def test_pin_is_checked_on_the_engine_thread(
+    prefix_cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pin endpoint's 400s (shorter than a block, over the pin budget, no prefix
+    cache) are decided by the engine thread, never by the HTTP thread, and a pin that
+    succeeds reports the blocks held from the engine thread too."""
+    from fastapi.testclient import TestClient
+
+    # 8 blocks of 16 tokens, max_pinned_fraction 0.5: pins may hold at most 4 blocks.
+    llm = LLM("default", max_model_len=256, num_blocks=8, prefix_cache=prefix_cache)
+    eng = llm.engine
+    threads: list[str] = []
+
+    def spy(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(*args)
+
+        return call
+
+    for name in ("check_pinnable", "pin_prefix", "num_pinned_blocks"):
+        monkeypatch.setattr(eng, name, spy(getattr(eng, name)))
+    app = create_app(AsyncEngine(eng), ServerConfig(model_name="m"))
+    with TestClient(app) as c:
+
+        def pin(n: int) -> httpx.Response:
+            return c.post("/v1/cache/pin", json={"prompt": list(range(1000, 1000 + n))})
+
+        if prefix_cache == "none":
+            r = pin(32)
+            assert r.status_code == 400 and "prefix cache" in r.json()["error"]["message"]
+        else:
+            short, long = pin(8), pin(5 * 16)
+            assert short.status_code == 400 and "full block" in short.json()["error"]["message"]
+            assert long.status_code == 400 and "at most 4" in long.json()["error"]["message"]
+            assert {"type", "param", "code"} <= set(long.json()["error"])
+            ok = pin(32)
+            assert ok.status_code == 200, ok.text
+            assert ok.json() == {"pinned_tokens": 32, "num_pinned_blocks": 2}
+            unpin = c.post("/v1/cache/unpin", json={"prompt": list(range(1000, 1032))})
+            assert unpin.json() == {"unpinned": True}
+    assert threads and set(threads) == {"kvstack-engine"}, threads

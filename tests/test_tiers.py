@@ -28,7 +28,7 @@ from kvstack.kv.tiers.host import HostTier
 from kvstack.kv.tiers.manager import OffloadManager
 from kvstack.kv.tiers.redis_tier import RedisTier
 from kvstack.kv.tiers.spec import parse_offload_spec
-from kvstack.tools.redis_server import LocalRedis
+from kvstack.testing.redis_server import LocalRedis
 
 LAYOUT = BlockLayout("model-a", "bfloat16", 4, 2, 1, 8, 2)  # payload 2*2*4*1*8*2 = 256 B
 OTHER_DTYPE = BlockLayout("model-a", "float32", 4, 2, 1, 8, 4)

@@ -9,7 +9,7 @@ import pytest
 
 from kvstack import LLM, SamplingParams
 from kvstack.model.registry import default_model_path
-from kvstack.model.testing import (
+from kvstack.testing.tiny_models import (
     random_llama_weights,
     tiny_llama_config,
     write_gguf,

@@ -16,8 +16,8 @@ from kvstack.model.detokenizer import (
     stop_holdback,
 )
 from kvstack.model.registry import default_model_path, load_tokenizer
-from kvstack.model.testing import random_llama_weights, tiny_llama_config, write_hf_folder
 from kvstack.model.tokenizer import Tokenizer
+from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
 TEXTS = [
     "Hello, world!",
@@ -279,7 +279,7 @@ def test_holdback_is_released_when_no_stop_follows(tok: Tokenizer) -> None:
 
 
 def test_gguf_add_bos_and_eos_flags() -> None:
-    from kvstack.model.testing import minimal_tokenizer_metadata
+    from kvstack.testing.tiny_models import minimal_tokenizer_metadata
 
     md = minimal_tokenizer_metadata(300)
     md.update({"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,16 @@ def test_config_errors(tok: Tokenizer) -> None:
         make_workload("rag-qa", tok, 4, docs_per_request=5)
     with pytest.raises(ConfigError):
         build_workload(WorkloadSpec("multi-turn", 4, user_len=-5), tok)
+
+
+def test_python_m_help() -> None:
+    """``python -m kvstack.tools.workloads --help``: the package's ``__main__`` runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstack.tools.workloads", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: python -m kvstack.tools.workloads")
+    assert "--num-requests" in out

@@ -1,7 +1,8 @@
 """kvstack: an LLM inference engine whose centre is the KV cache.
 
-``from kvstack import LLM, SamplingParams`` gives vLLM's offline API. Heavy modules
-(torch) load lazily so ``kvstack --help`` stays fast.
+``from kvstack import LLM, SamplingParams`` gives vLLM's offline API;
+``LLM.from_config(EngineConfig(...))`` builds one from a ready configuration. Heavy
+modules (torch) load lazily so ``kvstack --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from kvstack.request import CompletionOutput, RequestOutput, SamplingParams
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from kvstack.config import EngineConfig
     from kvstack.engine import LLMEngine
     from kvstack.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +33,10 @@ def __getattr__(name: str) -> Any:
         from kvstack.llm import LLM
 
         return LLM
+    if name == "EngineConfig":
+        from kvstack.config import EngineConfig
+
+        return EngineConfig
     if name == "LLMEngine":
         from kvstack.engine import LLMEngine
 

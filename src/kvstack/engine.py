@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
-
-import torch
 
 from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.errors import ConfigError, InvalidRequestError
-from kvstack.kv.contiguous import ContiguousKVManager
+from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
-from kvstack.kv.manager import KVCacheManager, KVCacheStats
-from kvstack.kv.press import Press, check_repress, make_press
-from kvstack.kv.press.compact import PressResult, apply_press
+from kvstack.kv.layouts import KVLayoutParams, build_kv_manager
+from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
-from kvstack.model.llama import LlamaModel
-from kvstack.model.registry import load_model, load_tokenizer
-from kvstack.model.runner import ModelRunner, RunnerOutput
+from kvstack.model.fingerprint import model_fingerprint
+from kvstack.model.registry import build_model, load_tokenizer
+from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
 from kvstack.output_processor import OutputProcessor, ParentState
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
@@ -35,20 +35,15 @@ from kvstack.stats import EngineStats, UsageTracker
 
 logger = logging.getLogger("kvstack.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        loaded = load_model(config.model)
-        self.model_config = loaded.config
+        self.model = build_model(config.model, config.dtype, config.seed)
+        self.model_config = self.model.config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.dtype = DTYPES[config.dtype]
-        torch.manual_seed(config.seed)
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype)
-        del loaded
+        self.dtype = self.model.dtype
 
         mc = self.model_config
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
@@ -78,41 +73,48 @@ class LLMEngine:
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
         )
-        self.kv_manager: KVCacheManager | ContiguousKVManager
-        if cc.kv_layout == "paged":
-            self.kv_manager = KVCacheManager(
+        self.kv_manager: KVManager = build_kv_manager(
+            cc.kv_layout,
+            KVLayoutParams(
                 num_blocks,
                 cc.block_size,
+                max_len,
                 prefix_cache=cc.prefix_cache,
                 eviction_policy=cc.eviction_policy,
                 max_pinned_fraction=cc.max_pinned_fraction,
                 model_id=mc.name,
-            )
-            if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
-                self.kv_manager.pool.on_plain_free = codec.on_block_freed
-        else:
-            self.kv_manager = ContiguousKVManager(num_blocks, cc.block_size, max_len, cc.kv_layout)
+            ),
+        )
+        if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
+            self.kv_manager.set_block_free_hook(codec.on_block_freed)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
         self.connector: TierConnector | None = None
         if cc.kv_offload:
-            assert isinstance(self.kv_manager, KVCacheManager)
+            assert isinstance(self.kv_manager, KVCacheManager)  # CacheConfig checked the layout
             self.connector = make_connector(
-                cc.kv_offload, self.model, self.kv_manager, self.kv_storage, config.dtype
+                cc.kv_offload,
+                model_fingerprint(self.model),
+                self.kv_manager,
+                self.kv_storage,
+                config.dtype,
             )
             self.scheduler.connector = self.connector
         self.usage_tracker = UsageTracker()
-        self.runner = ModelRunner(self.model, self.kv_storage)
+        # Era 5: per-request press state and the hooks scheduler, runner and step call.
+        self.press = PressCoordinator(
+            PressDefaults(
+                cc.kv_press, cc.kv_press_ratio, cc.kv_press_every, cc.kv_layout == "paged"
+            ),
+            self.kv_manager,
+            self.kv_storage,
+            self.model.scale,
+        )
+        self.scheduler.press = self.press
+        self.runner = ModelRunner(self.model, self.kv_storage, self.press)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
-        self.num_pressed_requests = 0  # era 5: requests a press compacted
-        self.num_press_dropped_tokens = 0
-        self.num_press_input_tokens = 0  # cached tokens the presses looked at
-        self.num_represses = 0  # presses again while decoding (--kv-press-every)
-        # Per request pressing again: the last ``window`` query rows of each layer.
-        self._press_windows: dict[str, list[torch.Tensor]] = {}
-        self.num_reclaimed_blocks = 0  # blocks compaction returned to the pool
-        plain = mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        plain = mc.kv_bytes_per_token(self.dtype.itemsize)
         logger.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache %s: %d blocks x %d tokens = %d tokens "
             "(%.0f B/token, %.2fx the tokens of %s), %.1f MiB; layout %s, prefix cache %s "
@@ -176,7 +178,7 @@ class LLMEngine:
             sp.max_tokens = max(1, self.max_model_len - len(ids))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
-        press, press_every = self._resolve_press(sp)
+        press = self.press.resolve(sp)
         eos = frozenset(self.tokenizer.eos_token_ids)
         children = []
         for i in range(sp.n):
@@ -184,9 +186,7 @@ class LLMEngine:
             if sp.n > 1 and sp.seed is not None:
                 csp.seed = sp.seed + i
             cid = rid if sp.n == 1 else f"{rid}#{i}"
-            child = Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt)
-            child.press, child.press_every = press, press_every
-            children.append(child)
+            children.append(Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt))
         for child in children:
             if child.request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
@@ -195,34 +195,10 @@ class LLMEngine:
             if child.sampling_params.prompt_logprobs is not None:
                 child.prompt_logprobs = [None]
             self.scheduler.add_request(child)
+            self.press.on_request_added(child, press)
             if self.connector is not None:
                 self.connector.on_request_added(child)
         return rid
-
-    def _resolve_press(self, sp: SamplingParams) -> tuple[Press | None, int | None]:
-        """The press a request gets and how often it presses again while decoding: its
-        own ``kv_press`` / ``kv_press_ratio`` / ``kv_press_every`` or the engine's."""
-        cc = self.config.cache
-        name = sp.kv_press if sp.kv_press is not None else cc.kv_press
-        ratio = sp.kv_press_ratio if sp.kv_press_ratio is not None else cc.kv_press_ratio
-        every = sp.kv_press_every if sp.kv_press_every is not None else cc.kv_press_every
-        if sp.kv_press_ratio is not None and name is None:
-            raise InvalidRequestError("kv_press_ratio needs a kv_press (request or --kv-press)")
-        if sp.kv_press_every is not None and name is None:
-            raise InvalidRequestError("kv_press_every needs a kv_press (request or --kv-press)")
-        if name is None:
-            return None, None
-        if cc.kv_layout != "paged":
-            raise InvalidRequestError("KV presses need the paged layout")
-        try:
-            press = make_press(name, ratio)
-            if every is not None:
-                check_repress(name)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "kv_press_every" if every else None) from None
-        if ratio == 0:  # ratio 0 removes nothing: no press at all
-            return None, None
-        return press, every
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort requests (by the id given to ``add_request``); frees their KV at once."""
@@ -265,7 +241,7 @@ class LLMEngine:
         self._record_logprobs(out, result)
         now = time.monotonic()
         changed = self.scheduler.update_from_output(out, result.sampled)
-        self._apply_presses(out, result)
+        self.press.after_step([s.request for s in out.scheduled], result.press_queries)
         touched: set[str] = set()
         for req in changed:
             if req.first_token_time is None:
@@ -276,69 +252,6 @@ class LLMEngine:
         outputs = self.outputs.outputs_for(touched, final_only)
         self.outputs.release_finished(touched)
         return outputs
-
-    def _apply_presses(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        """Era 5: press every request whose prompt this step completed (``kv/press/``),
-        and press again those holding a budget while they decode (``press_every``)."""
-        if not isinstance(self.kv_manager, KVCacheManager):
-            return
-        for rid in [r for r in self._press_windows if r not in self.scheduler.requests]:
-            del self._press_windows[rid]  # aborted
-        for s in out.scheduled:
-            req = s.request
-            rid = req.request_id
-            if req.press is None or req.is_finished():
-                self._press_windows.pop(rid, None)
-                continue
-            queries = result.press_queries.get(rid)
-            if not req.press_applied:
-                if req.num_computed_tokens >= req.press_point:
-                    self._press_windows.pop(rid, None)  # (a preempted request starts over)
-                    res = self._press(req, queries, None)
-                    req.press_budget = res.kept if res is not None else req.num_kv_tokens
-            elif req.press_every is not None:
-                self._hold_budget(req, queries)
-
-    def _hold_budget(self, req: Request, queries: list[torch.Tensor] | None) -> None:
-        """Keep the queries of the request's last ``window`` tokens; once its slots reach
-        ``press_budget + press_every``, press them back to ``press_budget``."""
-        assert req.press is not None and req.press_every is not None
-        window = req.press.window
-        if window and queries is not None:
-            old = self._press_windows.get(req.request_id)
-            if old is not None:
-                queries = [torch.cat((o, q))[-window:] for o, q in zip(old, queries, strict=True)]
-            self._press_windows[req.request_id] = queries
-        if req.num_kv_tokens < req.press_budget + req.press_every:
-            return
-        held = self._press_windows.pop(req.request_id, None)
-        if window and held is None:
-            return  # no decode queries yet (just recomputed after a preemption)
-        if self._press(req, held, req.press_budget) is not None:
-            self.num_represses += 1
-
-    def _press(
-        self, req: Request, queries: list[torch.Tensor] | None, keep: int | None
-    ) -> PressResult | None:
-        assert req.press is not None and isinstance(self.kv_manager, KVCacheManager)
-        try:
-            res = apply_press(
-                req, queries, self.kv_manager, self.kv_storage, self.model.scale, keep
-            )
-        except Exception:  # a press bug costs the compression, never the request
-            logger.exception(
-                "press %s failed on %s; left unpressed", req.press.name, req.request_id
-            )
-            req.press_applied = True
-            req.press_every = None
-            return None
-        if res is not None:
-            if keep is None:
-                self.num_pressed_requests += 1
-            self.num_press_dropped_tokens += res.dropped
-            self.num_press_input_tokens += res.dropped + res.kept
-            self.num_reclaimed_blocks += res.reclaimed_blocks
-        return res
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         for rid, lp in result.logprobs.items():
@@ -391,11 +304,25 @@ class LLMEngine:
         """Stream of BlockStored / BlockRemoved / AllBlocksCleared (``kv/events.py``)."""
         return self.kv_manager.events
 
+    # ------------------------------------------------------------------ evaluation
+    @contextmanager
+    def capture_logits(self, request_id: str, start: int) -> Iterator[LogitCapture]:
+        """Keep the full next-token log-distributions of request ``request_id``'s prompt
+        positions ``>= start`` while the block runs (``LLM.score``; the request must ask
+        for prompt logprobs). Add and run the request inside the ``with``."""
+        capture = LogitCapture(start)
+        self.runner.capture_logits[request_id] = capture
+        try:
+            yield capture
+        finally:
+            self.runner.capture_logits.pop(request_id, None)
+
     # ------------------------------------------------------------------ introspection
     def stats(self, kv: KVCacheStats | None = None) -> EngineStats:
         """Engine counters; ``kv`` is a KV snapshot the caller already took, if any."""
         kv = kv or self.kv_manager.stats()
         sched = self.scheduler
+        press = self.press.counters
         return EngineStats(
             num_steps=self.num_steps,
             num_running=sched.num_running,
@@ -415,18 +342,19 @@ class LLMEngine:
             kv_usage_avg=self.usage_tracker.usage_avg,
             kv_waste_avg=self.usage_tracker.waste_avg,
             kv_waste_peak=self.usage_tracker.waste_peak,
-            offload=self.connector.offload.stats() if self.connector is not None else {},
+            offload=self.connector.stats() if self.connector is not None else {},
             kv_capacity_tokens=kv.num_blocks * self.kv_manager.block_size,
-            num_pressed_requests=self.num_pressed_requests,
-            num_press_dropped_tokens=self.num_press_dropped_tokens,
-            num_press_input_tokens=self.num_press_input_tokens,
-            num_represses=self.num_represses,
-            num_reclaimed_blocks=self.num_reclaimed_blocks,
+            num_pressed_requests=press.pressed_requests,
+            num_press_dropped_tokens=press.dropped_tokens,
+            num_press_input_tokens=press.input_tokens,
+            num_represses=press.represses,
+            num_reclaimed_blocks=press.reclaimed_blocks,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.press.check_integrity(self.scheduler.requests)
         self.kv_storage.codec.check_integrity()
         if self.connector is not None:
             self.connector.check_integrity()
@@ -439,3 +367,34 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv_manager.num_free_blocks
+
+    # ---- queries for the server (engine thread only)
+    # ``serve.AsyncEngine`` calls these through ``AsyncEngine.run`` (between steps), so
+    # the HTTP thread never reads the KV manager or the connector itself.
+    def routing_info(self) -> KVRoutingInfo:
+        """How this engine hashes prefixes: what a router needs to predict its block
+        hashes. Fixed for the engine's life."""
+        return self.kv_manager.routing_info()
+
+    def check_pinnable(self, num_tokens: int) -> None:
+        """``InvalidRequestError`` when no prefix of ``num_tokens`` tokens can be pinned."""
+        self.kv_manager.check_pinnable(num_tokens)
+
+    def num_pinned_blocks(self) -> int:
+        return self.kv_manager.num_pinned_blocks
+
+    def held_block_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash each medium serves now: ``device`` (the prefix cache) and each
+        offload tier that can list its blocks (Redis is shared and cannot)."""
+        held = {"device": self.kv_manager.cached_hashes()}
+        for tier in self.connector.offload.tiers if self.connector is not None else []:
+            hashes = tier.held_hashes()
+            if hashes is not None:
+                held[tier.name] = hashes
+        return held
+
+    def flush_offload(self, timeout_s: float) -> bool:
+        """Wait until queued tier stores and loads are done (True at once without tiers);
+        False on timeout. The exception here: it blocks, so call it off the engine thread
+        (the I/O thread's queue is thread-safe)."""
+        return self.connector is None or self.connector.offload.flush(timeout_s)

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
-from kvstack.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvstack.config import EngineConfig
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
 from kvstack.model.runner import LogitCapture
+from kvstack.options import build
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.stats import EngineStats
 
@@ -18,68 +19,25 @@ from kvstack.stats import EngineStats
 class LLM:
     """Offline engine: ``LLM(model="default").generate(prompts, SamplingParams(...))``.
 
-    Keyword arguments mirror the CLI options (``dtype``, ``block_size``, ``num_blocks``,
-    ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``enable_chunked_prefill``, ``seed``, ``tokenizer``, and the KV-cache choices
-    ``prefix_cache`` (hash | radix | none), ``eviction_policy`` (lru | lfu | adaptive),
-    ``max_pinned_fraction``, ``kv_layout`` (paged | contiguous | contiguous-request) and
-    ``kv_offload`` (offload tiers, e.g. ``"host:1GiB,disk:/tmp/kv:4GiB"``) and
-    ``kv_cache_dtype`` (KV codec: auto | bf16 | fp8 | int8 | int4 | kivi2 | rotated4),
-    ``kv_press`` / ``kv_press_ratio`` / ``kv_press_every`` (token-eviction press after
-    each prompt, and again every N decoded tokens)).
+    ``LLM(model, **options)`` takes exactly the engine options ``EngineConfig`` declares
+    (the ``kvstack`` CLI flags, with underscores), flat: ``LLM("default", dtype="float32",
+    num_blocks=256, kv_press="snapkv", kv_press_ratio=0.5)``; an unknown name raises
+    ``TypeError``. ``LLM.from_config(config)`` takes a ready ``EngineConfig``.
     Call ``shutdown()`` when done with offload tiers so queued stores are written.
     """
 
-    def __init__(
-        self,
-        model: str = "default",
-        *,
-        dtype: str = "bfloat16",
-        tokenizer: str | None = None,
-        seed: int = 0,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: str | int | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_chunked_prefill: bool = True,
-        prefix_cache: str = "hash",
-        eviction_policy: str = "lru",
-        max_pinned_fraction: float = 0.5,
-        kv_layout: str = "paged",
-        kv_offload: str | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_press: str | None = None,
-        kv_press_ratio: float = 0.0,
-        kv_press_every: int | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            tokenizer=tokenizer,
-            seed=seed,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
-                prefix_cache=prefix_cache,
-                eviction_policy=eviction_policy,
-                max_pinned_fraction=max_pinned_fraction,
-                kv_layout=kv_layout,
-                kv_offload=kv_offload,
-                kv_cache_dtype=kv_cache_dtype,
-                kv_press=kv_press,
-                kv_press_ratio=kv_press_ratio,
-                kv_press_every=kv_press_every,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-        )
+    def __init__(self, model: str = "default", **options: Any) -> None:
+        self._start(build(EngineConfig, {"model": model, **options}, "LLM()"))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` on an already built (and so already validated) configuration."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
@@ -142,7 +100,7 @@ class LLM:
         (``max_pinned_fraction`` of the pool) or no prefix cache is enabled.
         """
         ids = self._prefix_ids(prefix)
-        self.engine.kv_manager.check_pinnable(len(ids))
+        self.engine.check_pinnable(len(ids))
         rid = self.engine.new_request_id()
         self.engine.add_request(
             rid, None, SamplingParams(max_tokens=1), prompt_token_ids=ids, cache_salt=cache_salt
@@ -247,3 +205,10 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids if i in results]
+
+
+LLM.__doc__ = f"""{LLM.__doc__}
+    Options (declared in ``kvstack.config``; defaults as in the CLI):
+
+{EngineConfig.describe("    ")}
+    """

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from kvstack.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from kvstack.kv.press.base import Press
+    from kvstack.kv.press.state import PressState
 
 
 @dataclass
@@ -155,8 +155,9 @@ _FINISHED = {
 class Request:
     """One sequence being generated. ``n > 1`` is fanned out into n Requests by the engine.
 
-    Invariants: ``0 <= num_computed_tokens <= num_tokens``; ``block_ids`` (owned by the
-    KV cache manager) covers at least ``num_computed_tokens`` slots while running.
+    Invariants: ``0 <= num_computed_tokens <= num_tokens``; while running, the
+    request's block table (held by the KV manager, ``get_block_ids``) covers at least
+    ``num_kv_tokens`` slots.
     """
 
     request_id: str
@@ -183,16 +184,10 @@ class Request:
     finished_time: float | None = None
     # Extra key of the prefix-cache hash chain: requests only share KV with the same salt.
     cache_salt: str | None = None
-    # Era 5 presses: the press to apply after the prompt (None: none), and what it did.
-    # Positions keep counting after a press; KV slots are compacted (``num_kv_tokens``).
-    press: Press | None = None
-    press_applied: bool = False
-    num_dropped: int = 0  # cached tokens the press removed (slots = positions - this)
-    # Hold a budget while decoding: press again whenever the KV slots reach
-    # ``press_budget + press_every`` (``press_budget``: the slots the first press kept).
-    press_every: int | None = None
-    press_budget: int = 0
-    kv_layer_lens: list[int] | None = None  # kept tokens per layer when budgets differ
+    # Era 5: the request's press and what it did (``kv/press/state.py``; None: never
+    # pressed), set and changed only by the engine's ``PressCoordinator``. Positions keep
+    # counting after a press; KV slots are compacted (``num_kv_tokens``).
+    press: PressState | None = None
     # Chained hashes of the full blocks of all_token_ids, extended by the KV manager.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
@@ -203,6 +198,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_dropped(self) -> int:
+        """Cached tokens presses removed: 0 unless pressed."""
+        return 0 if self.press is None else self.press.num_dropped
 
     @property
     def num_kv_tokens(self) -> int:
@@ -218,21 +218,10 @@ class Request:
         return self.num_computed_tokens - self.num_dropped
 
     @property
-    def press_point(self) -> int:
-        """Computed tokens after which the press runs (the prompt, or ``kv_press_after``)."""
-        after = self.sampling_params.kv_press_after
-        return self.num_prompt_tokens if after is None else min(after, self.num_prompt_tokens)
-
-    @property
-    def press_pending(self) -> bool:
-        return self.press is not None and not self.press_applied
-
-    def reset_press(self) -> None:
-        """Forget a press's effect (preemption: everything is recomputed, then pressed)."""
-        self.press_applied = False
-        self.num_dropped = 0
-        self.kv_layer_lens = None
-        self.press_budget = 0
+    def press_applied(self) -> bool:
+        """True once a press ran on the request's current KV (its blocks then no longer
+        hold a token prefix, so the prefix cache must not take them)."""
+        return self.press is not None and self.press.applied
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -32,10 +32,8 @@ weights − 1 GiB reserve), 1 − 0.075 = 0.925, so the planner answers its uppe
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -295,34 +293,3 @@ def crd_schema(kind: str) -> dict[str, Any]:
     text = resources.files("kvstack.deploy").joinpath("schemas", CRD_SCHEMAS[kind]).read_text()
     schema: dict[str, Any] = json.loads(text)
     return schema
-
-
-def add_deploy_args(p: argparse.ArgumentParser) -> None:
-    """Sub-commands of ``kvstack deploy`` (only ``k8s`` for now); each sets ``func``."""
-    sub = p.add_subparsers(dest="deploy_target", required=True, metavar="TARGET")
-    k = sub.add_parser(
-        "k8s",
-        help="render Kubernetes manifests (engine, Redis KV tier, router, KEDA, PodMonitor)",
-        description="Print kvstack's Kubernetes manifests as YAML (or write one file per "
-        "component). Kubernetes owns placement, scaling and restarts; the router only picks "
-        "a replica per request.",
-    )
-    from kvstack.deploy.k8s_cli import add_k8s_args
-
-    add_k8s_args(k)
-    k.set_defaults(func=run_deploy)
-
-
-def run_deploy(args: argparse.Namespace) -> int:
-    """Run ``kvstack deploy k8s``: YAML to stdout, or files into ``--output-dir``."""
-    from kvstack.deploy.k8s_cli import options_from_args
-
-    if getattr(args, "deploy_target", "k8s") != "k8s":
-        raise ConfigError(f"unknown deploy target {args.deploy_target!r}; choose from: k8s")
-    opts = options_from_args(args)
-    if args.output_dir is None:
-        sys.stdout.write(render_yaml(opts))
-        return 0
-    paths = write_files(opts, args.output_dir)
-    print(f"wrote {', '.join(p.name for p in paths)} to {args.output_dir}", file=sys.stderr)
-    return 0

@@ -24,7 +24,8 @@ _PLAN_ARGS = (
 )
 
 
-def add_k8s_args(p: argparse.ArgumentParser) -> None:
+def _objects_args(p: argparse.ArgumentParser) -> None:
+    """Namespace, name prefix and image of every object."""
     g = p.add_argument_group("objects")
     g.add_argument("--namespace", default=D.namespace, help=f"namespace (default {D.namespace})")
     g.add_argument(
@@ -35,6 +36,10 @@ def add_k8s_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--image", default=D.image, help=f"kvstack image, built by deploy/Dockerfile ({D.image})"
     )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine pods: `kvstack serve` replicas and their resources."""
     e = p.add_argument_group("engine (kvstack serve)")
     e.add_argument(
         "--replicas",
@@ -63,6 +68,10 @@ def add_k8s_args(p: argparse.ArgumentParser) -> None:
         help="more `kvstack serve` flags, shell-quoted and repeatable, e.g. "
         "--engine-args='--kv-cache-memory 3GiB' (use '=' when ARGS starts with '-')",
     )
+
+
+def _tier_and_router_args(p: argparse.ArgumentParser) -> None:
+    """The Redis KV tier and the router."""
     r = p.add_argument_group("shared KV tier (Redis) and router")
     r.add_argument("--no-redis", action="store_true", help="no Redis tier (no --kv-offload)")
     r.add_argument("--redis-image", default=D.redis_image, help=f"Redis image ({D.redis_image})")
@@ -89,6 +98,10 @@ def add_k8s_args(p: argparse.ArgumentParser) -> None:
         default=D.cluster_domain,
         help=f"DNS domain of the headless Service the router resolves ({D.cluster_domain})",
     )
+
+
+def _autoscaling_args(p: argparse.ArgumentParser) -> None:
+    """The KEDA ScaledObject (autoscaling on the KV usage and the queue)."""
     a = p.add_argument_group("autoscaling (KEDA ScaledObject)")
     a.add_argument("--no-keda", action="store_true", help="no ScaledObject: fixed --replicas")
     a.add_argument(
@@ -130,6 +143,10 @@ def add_k8s_args(p: argparse.ArgumentParser) -> None:
         default=D.cooldown_period,
         help="KEDA cooldown and HPA scale-down window, seconds (default 300)",
     )
+
+
+def _planner_args(p: argparse.ArgumentParser) -> None:
+    """The `kvstack plan` inputs of the default KV usage threshold."""
     pl = p.add_argument_group("planner inputs for the KV usage threshold (`kvstack plan`)")
     pl.add_argument(
         "--plan-model",
@@ -152,6 +169,10 @@ def add_k8s_args(p: argparse.ArgumentParser) -> None:
     pl.add_argument(
         "--plan-gpu-memory-utilization", metavar="U", type=float, help="(0, 1], default 0.9"
     )
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """The PodMonitor and where the YAML goes."""
     m = p.add_argument_group("monitoring and output")
     m.add_argument("--no-podmonitor", action="store_true", help="no Prometheus-operator PodMonitor")
     m.add_argument(
@@ -170,6 +191,19 @@ def add_k8s_args(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write one YAML file per component and a kustomization.yaml there, not to stdout",
     )
+
+
+def add_k8s_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``kvstack deploy k8s``; every default is ``K8sOptions``'s."""
+    for add_group in (
+        _objects_args,
+        _engine_args,
+        _tier_and_router_args,
+        _autoscaling_args,
+        _planner_args,
+        _output_args,
+    ):
+        add_group(p)
 
 
 def parse_engine_args(texts: list[str] | None) -> tuple[str, ...]:

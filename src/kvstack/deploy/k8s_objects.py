@@ -5,7 +5,7 @@ engine loop runs, 503 when the loop has died. The engine's first start also comp
 kernels (``kvstack.model.kernels``, 30-60 s, cached in an ``emptyDir`` that survives
 container restarts), so a ``startupProbe`` allows 3 minutes before the liveness probe
 takes over. On SIGTERM ``kvstack serve`` stops accepting and lets in-flight requests finish
-for ``--shutdown-grace`` seconds (``kvstack.serve.cli``); the preStop sleep first lets
+for ``--shutdown-grace`` seconds; the preStop sleep first lets
 endpoints and the headless DNS drop the pod, and the grace period covers both.
 """
 

@@ -27,19 +27,20 @@ cover the pool; free extents are sorted and merged.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvstack.errors import ConfigError, InvalidRequestError
-from kvstack.kv.block_pool import KVCacheBlock
+from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
 from kvstack.kv.events import KVEventLog
-from kvstack.kv.manager import KVCacheStats, cdiv
-from kvstack.request import Request
 
-KV_LAYOUTS = ("paged", "contiguous", "contiguous-request")
+if TYPE_CHECKING:
+    from kvstack.kv.block_pool import KVCacheBlock
+    from kvstack.request import Request
 
 
 class ContiguousKVManager:
-    """Same interface as ``KVCacheManager`` (no prefix cache, no pins)."""
+    """``KVManager`` (``kv/base.py``) of the era-1 baseline: no prefix cache, no pins."""
 
     enable_prefix_caching = False
     cache = None
@@ -62,10 +63,15 @@ class ContiguousKVManager:
         self.free_extents: list[tuple[int, int]] = [(0, num_blocks)]  # (start, length)
         self.slabs: dict[str, tuple[int, int]] = {}
 
-    @property
-    def req_blocks(self) -> dict[str, tuple[int, int]]:
+    def held_request_ids(self) -> list[str]:
         """Requests holding KV (the scheduler checks that only running ones do)."""
-        return self.slabs
+        return list(self.slabs)
+
+    def routing_info(self) -> KVRoutingInfo:
+        return KVRoutingInfo(model_id="", block_size=self.block_size, prefix_cache=False)
+
+    def cached_hashes(self) -> list[bytes]:
+        return []
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -91,8 +97,13 @@ class ContiguousKVManager:
         return []
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: Sequence[KVCacheBlock] = (),
+        num_external_blocks: int = 0,
     ) -> list[int] | None:
+        assert not computed and not num_external_blocks, "the contiguous layout has no hits"
         rid = request.request_id
         slab = self.slabs.get(rid)
         if slab is None:
@@ -158,6 +169,20 @@ class ContiguousKVManager:
 
     def reset_prefix_cache(self) -> None:
         return None
+
+    # Codecs and presses need the paged layout (``CacheConfig`` refuses them earlier).
+    def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
+        if hook is not None:
+            raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        raise InvalidRequestError("KV presses need the paged layout")
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        raise InvalidRequestError("KV presses need the paged layout")
+
+    def replace_blocks(self, request: Request, block_ids: Sequence[int]) -> int:
+        raise InvalidRequestError("KV presses need the paged layout")
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

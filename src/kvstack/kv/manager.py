@@ -21,44 +21,40 @@ computing it. A step that fails must therefore reset the cache (``LLMEngine``).
 
 The last prompt token is always computed (a hit covers at most ``num_tokens - 1``
 tokens, block-aligned), so there are logits to sample from.
+
+Externally loaded blocks (era 4, vLLM v1's connector shape): the connector says how
+many blocks after the device hit it can supply; ``allocate_slots(..., num_external_blocks=k)``
+allocates them with the rest, registers them in the prefix cache like computed blocks,
+and the connector writes their KV through ``KVStorage`` before the step runs::
+
+    tokens:  [ device hit ][ k external ][ new tokens (this step) ][ . free . ]
+    blocks:   computed       fresh, filled by the connector         fresh
+
+Implements ``kv/base.py``'s ``KVManager`` protocol.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.errors import InvalidRequestError
+from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvstack.kv.policies import make_policy
 from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
 from kvstack.kv.radix import RadixPrefixCache
+from kvstack.registry import Registry
 from kvstack.request import Request
 
-PREFIX_CACHES: dict[str, type[PrefixCache] | None] = {
-    "hash": HashPrefixCache,
-    "radix": RadixPrefixCache,
-    "none": None,
-}
+__all__ = ["PREFIX_CACHES", "KVCacheManager", "KVCacheStats", "cdiv"]
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class KVCacheStats:
-    num_blocks: int
-    num_free_blocks: int  # plain free + evictable cached
-    num_cached_blocks: int  # blocks holding reusable prefix KV (held or not)
-    num_pinned_blocks: int
-    usage: float  # 0..1, held blocks / all blocks
-    num_requests: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_evicted_blocks: int
+# Era 3 prefix reuse (``--prefix-cache``); None = recompute every prompt.
+PREFIX_CACHES: Registry[type[PrefixCache] | None] = Registry("prefix cache")
+PREFIX_CACHES.add("hash", HashPrefixCache, "vLLM's block hash chain (default)")
+PREFIX_CACHES.add("radix", RadixPrefixCache, "SGLang's token radix tree")
+PREFIX_CACHES.add("none", None, "recompute every prompt")
 
 
 class KVCacheManager:
@@ -74,14 +70,10 @@ class KVCacheManager:
         model_id: str = "",
         events: KVEventLog | None = None,
     ) -> None:
-        if prefix_cache not in PREFIX_CACHES:
-            raise ConfigError(
-                f"unknown prefix cache {prefix_cache!r}; choose one of: {', '.join(PREFIX_CACHES)}"
-            )
+        cls = PREFIX_CACHES.get(prefix_cache)
         self.block_size = block_size
         self.events = events if events is not None else KVEventLog()
         policy = make_policy(eviction_policy, num_blocks)
-        cls = PREFIX_CACHES[prefix_cache]
         self.cache: PrefixCache | None = (
             cls(block_size, policy, self.events) if cls is not None else None
         )
@@ -93,9 +85,12 @@ class KVCacheManager:
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> chain
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        # When a KV offload connector is attached (era 4, ``kv/tiers/``): the
+        # When a KV offload connector tracks them (era 4, ``kv/tiers/``): the
         # (hash, block) pairs made reusable since it last looked, for it to store.
-        self.new_cached_blocks: list[tuple[BlockHash, KVCacheBlock]] | None = None
+        self._new_cached: list[tuple[BlockHash, KVCacheBlock]] | None = None
+        # request id -> (first, end) block indices loaded by the connector at admission
+        # (registered in the cache, never reported as newly computed).
+        self._external: dict[str, tuple[int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -112,6 +107,24 @@ class KVCacheManager:
     @property
     def enable_prefix_caching(self) -> bool:
         return self.cache is not None
+
+    def routing_info(self) -> KVRoutingInfo:
+        return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)
+
+    def held_request_ids(self) -> list[str]:
+        return list(self.req_blocks)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes of every block the prefix cache holds (KV events' snapshot)."""
+        return self.cache.cached_hashes() if self.cache is not None else []
+
+    def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
+        """Call ``hook(block_id)`` when a block's contents die (KIVI frees its residual)."""
+        self.pool.on_plain_free = hook
+
+    def num_free_blocks_adopting(self, computed: Sequence[KVCacheBlock]) -> int:
+        """Free blocks left once the prefix hit ``computed`` is adopted."""
+        return self.pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -152,26 +165,28 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
+        num_external_blocks: int = 0,
     ) -> list[int] | None:
-        """Ensure slots for ``num_computed_tokens + len(computed) * bs + num_new_tokens``.
+        """Ensure slots for ``num_kv_tokens + (len(computed) + ext) * bs + num_new_tokens``.
 
         ``computed`` (admission only) are prefix-hit blocks from ``get_computed_blocks``;
-        they are adopted and the caller advances ``num_computed_tokens`` past them.
-        Returns the request's whole block-id table, or None when there are not enough
-        free blocks (nothing changes in that case).
+        they are adopted. ``num_external_blocks`` (admission only) fresh blocks follow
+        them, for a connector to fill; the caller advances ``num_computed_tokens`` past
+        both. Returns the request's whole block-id table, or None when there are not
+        enough free blocks (nothing changes in that case).
         """
         rid = request.request_id
         blocks = self.req_blocks.get(rid, [])
-        assert not (computed and blocks), "prefix hits are adopted only at admission"
-        num_tokens = request.num_kv_tokens + len(computed) * self.block_size + num_new_tokens
+        ext = num_external_blocks
+        assert not ((computed or ext) and blocks), "hits are adopted only at admission"
+        hit = len(computed) + ext
+        num_tokens = request.num_kv_tokens + hit * self.block_size + num_new_tokens
         needed = self.num_blocks_for(num_tokens) - len(blocks) - len(computed)
-        # Adopting an evictable hit removes it from the free count.
-        available = self.pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
-        if needed > available:
+        if needed > self.num_free_blocks_adopting(computed):
             return None
         if self.cache is not None and request.num_computed_tokens == 0 and not blocks:
             self.prefix_query_tokens += request.num_tokens
-            self.prefix_hit_tokens += len(computed) * self.block_size
+            self.prefix_hit_tokens += hit * self.block_size
         if computed:
             self.pool.touch(computed)
             assert self.cache is not None
@@ -180,7 +195,11 @@ class KVCacheManager:
         blocks.extend(computed)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
+        if ext:
+            self._external[rid] = (len(computed), hit)
         self._cache_full_blocks(request, num_tokens)
+        if ext and self.cache is not None:
+            self.cache.on_hit([b for b in blocks[len(computed) : hit] if b.block_hash is not None])
         return [b.block_id for b in blocks]
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -194,27 +213,57 @@ class KVCacheManager:
         hashes = self.block_hashes(request)[:num_full]
         blocks = self.req_blocks[rid]
         start = self._num_inserted.get(rid, 0)
-        new = self.new_cached_blocks
+        new = self._new_cached
         fresh = [b.block_hash is None for b in blocks[start:num_full]] if new is not None else []
         self.cache.insert(request.all_token_ids, hashes, blocks, self.root_of(request))
         self._num_inserted[rid] = num_full
         if new is not None:
+            first, end = self._external.get(rid, (0, 0))
             for i, was_free in enumerate(fresh, start):
-                if was_free and blocks[i].block_hash == hashes[i]:
+                loaded = first <= i < end  # its KV came from a tier: nothing to store
+                if was_free and not loaded and blocks[i].block_hash == hashes[i]:
                     new.append((hashes[i], blocks[i]))
 
-    def replace_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> int:
-        """A press compacted the request's KV into ``blocks`` (held, uncached): release
-        the old ones (tail first) and return how many blocks went back to the pool.
+    # ------------------------------------------------------------------ era 4 connector
+    def track_new_cached_blocks(self) -> None:
+        """Start recording blocks that become reusable (an offload connector stores them)."""
+        if self._new_cached is None:
+            self._new_cached = []
+
+    def pop_new_cached_blocks(self) -> list[tuple[BlockHash, int]]:
+        """``(hash, block id)`` of blocks made reusable since the last call, still cached."""
+        new, self._new_cached = self._new_cached, []
+        assert new is not None, "track_new_cached_blocks() was not called"
+        return [(h, b.block_id) for h, b in new if b.block_hash == h]
+
+    def discard_new_cached_blocks(self) -> None:
+        """A failed step: its blocks may be half written, so none of them is reported."""
+        if self._new_cached is not None:
+            self._new_cached.clear()
+
+    # ------------------------------------------------------------------ era 5 presses
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """``n`` fresh held blocks outside any request (a press fills them), or None."""
+        if n > self.pool.num_free_blocks:
+            return None
+        return [b.block_id for b in self.pool.allocate(n)]
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give back blocks from ``allocate_blocks`` that were not adopted (tail first)."""
+        self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
+
+    def replace_blocks(self, request: Request, block_ids: Sequence[int]) -> int:
+        """A press compacted the request's KV into ``block_ids`` (from ``allocate_blocks``):
+        release the old ones (tail first) and return how many blocks went back to the pool.
 
         The old blocks keep their prefix-cache entries: they still hold the *unpressed*
         KV of a true prefix, so other requests reuse them unchanged.
         """
         rid = request.request_id
         old = self.req_blocks[rid]
-        self.req_blocks[rid] = list(blocks)
+        self.req_blocks[rid] = [self.pool.blocks[i] for i in block_ids]
         self.pool.free(reversed(old))
-        return len(old) - len(blocks)
+        return len(old) - len(block_ids)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -224,6 +273,7 @@ class KVCacheManager:
         rid = request if isinstance(request, str) else request.request_id
         blocks = self.req_blocks.pop(rid, None)
         self._num_inserted.pop(rid, None)
+        self._external.pop(rid, None)
         if blocks:
             self.pool.free(reversed(blocks))
 
@@ -312,6 +362,7 @@ class KVCacheManager:
         self.pins.clear()
         self.pool.reclaim(self.cache.reset())
         self._num_inserted.clear()
+        self._external.clear()
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> KVCacheStats:
@@ -340,3 +391,5 @@ class KVCacheManager:
             )
         for rid, blocks in self.req_blocks.items():
             assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
+        for rid, (first, end) in self._external.items():
+            assert rid in self.req_blocks and 0 <= first <= end <= len(self.req_blocks[rid])

@@ -4,8 +4,9 @@ A prefix cache keeps the KV blocks of finished requests so later requests with t
 prefix can reuse them. When the block pool runs out, the cache asks its policy which
 *evictable* cached block to drop. A policy only orders opaque hashable keys (in practice
 16-byte block hashes, stable across eviction, so ghost lists can recognise returning
-keys); it never touches blocks, and imports nothing from kvstack but ``ConfigError``, so
-an offline analyzer can replay cache logs through the very same code.
+keys); it never touches blocks, and imports nothing from kvstack but ``ConfigError`` and
+the registry, so an offline analyzer can replay cache logs through the very same code.
+Policies are registered by name in ``EVICTION_POLICIES`` (``--eviction-policy``).
 
 Every key moves through these states::
 
@@ -30,6 +31,7 @@ from collections.abc import Hashable
 from typing import ClassVar
 
 from kvstack.errors import ConfigError
+from kvstack.registry import Registry
 
 
 def _require(ok: bool, key: Hashable, problem: str) -> None:
@@ -348,16 +350,18 @@ class AdaptivePolicy(EvictionPolicy):
         assert 0 <= self._p <= self.capacity, f"p={self._p} out of [0, {self.capacity}]"
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LFUPolicy, AdaptivePolicy)
-}
+EVICTION_POLICIES: Registry[type[EvictionPolicy]] = Registry("eviction policy")
+EVICTION_POLICIES.add("lru", LRUPolicy, "least recently used (default)")
+EVICTION_POLICIES.add("lfu", LFUPolicy, "least frequently used")
+EVICTION_POLICIES.add("adaptive", AdaptivePolicy, "ARC: balances recency and frequency")
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """The policy registered as ``name`` for a cache of ``capacity`` blocks."""
-    if name not in POLICIES:
-        valid = ", ".join(POLICIES)
-        raise ConfigError(f"unknown eviction policy {name!r}; choose one of: {valid}")
+    cls = EVICTION_POLICIES.get(name)
     if capacity < 1:
         raise ConfigError(f"eviction policy capacity must be >= 1, got {capacity}")
-    return POLICIES[name](capacity)
+    return cls(capacity)
+
+
+POLICIES = EVICTION_POLICIES  # TRANSITIONAL alias while callers move to EVICTION_POLICIES

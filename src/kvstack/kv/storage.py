@@ -8,17 +8,20 @@ block_size``, and attention reads the tensors in place. With a codec (era 5,
 through ``gather``.
 
 This is the only place (with the model) where KV memory exists; the block pool only
-counts block ids.
+counts block ids. Whole blocks move in and out as bytes (``read_blocks`` /
+``write_block``: each block-indexed tensor's slice of the block, in ``block_tensors``
+order) for the offload tiers; presses use ``layer(i).gather`` and ``write``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvstack.config import ModelConfig
 from kvstack.kv.codecs import CacheShape, IdentityCodec, KVCodec, codec_class
+from kvstack.model_config import ModelConfig
 
 
 @dataclass
@@ -119,3 +122,32 @@ class KVStorage:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""
         self.codec.write(layer, slots, k, v)
+
+    # ------------------------------------------------------------------ whole blocks
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element of the activation dtype."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every layer and block-indexed tensor."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.block_tensors())
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' contents as bytes, ``uint8 [len(block_ids), block_nbytes]``."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        parts = [  # each tensor's block slices: [n, bytes of one block]
+            t[:, ids].transpose(0, 1).contiguous().view(torch.uint8).reshape(len(ids), -1)
+            for t in self.block_tensors()
+        ]
+        return torch.cat(parts, dim=1)
+
+    def write_block(self, block_id: int, raw: torch.Tensor) -> None:
+        """Overwrite block ``block_id`` with ``raw`` bytes laid out as ``read_blocks`` does."""
+        offset = 0
+        for t in self.block_tensors():
+            dst = t[:, block_id]
+            size = dst.numel() * dst.element_size()
+            dst.copy_(raw[offset : offset + size].view(t.dtype).view(dst.shape))
+            offset += size

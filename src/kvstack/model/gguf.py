@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstack.config import ModelConfig, RopeScaling
+from kvstack.model_config import ModelConfig, RopeScaling
 from kvstack.errors import ModelLoadError
 from kvstack.model.gguf_reader import GGUF_MAGIC, SUPPORTED_TYPES, GGUFFile, GGUFTensorInfo, Q
 

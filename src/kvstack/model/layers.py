@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvstack.config import RopeScaling
+from kvstack.model_config import RopeScaling
 
 
 def _mkldnn_bf16_ok() -> bool:

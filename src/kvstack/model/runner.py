@@ -8,6 +8,7 @@ attention batch them (see ``model/attention.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from kvstack.model.llama import LlamaModel
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.request import Logprob, Request
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvstack.kv.press.coordinator import PressCoordinator
 
 
 @dataclass
@@ -61,6 +65,33 @@ class LogitCapture:
         return torch.cat(self.rows) if self.rows else torch.empty(0)
 
 
+def _layer_lens(req: Request) -> list[int] | None:
+    """Kept tokens per layer of a press that gave layers different budgets, else None."""
+    return None if req.press is None else req.press.layer_lens
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened rows: decodes first, then prefill chunks."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # KV slot of each row's token
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+@dataclass
+class LogitPlan:
+    """Rows whose logits the step needs: the last row of each sampling request, plus
+    whole prompt chunks of requests that asked for prompt logprobs."""
+
+    rows: list[int] = field(default_factory=list)
+    sample_pos: list[int] = field(default_factory=list)  # index into rows of each sampling row
+    sample_reqs: list[Request] = field(default_factory=list)
+    # (scheduled request, first index into rows, count) of prompt-logprob chunks
+    prompt_lp: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)
+
+
 def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
     """True if this chunk covers prompt positions whose logprobs are still missing.
 
@@ -77,7 +108,9 @@ def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVStorage) -> None:
+    def __init__(
+        self, model: LlamaModel, kv: KVStorage, press: PressCoordinator | None = None
+    ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
@@ -85,14 +118,16 @@ class ModelRunner:
         self.num_layers = model.config.num_layers
         self.sampler = Sampler()
         self.kernels = load_kernels()
+        # Era 5: which rows' queries a press needs (``PressCoordinator.capture_rows``).
+        self.press = press
         # Request id -> where to keep the full next-token log-distributions of its prompt
         # (``kvstack eval`` teacher forcing; only requests with prompt_logprobs).
         self.capture_logits: dict[str, LogitCapture] = {}
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: inputs -> forward -> prompt logprobs and sampling."""
         if out.is_empty:
             return RunnerOutput()
-        bs = self.block_size
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         # Fresh prompts of equal length sit side by side so attention batches them.
         prefills = sorted(
@@ -100,48 +135,78 @@ class ModelRunner:
             key=lambda s: (s.num_computed_tokens > 0, s.num_new_tokens),
         )
         ordered = decodes + prefills
+        inputs = StepInputs()
+        self._decode_inputs(decodes, inputs)
+        self._prefill_inputs(prefills, len(decodes), inputs)
+        meta = self._metadata(decodes, inputs, self._press_rows(ordered))
+        plan = self._logit_plan(ordered)
+        result = RunnerOutput()
+        if meta.capture_rows:
+            result.press_queries = meta.captured
+        logits = self._forward(inputs, meta, plan.rows)
+        if plan.rows:
+            for s, first, n in plan.prompt_lp:
+                self._prompt_logprobs(s, logits[first : first + n], result)
+            self._sample(logits, plan, result)
+        return result
 
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        # After a press (era 5) a token's KV slot is its position minus the tokens the
-        # press dropped (``Request.num_kv_tokens``); positions (RoPE) keep counting.
+    # ------------------------------------------------------------------ inputs
+    def _decode_inputs(self, decodes: list[ScheduledRequest], inputs: StepInputs) -> None:
+        """One row per decode. After a press (era 5) a token's KV slot is its position
+        minus the tokens the press dropped (``Request.num_kv_tokens``); positions (RoPE)
+        keep counting."""
+        bs = self.block_size
         for s in decodes:
             c = s.num_computed_tokens
             kc = c - s.request.num_dropped
-            ids.extend(_tokens(s.request, c, 1))
-            pos.append(c)
-            slots.append(s.block_ids[kc // bs] * bs + kc % bs)
-        prefill_meta: list[PrefillSeq] = []
-        row = len(decodes)
+            inputs.ids.extend(_tokens(s.request, c, 1))
+            inputs.positions.append(c)
+            inputs.slots.append(s.block_ids[kc // bs] * bs + kc % bs)
+
+    def _prefill_inputs(
+        self, prefills: list[ScheduledRequest], row: int, inputs: StepInputs
+    ) -> None:
+        """Rows of each prefill chunk from ``row`` on, and its attention metadata: fresh
+        prompts of one length (no earlier KV, identity codec) share one causal SDPA call;
+        others attend to their block table through a mask."""
+        bs = self.block_size
+        metas = inputs.prefills
         for s in prefills:
             c, n = s.num_computed_tokens, s.num_new_tokens
             kc = c - s.request.num_dropped
-            ids.extend(_tokens(s.request, c, n))
+            inputs.ids.extend(_tokens(s.request, c, n))
             p = torch.arange(kc, kc + n)  # KV slots (= positions unless pressed)
             table = torch.tensor(s.block_ids[: -(-(kc + n) // bs)], dtype=torch.long)
-            slots.extend((table[p // bs] * bs + p % bs).tolist())
-            pos.extend(range(c, c + n))
-            c = kc
-            if c == 0 and self.kv.codec.identity:
-                last = prefill_meta[-1] if prefill_meta else None
+            inputs.slots.extend((table[p // bs] * bs + p % bs).tolist())
+            inputs.positions.extend(range(c, c + n))
+            if kc == 0 and self.kv.codec.identity:
+                last = metas[-1] if metas else None
                 if last is not None and last.block_ids is None and last.q_len == n:
                     last.num_seqs += 1
                 else:
-                    prefill_meta.append(PrefillSeq(row, n, n, None, None))
+                    metas.append(PrefillSeq(row, n, n, None, None))
             else:
-                mask = torch.arange(c + n)[None, :] <= p[:, None]
-                seq = PrefillSeq(row, n, c + n, table, mask)
-                lens = s.request.kv_layer_lens
+                mask = torch.arange(kc + n)[None, :] <= p[:, None]
+                seq = PrefillSeq(row, n, kc + n, table, mask)
+                lens = _layer_lens(s.request)
                 if lens is not None:  # per-layer press budgets: mask slots m_l .. M - 1
                     seq.layer_masks = []
                     for m in lens:
                         lm = mask.clone()
                         lm[:, m : max(lens)] = False
                         seq.layer_masks.append(lm)
-                prefill_meta.append(seq)
+                metas.append(seq)
             row += n
 
+    def _metadata(
+        self,
+        decodes: list[ScheduledRequest],
+        inputs: StepInputs,
+        capture_rows: dict[str, tuple[int, int]],
+    ) -> AttentionMetadata:
+        """Attention metadata: decode block tables, context lengths and (fallback path,
+        codecs, uneven press budgets) additive masks."""
+        bs = self.block_size
         dec_tables = dec_bias = dec_lens = None
         layer_bias = None
         if decodes:
@@ -153,7 +218,7 @@ class ModelRunner:
             ]
             dec_tables = torch.tensor(table_rows, dtype=torch.long)
             dec_lens = torch.tensor(ctx, dtype=torch.long)
-            uneven = [i for i, s in enumerate(decodes) if s.request.kv_layer_lens is not None]
+            uneven = [i for i, s in enumerate(decodes) if _layer_lens(s.request) is not None]
             if self.kernels is None or not self.kv.codec.identity or uneven:
                 over = torch.arange(max_blocks * bs)[None, :] >= dec_lens[:, None]
                 dec_bias = torch.zeros(over.shape, dtype=torch.float32).masked_fill_(
@@ -163,91 +228,79 @@ class ModelRunner:
                 assert dec_bias is not None
                 layer_bias = dec_bias.expand(self.num_layers, *dec_bias.shape).clone()
                 for i in uneven:
-                    lens = decodes[i].request.kv_layer_lens
+                    lens = _layer_lens(decodes[i].request)
                     assert lens is not None
                     for layer, m in enumerate(lens):
                         layer_bias[layer, i, :, :, m : max(lens)] = float("-inf")
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long),
             num_decodes=len(decodes),
             decode_block_tables=dec_tables,
             decode_context_lens=dec_lens,
             decode_bias=dec_bias,
-            prefills=prefill_meta,
+            prefills=inputs.prefills,
             kernels=self.kernels,
             decode_layer_bias=layer_bias,
-            capture_rows=self._press_rows(ordered),
+            capture_rows=capture_rows,
         )
 
-        # Rows whose logits we need: the last row of each sampling request, plus whole
-        # prompt chunks of requests that asked for prompt logprobs.
-        logit_rows: list[int] = []
-        sample_pos: list[int] = []  # index into logit_rows of each sampling row
-        sample_reqs: list[Request] = []
-        prompt_lp: list[tuple[ScheduledRequest, int, int]] = []  # (s, first logit idx, count)
+    def _press_rows(self, ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
+        """Era 5: per request, the rows ``[r0, r1)`` whose queries its press needs
+        (``PressCoordinator.capture_rows`` decides how many trailing rows)."""
+        rows: dict[str, tuple[int, int]] = {}
+        if self.press is None:
+            return rows
+        row = 0
+        for s in ordered:
+            n = s.num_new_tokens
+            w = self.press.capture_rows(s.request, s.num_computed_tokens, n)
+            if w:
+                rows[s.request.request_id] = (row + n - w, row + n)
+            row += n
+        return rows
+
+    @staticmethod
+    def _logit_plan(ordered: list[ScheduledRequest]) -> LogitPlan:
+        plan = LogitPlan()
         row = 0
         for s in ordered:
             n = s.num_new_tokens
             if _wants_prompt_logprobs(s):
-                prompt_lp.append((s, len(logit_rows), n))
-                logit_rows.extend(range(row, row + n))
+                plan.prompt_lp.append((s, len(plan.rows), n))
+                plan.rows.extend(range(row, row + n))
                 if s.samples:
-                    sample_pos.append(len(logit_rows) - 1)
-                    sample_reqs.append(s.request)
+                    plan.sample_pos.append(len(plan.rows) - 1)
+                    plan.sample_reqs.append(s.request)
             elif s.samples:
-                sample_pos.append(len(logit_rows))
-                logit_rows.append(row + n - 1)
-                sample_reqs.append(s.request)
+                plan.sample_pos.append(len(plan.rows))
+                plan.rows.append(row + n - 1)
+                plan.sample_reqs.append(s.request)
             row += n
+        return plan
 
-        result = RunnerOutput()
-        if meta.capture_rows:
-            result.press_queries = meta.captured
-        if not logit_rows:
-            self.model.forward(
-                torch.tensor(ids),
-                torch.tensor(pos),
-                meta,
-                self.kv,
-                torch.empty(0, dtype=torch.long),
-            )
-            return result
-        logits = self.model.forward(
-            torch.tensor(ids),
-            torch.tensor(pos),
+    # ------------------------------------------------------------------ forward, outputs
+    def _forward(
+        self, inputs: StepInputs, meta: AttentionMetadata, logit_rows: list[int]
+    ) -> torch.Tensor:
+        """Logits of ``logit_rows`` (the forward pass writes every row's KV either way)."""
+        return self.model.forward(
+            torch.tensor(inputs.ids),
+            torch.tensor(inputs.positions),
             meta,
             self.kv,
             torch.tensor(logit_rows, dtype=torch.long),
         )
-        for s, first, n in prompt_lp:
-            self._prompt_logprobs(s, logits[first : first + n], result)
-        if sample_reqs:
-            batch = SamplingBatch.build(sample_reqs, self.vocab_size)
-            sampled = self.sampler(logits[sample_pos], batch)
-            for i, req in enumerate(sample_reqs):
-                result.sampled[req.request_id] = sampled.sampled_token_ids[i]
-                lp = sampled.logprobs[i]
-                if lp is not None:
-                    result.logprobs[req.request_id] = lp
-        return result
 
-    @staticmethod
-    def _press_rows(ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
-        """Rows whose queries a press needs: the last ``press.window`` rows of each request
-        whose prompt this step completes and that has a press still to apply, and every
-        row of a pressed request that presses again while decoding (``press_every``)."""
-        rows: dict[str, tuple[int, int]] = {}
-        row = 0
-        for s in ordered:
-            req, n = s.request, s.num_new_tokens
-            press = req.press
-            done = s.num_computed_tokens + n >= req.press_point
-            repress = req.press_applied and req.press_every is not None
-            if press is not None and press.window and done and (repress or not req.press_applied):
-                rows[req.request_id] = (row + n - min(press.window, n), row + n)
-            row += n
-        return rows
+    def _sample(self, logits: torch.Tensor, plan: LogitPlan, result: RunnerOutput) -> None:
+        if not plan.sample_reqs:
+            return
+        batch = SamplingBatch.build(plan.sample_reqs, self.vocab_size)
+        sampled = self.sampler(logits[plan.sample_pos], batch)
+        for i, req in enumerate(plan.sample_reqs):
+            result.sampled[req.request_id] = sampled.sampled_token_ids[i]
+            lp = sampled.logprobs[i]
+            if lp is not None:
+                result.logprobs[req.request_id] = lp
 
     def _prompt_logprobs(
         self, s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvstack.config import ModelConfig, RopeScaling
+from kvstack.model_config import ModelConfig, RopeScaling
 from kvstack.errors import ModelLoadError
 from kvstack.model.gguf import check_weights, expected_shapes
 

@@ -30,7 +30,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvstack.config import SchedulerConfig
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.manager import KVCacheManager
@@ -38,6 +37,8 @@ from kvstack.request import Request, RequestStatus
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from kvstack.config import SchedulerConfig
+    from kvstack.kv.press.coordinator import PressCoordinator
     from kvstack.kv.tiers.connector import TierConnector
 
 
@@ -59,6 +60,8 @@ class Scheduler:
         self.num_prefill_tokens_computed = 0  # prompt positions run through the model
         # Era 4 (``kv/tiers/connector.py``): loads prefixes from offload tiers, set by the engine.
         self.connector: TierConnector | None = None
+        # Era 5 (``kv/press/coordinator.py``): press points cap chunks; set by the engine.
+        self.press: PressCoordinator | None = None
         self.max_num_running = 0  # peak concurrency seen
 
     # ------------------------------------------------------------------ admission
@@ -101,8 +104,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if req.press_pending and req.num_computed_tokens < req.press_point:
-                num_new = min(num_new, req.press_point - req.num_computed_tokens)
+            if self.press is not None:  # era 5: a chunk stops at the press point
+                num_new = self.press.max_new_tokens(req, req.num_computed_tokens, num_new)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
             block_ids = self.kv.allocate_slots(req, num_new)
             while block_ids is None:
@@ -127,30 +130,40 @@ class Scheduler:
                     continue
                 # Era 3: adopt the longest cached prefix; compute only the rest.
                 computed = self.kv.get_computed_blocks(req)
-                if self.connector is not None:  # era 4: extend it from the offload tiers
-                    loaded = self.connector.load(req, computed, budget, bool(self.running))
-                    if loaded is None:
+                num_ext = offered = 0  # era 4: blocks after the hit the offload tiers supply
+                if self.connector is not None:
+                    matched = self.connector.match_external(
+                        req, computed, budget, bool(self.running)
+                    )
+                    if matched is None:
                         break  # no room to load yet; running requests will free some
-                    computed = computed + loaded
-                if req.press_pending:  # era 5: never reuse past the press point
-                    computed = computed[: (req.press_point - 1) // self.kv.block_size]
-                num_cached = len(computed) * self.kv.block_size
+                    num_ext = offered = matched
+                if self.press is not None:  # era 5: never reuse past the press point
+                    cap = self.press.max_cached_blocks(
+                        req, len(computed) + num_ext, self.kv.block_size
+                    )
+                    computed = computed[:cap]
+                    num_ext = max(0, min(num_ext, cap - len(computed)))
+                num_hit = len(computed) + num_ext
+                num_cached = num_hit * self.kv.block_size
                 num_new = req.num_tokens - num_cached
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                if req.press_pending:  # the press runs once the press point is computed
-                    num_new = min(num_new, req.press_point - num_cached)
-                block_ids = self.kv.allocate_slots(req, num_new, computed)
+                if self.press is not None:  # the press runs once its point is computed
+                    num_new = self.press.max_new_tokens(req, num_cached, num_new)
+                block_ids = self.kv.allocate_slots(req, num_new, computed, num_ext)
                 if block_ids is None:
                     break
+                if self.connector is not None and offered:  # (num_ext may be 0 after the cap)
+                    self.connector.write_external(req, block_ids[len(computed) : num_hit])
                 self.waiting.popleft()
                 req.num_computed_tokens = num_cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_cached
                     if self.connector is not None:
                         req.cached_tokens_by_tier = self.connector.cached_tokens_by_tier(
-                            req, len(computed)
+                            req, num_hit
                         )
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
@@ -174,7 +187,8 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.reset_press()
+        if self.press is not None:
+            self.press.on_request_preempted(req)
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
@@ -225,6 +239,8 @@ class Scheduler:
         self.kv.free(req)
         if self.connector is not None:
             self.connector.on_request_finished(request_id)
+        if self.press is not None:
+            self.press.on_request_finished(request_id)
         req.status = status
         req.finished_time = time.monotonic()
         self._finished_ids.append(request_id)
@@ -258,5 +274,5 @@ class Scheduler:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0
             assert not self.kv.get_block_ids(r.request_id), f"waiting {r.request_id} holds blocks"
-        for rid in self.kv.req_blocks:
+        for rid in self.kv.held_request_ids():
             assert rid in running_ids, f"blocks held by non-running request {rid}"

@@ -15,145 +15,104 @@ goes away is aborted at once, which frees its KV blocks in the next command roun
 
 Admission control: at most ``max_waiting`` requests may wait for a first schedule;
 past that ``add`` raises ``QueueFullError`` (the server answers 429).
+
+The server sees the engine only through this class: facts fixed at load
+(``tokenizer``, ``model_info``, ``routing_info``, read before the loop starts), the
+``stats`` snapshot the loop publishes after every step, and methods that run on the
+engine thread (``pin_prefix``, ``unpin_prefix``, ``reset_prefix_cache``, ``run``).
+The ``LLMEngine`` itself is private: no HTTP thread reads the KV manager.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.base import KVRoutingInfo
+from kvstack.kv.events import KVEvent
+from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.serve.metrics import ServerMetrics
+from kvstack.serve.output_stream import (
+    OutputStream,
+    RequestInfo,
+    StreamQueue,
+    deliver,
+)
+from kvstack.serve.request_log import RequestLog
 from kvstack.stats import EngineStats
 
 logger = logging.getLogger("kvstack.serve")
 LOG_INTERVAL_S = 10.0
 T = TypeVar("T")
+Delivery = tuple[StreamQueue, RequestOutput]
 
 
 class QueueFullError(Exception):
     """Too many requests are waiting; retry later."""
 
 
-class RequestTimeoutError(Exception):
-    """The request ran past its deadline and was aborted."""
-
-
 class EngineDeadError(Exception):
     """The engine loop stopped; no request can be served."""
 
 
-@dataclass
-class RequestInfo:
-    """What the request log and the metrics need to know about a request."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as ``/v1/models`` and ``/tokenize`` describe it (fixed at load)."""
 
-    endpoint: str
-    session_id: str | None = None
-    arrival_wall: float = field(default_factory=time.time)
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
+    root: str  # what ``--model`` named: a path or "default"
+    max_model_len: int
+    vocab_size: int
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    info: RequestInfo
-
-
-def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(out)
-
-
-class OutputStream:
-    """Async iterator over one request's outputs; ``close()`` (or an early exit) aborts it.
-
-    Raises ``RequestTimeoutError`` (after aborting) when the deadline passes.
-    """
-
-    def __init__(
-        self, engine: AsyncEngine, request_id: str, stream: _Stream, timeout_s: float | None
-    ) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._stream = stream
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._timeout_s = timeout_s
-        self.finished = False
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        left = None if self._deadline is None else self._deadline - time.monotonic()
-        try:
-            if left is not None and left <= 0:
-                raise TimeoutError
-            item = await asyncio.wait_for(self._stream.queue.get(), left)
-        except TimeoutError:
-            self.close()
-            raise RequestTimeoutError(f"request timed out after {self._timeout_s} s") from None
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    async def final(self) -> RequestOutput:
-        """Wait for the finished output."""
-        last = None
-        async for out in self:
-            last = out
-        assert last is not None and last.finished
-        return last
-
-    def close(self) -> None:
-        """Abort the request unless it finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
+@dataclass(frozen=True)
+class PinResult:
+    pinned_tokens: int
+    num_pinned_blocks: int  # held by all pins, after this one
 
 
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        llm_engine: LLMEngine,
         *,
         max_waiting: int = 1024,
         metrics: ServerMetrics | None = None,
         request_log: str | None = None,
     ) -> None:
-        self.engine = engine
+        self._llm_engine = llm_engine  # touched only by the engine thread once it runs
         self.max_waiting = max_waiting
         self.metrics = metrics
-        self._log_file = open(request_log, "a", encoding="utf-8") if request_log else None  # noqa: SIM115
+        self._request_log = RequestLog(request_log) if request_log else None
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamQueue] = {}
         self._lock = threading.Lock()
         self._pending_adds = 0
         self._stop = False
         self._running = False
-        self.stats: EngineStats = engine.stats()
+        self.stats: EngineStats = llm_engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvstack-engine", daemon=True)
         self._last_log = time.monotonic()
         self._gen_tokens = 0
         self._logged_prefill = self.stats.prefill_tokens_computed
+        self._loop_thread: threading.Thread | None = None  # set while the loop runs
+        # Fixed at load, read here before the loop starts: safe from any thread after.
+        self.tokenizer: Tokenizer = llm_engine.tokenizer
+        self.model_info = ModelInfo(
+            llm_engine.config.model, llm_engine.max_model_len, llm_engine.model_config.vocab_size
+        )
+        self.routing_info: KVRoutingInfo = llm_engine.routing_info()  # hash parameters
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -195,8 +154,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        if self._log_file is not None:
-            self._log_file.close()
+        if self._request_log is not None:
+            self._request_log.close()
 
     # ------------------------------------------------------------------ commands
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -224,7 +183,7 @@ class AsyncEngine:
         """Abort a request (idempotent); its blocks are freed in the next command round."""
         self._streams.pop(request_id, None)
         if self.alive:
-            self.call(lambda: self.engine.abort_request(request_id))
+            self.call(lambda: self._llm_engine.abort_request(request_id))
 
     async def add(
         self,
@@ -245,7 +204,7 @@ class AsyncEngine:
             if self.stats.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), info)
+        stream = StreamQueue(asyncio.get_running_loop(), asyncio.Queue(), info)
         self._streams[request_id] = stream
 
         counted = [True]  # this request is in _pending_adds until the engine takes it
@@ -258,7 +217,7 @@ class AsyncEngine:
 
         def add() -> None:
             uncount()
-            self.engine.add_request(
+            self._llm_engine.add_request(
                 request_id, None, params, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt
             )
 
@@ -273,15 +232,60 @@ class AsyncEngine:
             # (commands run in order) then frees whatever it allocated.
             self.abort(request_id)
             raise
-        return OutputStream(self, request_id, stream, timeout_s)
+        return OutputStream(self.abort, request_id, stream, timeout_s)
+
+    # ------------------------------------------------------------------ server queries
+    async def pin_prefix(self, token_ids: list[int], cache_salt: str | None) -> PinResult:
+        """Compute a prefix if it is not cached, then pin its full blocks.
+
+        ``InvalidRequestError`` (nothing computed, nothing pinned) when no prefix that
+        long can be pinned: too short, too long for the pin budget, no prefix cache.
+        """
+        eng = self._llm_engine
+        await self.run(lambda: eng.check_pinnable(len(token_ids)))
+        stream = await self.add(
+            f"pin-{uuid.uuid4().hex}", token_ids, SamplingParams(max_tokens=1),
+            RequestInfo("pin"), cache_salt=cache_salt,
+        )  # fmt: skip
+        await stream.final()
+        pinned, held = await self.run(
+            lambda: (eng.pin_prefix(token_ids, cache_salt), eng.num_pinned_blocks())
+        )
+        return PinResult(pinned, held)
+
+    async def unpin_prefix(self, token_ids: list[int], cache_salt: str | None) -> bool:
+        """Release a pin; False if that prefix was not pinned."""
+        return await self.run(lambda: self._llm_engine.unpin_prefix(token_ids, cache_salt))
+
+    async def reset_prefix_cache(self) -> None:
+        await self.run(self._llm_engine.reset_prefix_cache)
+
+    async def flush_offload(self, timeout_s: float) -> bool:
+        """Wait (in a worker thread, not the engine's) until the offload tiers hold every
+        queued store; True at once without tiers, False on timeout."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._llm_engine.flush_offload, timeout_s)
+
+    def subscribe_kv_events(self, fn: Callable[[KVEvent], None]) -> None:
+        """Call ``fn`` with every KV event, on the engine thread (device cache) or the
+        tiers' I/O thread, under the event log's lock: one order for all subscribers."""
+        self._llm_engine.kv_events.subscribe(fn)
+
+    def held_block_hashes(self) -> dict[str, list[bytes]]:
+        """Each medium's cached block hashes (``LLMEngine.held_block_hashes``). Engine
+        thread only: call it inside ``run`` / ``call``."""
+        assert threading.current_thread() is self._loop_thread, "engine thread only"
+        return self._llm_engine.held_block_hashes()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
         logger.info("engine loop started")
+        self._loop_thread = threading.current_thread()
         try:
             self._loop(keep_going)
         finally:
             self._running = False
+            self._loop_thread = None
             logger.info("engine loop stopped")
 
     def _loop(self, keep_going: Callable[[], bool]) -> None:
@@ -292,22 +296,22 @@ class AsyncEngine:
                     self._cmds.get_nowait()()
                 except queue.Empty:
                     break
-            if self.engine.has_unfinished_requests():
+            if self._llm_engine.has_unfinished_requests():
                 try:
-                    outputs = self.engine.step()
+                    outputs = self._llm_engine.step()
                 except Exception as exc:  # a bug, not bad input: fail everyone, keep serving
                     logger.exception("engine step failed; aborting all requests")
                     self._fail_all(exc)
                     outputs = []
                 now = time.monotonic()
-                batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+                batches: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
                 for out in outputs:
                     item = self._dispatch(out, now)
                     if item is not None:
                         batches.setdefault(item[0].loop, []).append(item)
                 # One wake-up of the event loop per step, not one per request.
                 for loop, items in batches.items():
-                    loop.call_soon_threadsafe(_deliver, items)
+                    loop.call_soon_threadsafe(deliver, items)
                 self._snapshot()
             else:
                 self._snapshot()
@@ -315,8 +319,8 @@ class AsyncEngine:
                     self._wake.wait(0.5)
 
     def _snapshot(self) -> None:
-        kv = self.engine.kv_manager.stats()
-        self.stats = s = self.engine.stats(kv)
+        kv = self._llm_engine.kv_manager.stats()
+        self.stats = s = self._llm_engine.stats(kv)
         if self.metrics is not None:
             self.metrics.update_engine(s, kv)
         now = time.monotonic()
@@ -346,7 +350,7 @@ class AsyncEngine:
             self._last_log, self._gen_tokens = now, 0
             self._logged_prefill = s.prefill_tokens_computed
 
-    def _dispatch(self, out: RequestOutput, now: float) -> tuple[_Stream, RequestOutput] | None:
+    def _dispatch(self, out: RequestOutput, now: float) -> Delivery | None:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return None
@@ -372,28 +376,14 @@ class AsyncEngine:
         reason = out.outputs[0].finish_reason if out.outputs else None
         if self.metrics is not None:
             self.metrics.on_finished(out, now - info.arrival, reason or "error")
-        if self._log_file is not None:
-            record: dict[str, Any] = {
-                "timestamp": info.arrival_wall,
-                "request_id": out.request_id,
-                "endpoint": info.endpoint,
-                "session_id": info.session_id,
-                "prompt_token_ids": out.prompt_token_ids,
-                "num_prompt_tokens": len(out.prompt_token_ids),
-                "num_cached_tokens": out.num_cached_tokens,
-                "num_output_tokens": info.num_tokens,
-                "ttft_s": None if info.first_token is None else info.first_token - info.arrival,
-                "e2e_s": now - info.arrival,
-                "finish_reason": reason,
-            }
-            self._log_file.write(json.dumps(record) + "\n")
-            self._log_file.flush()
+        if self._request_log is not None:
+            self._request_log.write(out, info, now, reason)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             self._streams.pop(rid, None)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
             try:
-                self.engine.abort_request(rid)
+                self._llm_engine.abort_request(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)

@@ -1,5 +1,5 @@
 """OpenAI-style HTTP errors, bearer auth and bounded bodies: shared by ``kvstack serve``
-(``serve/app.py``) and ``kvstack router`` (``route/router_app.py``).
+(``serve/app.py``) and ``kvstack router`` (``route/router/app.py``).
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with its
 status; a route raises ``ApiError`` and never builds a response by hand. Light on

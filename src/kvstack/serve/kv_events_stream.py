@@ -70,11 +70,7 @@ class KVEventBroadcaster:
         self._next = 0  # number the next published event gets
         self._cursors: dict[int, int] = {}  # connection -> next event number it needs
         self._conns = itertools.count()
-        engine.engine.kv_events.subscribe(self._publish)
-
-    @property
-    def num_clients(self) -> int:
-        return len(self._cursors)
+        engine.subscribe_kv_events(self._publish)
 
     def _publish(self, event: KVEvent) -> None:  # engine thread (tiers: the I/O thread)
         with self._lock:
@@ -90,16 +86,10 @@ class KVEventBroadcaster:
         that can list its blocks: the device cache, and the host and disk tiers (Redis is
         shared and cannot). Runs between engine steps, under the lock that numbers events.
         """
-        eng = self.engine.engine
-        cache = eng.kv_manager.cache
         with self._lock:
-            held = {"device": cache.cached_hashes() if cache is not None else []}
-            for tier in eng.connector.offload.tiers if eng.connector is not None else []:
-                # Tier events come from the I/O thread: one that lands between this read
-                # and the cursor is sent after the snapshot too; set semantics absorb it.
-                hashes = tier.held_hashes()
-                if hashes is not None:
-                    held[tier.name] = hashes
+            # Tier events come from the I/O thread: one that lands between this read and
+            # the cursor is sent after the snapshot too; set semantics absorb it.
+            held = self.engine.held_block_hashes()
             self._cursors[conn] = self._next
             snaps = [
                 {"type": "BlockSnapshot", "block_hashes": [h.hex() for h in hs], "medium": m}

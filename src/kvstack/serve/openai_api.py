@@ -24,12 +24,8 @@ from typing import Any
 
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import CompletionOutput, Logprob, RequestOutput
-from kvstack.serve.async_engine import (
-    AsyncEngine,
-    OutputStream,
-    RequestInfo,
-    RequestTimeoutError,
-)
+from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
@@ -50,7 +46,7 @@ class _ChoiceState:
 
 
 @dataclass
-class _Job:
+class Job:
     """One prompt of a request: its stream and what has been streamed so far."""
 
     index: int
@@ -105,7 +101,7 @@ def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, k: int) -> di
     return {"content": content}
 
 
-def usage(jobs: list[_Job]) -> dict[str, Any]:
+def usage(jobs: list[Job]) -> dict[str, Any]:
     prompt = sum(len(j.prompt_ids) for j in jobs)
     completion = sum(len(c.token_ids) for j in jobs if j.last for c in j.last.outputs)
     cached = sum(j.last.num_cached_tokens for j in jobs if j.last)
@@ -136,11 +132,11 @@ class OpenAIHandler:
         req: CompletionRequest | ChatCompletionRequest,
         endpoint: str,
         session_id: str | None,
-    ) -> tuple[str, list[_Job]]:
+    ) -> tuple[str, list[Job]]:
         """Queue every prompt; on any error abort those already queued and re-raise."""
         sp = req.sampling_params()
         base = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         try:
             for i, (ids, text) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
@@ -152,7 +148,7 @@ class OpenAIHandler:
                     cache_salt=req.cache_salt,
                     timeout_s=self.ctx.request_timeout_s,
                 )
-                jobs.append(_Job(i, stream, ids, text))
+                jobs.append(Job(i, stream, ids, text))
         except BaseException:
             for job in jobs:
                 job.stream.close()
@@ -160,7 +156,7 @@ class OpenAIHandler:
         return base, jobs
 
     # ------------------------------------------------------------------ non-streaming
-    async def complete(self, rid: str, jobs: list[_Job]) -> None:
+    async def complete(self, rid: str, jobs: list[Job]) -> None:
         try:
             lasts = await asyncio.gather(*(j.stream.final() for j in jobs))
         finally:
@@ -169,7 +165,7 @@ class OpenAIHandler:
         for job, last in zip(jobs, lasts, strict=True):
             job.last = last
 
-    def completion_body(self, rid: str, req: CompletionRequest, jobs: list[_Job]) -> dict:
+    def completion_body(self, rid: str, req: CompletionRequest, jobs: list[Job]) -> dict:
         tok, n = self.ctx.tokenizer, req.n
         choices = []
         for job in jobs:
@@ -199,7 +195,7 @@ class OpenAIHandler:
             "usage": usage(jobs),
         }
 
-    def chat_body(self, rid: str, req: ChatCompletionRequest, jobs: list[_Job]) -> dict:
+    def chat_body(self, rid: str, req: ChatCompletionRequest, jobs: list[Job]) -> dict:
         tok = self.ctx.tokenizer
         job = jobs[0]
         assert job.last is not None
@@ -229,42 +225,14 @@ class OpenAIHandler:
         self,
         rid: str,
         req: CompletionRequest | ChatCompletionRequest,
-        jobs: list[_Job],
+        jobs: list[Job],
         chat: bool,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        merged: asyncio.Queue[tuple[_Job, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(job: _Job) -> None:
-            try:
-                async for out in job.stream:
-                    await merged.put((job, out))
-            except BaseException as exc:
-                await merged.put((job, exc))
-                return
-            await merged.put((job, None))
-
-        async def single(job: _Job) -> AsyncIterator[tuple[_Job, Any]]:
-            try:
-                async for out in job.stream:
-                    yield job, out
-            except BaseException as exc:
-                yield job, exc
-
-        async def many() -> AsyncIterator[tuple[_Job, Any]]:
-            remaining = len(jobs)
-            while remaining:
-                job, item = await merged.get()
-                if item is None:
-                    remaining -= 1
-                else:
-                    yield job, item
-
-        # One prompt (the common case) streams directly; several are merged by tasks.
-        tasks = [asyncio.create_task(pump(j)) for j in jobs] if len(jobs) > 1 else []
+        outputs, tasks = _outputs(jobs)
         try:
-            async for job, item in single(jobs[0]) if len(jobs) == 1 else many():
+            async for job, item in outputs:
                 if isinstance(item, BaseException):
                     msg = str(item) or type(item).__name__
                     if isinstance(item, RequestTimeoutError):
@@ -296,7 +264,7 @@ class OpenAIHandler:
 
     def _delta(
         self,
-        job: _Job,
+        job: Job,
         c: CompletionOutput,
         req: CompletionRequest | ChatCompletionRequest,
         chat: bool,
@@ -335,6 +303,46 @@ class OpenAIHandler:
         if st.done:
             out["stop_reason"] = c.stop_reason
         return out
+
+
+Item = tuple[Job, RequestOutput | BaseException]
+
+
+def _outputs(jobs: list[Job]) -> tuple[AsyncIterator[Item], list[asyncio.Task[None]]]:
+    """Every job's outputs as they come, a failed stream's exception as its last item.
+    One job (the common case) streams directly; several are merged by the returned
+    tasks, which the caller cancels when it stops early."""
+    if len(jobs) == 1:
+        return _single(jobs[0]), []
+    merged: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for out in job.stream:
+                await merged.put((job, out))
+        except BaseException as exc:
+            await merged.put((job, exc))
+            return
+        await merged.put((job, None))
+
+    async def many() -> AsyncIterator[Item]:
+        remaining = len(jobs)
+        while remaining:
+            job, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield job, item
+
+    return many(), [asyncio.create_task(pump(j)) for j in jobs]
+
+
+async def _single(job: Job) -> AsyncIterator[Item]:
+    try:
+        async for out in job.stream:
+            yield job, out
+    except BaseException as exc:
+        yield job, exc
 
 
 def _sse(obj: dict) -> str:

@@ -1,8 +1,11 @@
 """Era 5 presses: per-request token eviction after prefill (kvpress's families).
 
-``make_press(name, ratio)`` builds one; ``PRESSES`` lists them. Each press lives in its
-own file with the paper it follows; ``compact.py`` applies a press's choice to a
-request's blocks (survivors compacted into fewer blocks, the rest reclaimed).
+``make_press(name, ratio)`` builds one; ``PRESSES`` (a ``Registry``) names them. Each
+press lives in its own file with the paper it follows; ``compact.py`` applies a press's
+choice to a request's blocks (survivors compacted into fewer blocks, the rest
+reclaimed); ``coordinator.py`` holds each request's press state (``state.py``) and the
+hooks the scheduler, runner and engine call. A new press: a ``Press`` subclass in its own
+file, entered below.
 """
 
 from __future__ import annotations
@@ -15,19 +18,20 @@ from kvstack.kv.press.layer_defensivekv import LayerDefensiveKVPress
 from kvstack.kv.press.pyramidkv import PyramidKVPress
 from kvstack.kv.press.snapkv import SnapKVPress
 from kvstack.kv.press.streaming_llm import StreamingLLMPress
+from kvstack.registry import Registry
 
-PRESSES: dict[str, type[Press]] = {
-    p.name: p
-    for p in (
-        StreamingLLMPress,
-        SnapKVPress,
-        H2OPress,
-        PyramidKVPress,
-        KnormPress,
-        DefensiveKVPress,
-        LayerDefensiveKVPress,
-    )
-}
+# In the order ``--help`` and error messages list them.
+PRESSES: Registry[type[Press]] = Registry("press")
+for _press, _help in (
+    (StreamingLLMPress, "attention sinks + the most recent tokens"),
+    (SnapKVPress, "the prompt's last queries vote for earlier keys, pooled"),
+    (H2OPress, "heavy hitters (most attended) + recent tokens"),
+    (PyramidKVPress, "SnapKV with per-layer budgets, large at the bottom"),
+    (KnormPress, "keep the keys of smallest L2 norm (no queries)"),
+    (DefensiveKVPress, "worst-case instead of mean aggregation of window scores"),
+    (LayerDefensiveKVPress, "DefensiveKV with budgets shared across layers"),
+):
+    PRESSES.add(_press.name, _press, f"{_help} ({_press.paper})")
 
 
 def check_press(name: str | None, ratio: float) -> None:
@@ -45,7 +49,7 @@ def check_repress(name: str) -> None:
     budgets (PyramidKV, Layer-DefensiveKV) leave layers of different lengths, whose
     later tokens share slots with masked ones, so they press once, after the prompt.
     """
-    if not PRESSES[name].uniform:
+    if not PRESSES.get(name).uniform:
         uniform = ", ".join(n for n, p in PRESSES.items() if p.uniform)
         raise ValueError(
             f"kv_press_every needs a press with one budget for all layers ({uniform}); "
@@ -55,7 +59,7 @@ def check_repress(name: str) -> None:
 
 def make_press(name: str, ratio: float) -> Press:
     check_press(name, ratio)
-    return PRESSES[name](ratio)
+    return PRESSES.get(name)(ratio)
 
 
 __all__ = ["PRESSES", "Press", "PressInput", "check_press", "check_repress", "make_press"]

@@ -68,9 +68,14 @@ class Press(abc.ABC):
         """Per layer, ``[kv_heads, m_l]`` sorted indices of the kept tokens (``m_l <= n``)."""
 
 
-def keep_all(inp: PressInput) -> list[torch.Tensor]:
-    kvh = inp.keys[0].shape[1]
-    return [torch.arange(inp.n).expand(kvh, -1) for _ in range(inp.num_layers)]
+def append_window(
+    old: list[torch.Tensor] | None, new: list[torch.Tensor], window: int
+) -> list[torch.Tensor]:
+    """Per layer, the last ``window`` rows of ``old`` followed by ``new`` (re-pressing
+    keeps the queries of the tokens decoded since the last press)."""
+    if old is None:
+        return new
+    return [torch.cat((o, q))[-window:] for o, q in zip(old, new, strict=True)]
 
 
 def top_with_tail(scores: torch.Tensor, m: int, tail: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.kv.manager import KVCacheManager, cdiv
+from kvstack.kv.base import KVManager, cdiv
 from kvstack.kv.press.base import PressInput
 from kvstack.kv.storage import KVStorage
 from kvstack.request import Request
@@ -61,7 +61,7 @@ def _select_rows(x: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
 def apply_press(
     req: Request,
     queries: list[torch.Tensor] | None,
-    kv: KVCacheManager,
+    kv: KVManager,
     storage: KVStorage,
     scale: float,
     keep: int | None = None,
@@ -78,8 +78,7 @@ def apply_press(
         assert req.press_applied and req.kv_layer_lens is None and press.uniform
     n = req.num_kv_tokens
     bs = kv.block_size
-    old = kv.req_blocks[req.request_id]
-    ids = torch.tensor([b.block_id for b in old])
+    ids = torch.tensor(kv.get_block_ids(req.request_id))
     keys, values = [], []
     for layer in range(storage.shape.num_layers):
         k, v = storage.layer(layer).gather(ids)
@@ -94,12 +93,12 @@ def apply_press(
     if min(lens) >= n:
         return None  # nothing removed anywhere (ratio 0, or a budget as large as the prompt)
     need = cdiv(m, bs)
-    if need > kv.pool.num_free_blocks:
+    new = kv.allocate_blocks(need)
+    if new is None:
         logger.debug("press of %s skipped: no %d free blocks", req.request_id, need)
         return None
-    new = kv.pool.allocate(need)
     pos = torch.arange(m)
-    table = torch.tensor([b.block_id for b in new])
+    table = torch.tensor(new)
     slots = table[pos // bs] * bs + pos % bs
     try:
         for layer, idx in enumerate(chosen):
@@ -107,7 +106,7 @@ def apply_press(
             v = _select_rows(values[layer], idx, m).to(storage.dtype)
             storage.write(layer, slots, k, v)
     except BaseException:
-        kv.pool.free(reversed(new))  # the request keeps its old, intact blocks
+        kv.release_blocks(new)  # the request keeps its old, intact blocks
         raise
     reclaimed = kv.replace_blocks(req, new)
     req.num_dropped += n - m

@@ -1,14 +1,17 @@
 """TierConnector: moves KV blocks between the device pool and the offload tiers.
 
-The device side of era 4 (vLLM v1's KV connector shape: the scheduler asks it for
-external hits, the engine tells it what was computed). Life of a prompt's blocks::
+The device side of era 4, in vLLM v1's KV connector shape: the connector reports how
+many blocks it can supply, the KV manager allocates them (``allocate_slots(...,
+num_external_blocks=k)``), the connector writes their bytes through ``KVStorage``, and
+the engine tells it what each step computed. Life of a prompt's blocks::
 
     add_request ──> device prefix match ─ n_dev blocks
                     └─ submit_load(hashes[n_dev : last full block before the final token])
     (I/O thread)    tiers -> staged blocks        scheduler skips the request meanwhile
-    admission   ──> device match again (n >= n_dev) + staged blocks n .. n+k
-                    └─ allocate k fresh device blocks, copy the staged K/V in, register
-                       them in the prefix cache: from here on they are ordinary device hits
+    admission   ──> device match again (n >= n_dev); match_external: k staged blocks fit
+                    allocate_slots(computed, num_external_blocks=k) registers them in the
+                    prefix cache; write_external copies the staged K/V in: from here on
+                    they are ordinary device blocks
     each step   ──> blocks the step made reusable are copied out -> submit_store
                     (write-through to every tier that lacks them)
 
@@ -16,40 +19,53 @@ Correctness: a loaded block is registered under the hash the tier stored it with
 the tier checked that hash, the model/dtype namespace and the checksum, so a loaded block
 holds exactly the KV that computing the same prefix would write (in the same dtype).
 Staged blocks that no longer follow the device prefix (the device lost a block in the
-meantime) are dropped: the request recomputes. Nothing is ever loaded into a block a
-request is computing, and loads never take blocks from the device prefix they extend.
+meantime) are dropped: the request recomputes. The KV is written before the step that
+first reads it runs (admission happens in ``schedule``, the runner after it).
+
+The connector knows the model only by its weights fingerprint (a string, part of every
+tier key), never the model itself.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from hashlib import blake2b
+from dataclasses import dataclass
 
-import torch
-
+from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import KVCacheBlock
-from kvstack.kv.manager import KVCacheManager, cdiv
+from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.storage import KVStorage
+from kvstack.kv.tiers.base import TierStats
 from kvstack.kv.tiers.block_format import BlockLayout
-from kvstack.kv.tiers.manager import OffloadManager
+from kvstack.kv.tiers.manager import OffloadManager, StagedLoad
 from kvstack.kv.tiers.spec import build_tiers, parse_offload_spec
-from kvstack.model.llama import LlamaModel
 from kvstack.request import Request
 
 logger = logging.getLogger("kvstack.kv.tiers")
 
 
+@dataclass
+class _Match:
+    """Staged blocks offered to a request at admission, until it is admitted."""
+
+    staged: StagedLoad
+    skip: int  # staged blocks the device already holds
+    n_dev: int  # device prefix-hit blocks they extend
+    n: int  # blocks offered
+
+
 class TierConnector:
     def __init__(self, kv: KVCacheManager, storage: KVStorage, offload: OffloadManager) -> None:
-        assert kv.cache is not None, "KV offload needs a prefix cache"
+        assert kv.enable_prefix_caching, "KV offload needs a prefix cache"
         self.kv = kv
         self.storage = storage
         self.offload = offload
-        kv.new_cached_blocks = []  # the manager records newly reusable blocks for us
+        kv.track_new_cached_blocks()  # the manager records newly reusable blocks for us
         # request id -> {block index: tier} of blocks this connector loaded for it, so the
         # cached-token split is right even if admission is retried after the load.
         self._loaded_from: dict[str, dict[int, str]] = {}
+        self._matched: dict[str, _Match] = {}
         self.num_loaded_blocks = 0
 
     # ------------------------------------------------------------------ requests
@@ -70,71 +86,58 @@ class TierConnector:
     def on_request_finished(self, request_id: str) -> None:
         self.offload.cancel(request_id)
         self._loaded_from.pop(request_id, None)
+        self._matched.pop(request_id, None)
 
-    def load(
+    def match_external(
         self,
         req: Request,
         computed: Sequence[KVCacheBlock],
         token_budget: int,
         can_wait: bool,
-    ) -> list[KVCacheBlock] | None:
-        """Device blocks holding the staged blocks that extend ``computed`` (admission).
+    ) -> int | None:
+        """How many staged blocks extend the device hit ``computed`` and fit (admission).
 
-        The returned blocks are cached and unreferenced, like device prefix hits; the
-        caller adopts ``computed + returned`` with ``allocate_slots``. Returns None when
-        the pool has no room for the staged blocks (plus the first chunk after them) and
-        ``can_wait`` (others are running and will free blocks): the blocks stay staged
-        and the scheduler stops admitting, exactly as when an allocation fails.
+        The caller allocates them (``allocate_slots(..., num_external_blocks=k)``, any
+        ``k`` up to this) and calls ``write_external``. Returns None when the pool has no
+        room for the staged blocks (plus the first chunk after them) and ``can_wait``
+        (others are running and will free blocks): the blocks stay staged and the
+        scheduler stops admitting, exactly as when an allocation fails.
         """
-        staged = self.offload.take(req.request_id)
+        rid = req.request_id
+        held = self._matched.pop(rid, None)
+        staged = held.staged if held is not None else self.offload.take(rid)
         if staged is None or not staged.blocks:
-            return []
+            return 0
         n_dev = len(computed)
         skip = n_dev - staged.start
         if skip < 0:
-            return []  # the device lost part of the prefix since the lookup: recompute
+            return 0  # the device lost part of the prefix since the lookup: recompute
         avail = staged.num_blocks - skip
         if avail <= 0:
-            return []  # the device already has all of it (another request computed it)
+            return 0  # the device already has all of it (another request computed it)
         bs = self.kv.block_size
-        pool = self.kv.pool
-        free = pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
+        free = self.kv.num_free_blocks_adopting(computed)
         rest = req.num_tokens - (n_dev + avail) * bs
         reserve = cdiv(min(rest, token_budget), bs)
         if avail + reserve > free and can_wait:
-            self.offload.restage(req.request_id, staged)
+            self._matched[rid] = _Match(staged, skip, n_dev, 0)
             return None
         n = min(avail, free - reserve)
         if n <= 0:
-            return []
-        pool.touch(computed)  # so the allocation below cannot evict the prefix it extends
-        try:
-            blocks = pool.allocate(n)
-            tensors = self.storage.block_tensors()
-            for block, raw in zip(blocks, staged.blocks[skip : skip + n], strict=True):
-                offset = 0
-                for t in tensors:  # the payload is each tensor's block slice, in order
-                    dst = t[:, block.block_id]
-                    size = dst.numel() * dst.element_size()
-                    dst.copy_(raw[offset : offset + size].view(t.dtype).view(dst.shape))
-                    offset += size
-            hashes = self.kv.block_hashes(req)[: n_dev + n]
-            assert self.kv.cache is not None
-            self.kv.cache.insert(
-                req.all_token_ids, hashes, [*computed, *blocks], self.kv.root_of(req)
-            )
-        finally:
-            pool.free(reversed(computed))
-        # A block whose hash some other block already serves stays uncached: stop there.
-        good = 0
-        while good < n and blocks[good].block_hash == hashes[n_dev + good]:
-            good += 1
-        pool.free(reversed(blocks))
+            return 0
+        self._matched[rid] = _Match(staged, skip, n_dev, n)
+        return n
+
+    def write_external(self, req: Request, block_ids: Sequence[int]) -> None:
+        """Copy the first ``len(block_ids)`` offered blocks into the allocated blocks."""
+        m = self._matched.pop(req.request_id)
+        assert len(block_ids) <= m.n, "more external blocks than were offered"
+        for i, block_id in enumerate(block_ids):
+            self.storage.write_block(block_id, m.staged.blocks[m.skip + i])
         tiers = self._loaded_from.setdefault(req.request_id, {})
-        for i in range(good):
-            tiers[n_dev + i] = staged.tiers[skip + i]
-        self.num_loaded_blocks += good
-        return blocks[:good]
+        for i in range(len(block_ids)):
+            tiers[m.n_dev + i] = m.staged.tiers[m.skip + i]
+        self.num_loaded_blocks += len(block_ids)
 
     def cached_tokens_by_tier(self, req: Request, num_cached_blocks: int) -> dict[str, int]:
         """Split of a request's first-admission cache hit: device vs each tier."""
@@ -148,26 +151,16 @@ class TierConnector:
     # ------------------------------------------------------------------ steps
     def after_step(self) -> None:
         """Copy out the blocks the finished step made reusable and queue them for storing."""
-        new = self.kv.new_cached_blocks
-        assert new is not None
-        if not new:
-            return
-        items = [(h, b) for h, b in new if b.block_hash == h and not self.offload.all_contain(h)]
-        new.clear()
-        if not items:
-            return
-        ids = torch.tensor([b.block_id for _, b in items])
-        parts = [  # each tensor's block slices, as bytes: [n, bytes of one block]
-            t[:, ids].transpose(0, 1).contiguous().view(torch.uint8).reshape(len(items), -1)
-            for t in self.storage.block_tensors()
+        items = [
+            (h, b) for h, b in self.kv.pop_new_cached_blocks() if not self.offload.all_contain(h)
         ]
-        data = torch.cat(parts, dim=1)
-        self.offload.submit_store([h for h, _ in items], data)
+        if items:
+            data = self.storage.read_blocks([b for _, b in items])
+            self.offload.submit_store([h for h, _ in items], data)
 
     def discard_step(self) -> None:
         """A failed step: its blocks may be half written, so none of them is stored."""
-        if self.kv.new_cached_blocks is not None:
-            self.kv.new_cached_blocks.clear()
+        self.kv.discard_new_cached_blocks()
 
     def wait_for_loads(self, timeout: float) -> None:
         """Idle engine with only loading requests: sleep until a load lands (or timeout)."""
@@ -175,44 +168,38 @@ class TierConnector:
             self.offload.load_done.wait(timeout)
             self.offload.load_done.clear()
 
+    def stats(self) -> dict[str, TierStats]:
+        """Per-tier counters (``EngineStats.offload``)."""
+        return self.offload.stats()
+
     def close(self) -> None:
         self.offload.close()
 
     def check_integrity(self) -> None:
         self.offload.check_integrity()
-
-
-def model_fingerprint(model: LlamaModel) -> str:
-    """A short digest of the model's identity *and weights* (part of every tier key).
-
-    The name alone is not enough: two fine-tunes of one base share it. Hashing a slice of
-    the embedding and the final norm costs microseconds and tells weights apart.
-    """
-    h = blake2b(digest_size=8, person=b"kvstack-model")
-    h.update(model.config.name.encode())
-    h.update(repr(model.config).encode())
-    for t in (model.embed[:64], model.norm):
-        h.update(t.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
+        for rid, m in self._matched.items():
+            assert m.skip >= 0 and m.n <= m.staged.num_blocks - m.skip, f"bad match of {rid}"
 
 
 def make_connector(
-    spec: str, model: LlamaModel, kv: KVCacheManager, storage: KVStorage, dtype: str
+    spec: str, fingerprint: str, kv: KVCacheManager, storage: KVStorage, dtype: str
 ) -> TierConnector:
-    """Build the tiers of a ``--kv-offload`` spec and the connector over them."""
-    mc = model.config
+    """Build the tiers of a ``--kv-offload`` spec and the connector over them.
+
+    ``fingerprint`` names the model and its weights (``model/fingerprint.py``); tiers
+    keep blocks of different fingerprints, dtypes or codecs apart.
+    """
+    shape = storage.shape
     layout = BlockLayout(
-        model_fingerprint=model_fingerprint(model),
+        model_fingerprint=fingerprint,
         dtype=dtype,
         block_size=storage.block_size,
-        num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        itemsize=torch.empty((), dtype=storage.dtype).element_size(),
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        itemsize=storage.itemsize,
         codec=storage.codec.name,
-        codec_bytes=0
-        if storage.codec.identity
-        else sum(t[:, 0].numel() * t.element_size() for t in storage.block_tensors()),
+        codec_bytes=0 if storage.codec.identity else storage.block_nbytes,
     )
     tiers = build_tiers(parse_offload_spec(spec), layout)
     logger.info(

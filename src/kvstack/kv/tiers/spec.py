@@ -41,7 +41,7 @@ def _bad(part: str, why: str) -> ConfigError:
 
 
 def _size_and_policy(part: str, fields: list[str]) -> tuple[int, str]:
-    from kvstack.config import parse_size
+    from kvstack.units import parse_size
 
     policy = "lru"
     if fields and fields[-1].lower() in TIER_POLICIES:

@@ -1,0 +1,43 @@
+"""``kvstack serve``: the OpenAI-compatible server on 127.0.0.1:8000 by default.
+
+Its flags are derived from three declarations: ``ServerOptions`` (``kvstack.serve.server``),
+``RayOptions`` (``kvstack.route.ray``) and ``EngineConfig``. The command turns them into
+those frozen objects and hands them on: to ``serve`` in this process, or with ``--ray``
+to a Ray Serve deployment whose replicas receive the same objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvstack.cli.engine_args import add_engine_args
+from kvstack.config import EngineConfig
+from kvstack.options import add_arguments
+from kvstack.route.ray import RayOptions
+from kvstack.serve.server import ServerOptions
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
+        description="Serve the model over HTTP with the OpenAI API and Prometheus metrics.",
+    )
+    add_arguments(s, ServerOptions)
+    add_arguments(s, RayOptions)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    server = ServerOptions.from_cli_args(a)
+    engine = EngineConfig.from_cli_args(a)
+    server.check(engine)
+    ray = RayOptions.from_cli_args(a)
+    if ray.ray:
+        from kvstack.route.ray.app import serve_on_ray
+
+        return serve_on_ray(engine, server, ray)
+    from kvstack.serve.server import serve
+
+    return serve(engine, server)

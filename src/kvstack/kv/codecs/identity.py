@@ -1,0 +1,39 @@
+"""``auto``: K/V stored unchanged in the activation dtype (attention reads them in place)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstack.kv.codecs.base import CacheShape, KVCodec
+
+
+class IdentityCodec(KVCodec):
+    """K/V stored unchanged in ``store_dtype`` (the activation dtype for ``auto``)."""
+
+    name = "auto"
+    store_dtype: torch.dtype | None = None
+
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
+        super().__init__(shape, dtype, max_num_seqs)
+        sd = self.store_dtype or dtype
+        self.identity = sd == dtype
+        s = shape
+        full = (s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        self.k = torch.zeros(full, dtype=sd)
+        self.v = torch.zeros(full, dtype=sd)
+        self.k_slots = self.k.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+        self.v_slots = self.v.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+
+    @classmethod
+    def bytes_per_token_head(cls, head_dim: int, block_size: int, act_itemsize: int) -> float:
+        return 2 * head_dim * (cls.store_dtype.itemsize if cls.store_dtype else act_itemsize)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_slots[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v_slots[layer].index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][block_ids].to(self.dtype), self.v[layer][block_ids].to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]

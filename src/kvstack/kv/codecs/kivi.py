@@ -1,0 +1,206 @@
+"""KIVI 2-bit KV codec (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for
+KV Cache", ICML 2024), on paged blocks.
+
+Keys have outlier *channels*, so KIVI quantizes them per channel over a group of tokens;
+values per token. Here a key group is one block: a full block stores 2-bit key codes and,
+per channel, a bf16 scale and zero over its ``block_size`` tokens. Values are 2-bit per
+token in groups of 32 channels. A block that is still filling cannot have per-channel
+key ranges yet, so its K and V stay in full precision in a small *residual* pool (KIVI's
+"recent tokens in full precision"), one slot per filling block::
+
+    request tokens:  [ block 0 full ][ block 1 full ][ block 2: 5 of 16 ]
+    stored as:        2-bit codes     2-bit codes     residual slot (bf16)
+
+The step that fills a block quantizes it from the residual plus the new rows and frees
+the slot. Invariants (``check_integrity``): a block has a residual slot iff it is
+partially filled; slots in use + free slots == capacity; a request has at most one
+filling block, and a press compaction needs one more for a moment, so ``max_num_seqs +
+1`` slots always suffice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstack.errors import ConfigError
+from kvstack.kv.codecs.base import CacheShape, KVCodec
+from kvstack.kv.codecs.bits import pack, quant_asym, unpack
+
+BITS = 2
+V_GROUP = 32
+
+
+@dataclass
+class _WritePlan:
+    """How this step's rows map onto the blocks they touch (same for every layer)."""
+
+    blocks: torch.Tensor  # [n] touched block ids
+    rows: torch.Tensor  # [T] row of each written slot in the [n * bs] temp buffer
+    old_res: torch.Tensor  # [n] residual slot holding earlier rows, or -1
+    complete: torch.Tensor  # [n] bool, full after this step
+    new_res: torch.Tensor  # [n] residual slot after this step (-1 for complete blocks)
+
+
+class Kivi2Codec(KVCodec):
+    name = "kivi2"
+
+    @classmethod
+    def check_head_dim(cls, head_dim: int) -> None:
+        if head_dim % V_GROUP:
+            raise ConfigError(
+                f"--kv-cache-dtype kivi2 needs head_dim divisible by {V_GROUP}, got {head_dim}"
+            )
+
+    @classmethod
+    def bytes_per_token_head(cls, head_dim: int, block_size: int, act_itemsize: int) -> float:
+        codes = 2 * head_dim * BITS / 8
+        key_params = 4 * head_dim / block_size  # scale + zero per channel, per block
+        value_params = 4 * head_dim / V_GROUP
+        return codes + key_params + value_params
+
+    @classmethod
+    def fixed_bytes(cls, shape: CacheShape, max_num_seqs: int, act_itemsize: int) -> int:
+        s = shape
+        per_slot = 2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim * act_itemsize
+        return (max_num_seqs + 1) * per_slot
+
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
+        super().__init__(shape, dtype, max_num_seqs)
+        if max_num_seqs < 1:
+            raise ValueError("kivi2 needs max_num_seqs (one residual block per sequence)")
+        s = shape
+        L, N, bs, H, d = s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim
+        self.k_codes = torch.zeros((L, N, bs, H, d * BITS // 8), dtype=torch.uint8)
+        self.k_params = torch.zeros((L, N, H, d, 2), dtype=torch.bfloat16)  # per channel
+        self.v_codes = torch.zeros((L, N, bs, H, d * BITS // 8), dtype=torch.uint8)
+        self.v_params = torch.zeros((L, N, bs, H, d // V_GROUP * 2), dtype=torch.bfloat16)
+        # One filling block per sequence, plus one for a press compaction in flight (the
+        # request's old partial block is freed only after its new blocks are written).
+        self.capacity = cap = max_num_seqs + 1
+        self.res_k = torch.zeros((L, cap, bs, H, d), dtype=dtype)
+        self.res_v = torch.zeros((L, cap, bs, H, d), dtype=dtype)
+        self.residual_of = torch.full((N,), -1, dtype=torch.long)
+        self.filled = [0] * N  # rows written into each block since it was (re)allocated
+        self.free_res = list(range(cap - 1, -1, -1))
+        self._plan: _WritePlan | None = None
+        self._release: list[int] = []
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k_codes, self.k_params, self.v_codes, self.v_params]
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.res_k.numel() * self.res_k.element_size() * 2
+        return super().nbytes + extra
+
+    # ------------------------------------------------------------------ write
+    def _make_plan(self, slots: torch.Tensor) -> _WritePlan:
+        bs = self.shape.block_size
+        block_of = slots // bs
+        blocks, inverse, counts = torch.unique(block_of, return_inverse=True, return_counts=True)
+        rows = inverse * bs + slots % bs
+        old_res, new_res, complete = [], [], []
+        for b, n in zip(blocks.tolist(), counts.tolist(), strict=True):
+            if self.filled[b] >= bs:  # a full block written again: it was reallocated
+                self.filled[b] = 0
+            r = int(self.residual_of[b])
+            self.filled[b] += n
+            done = self.filled[b] >= bs
+            old_res.append(r)
+            complete.append(done)
+            if done:
+                if r >= 0:
+                    self._release.append(r)
+                self.residual_of[b] = -1
+                new_res.append(-1)
+            else:
+                if r < 0:
+                    if not self.free_res:
+                        raise RuntimeError(
+                            "kivi2 residual pool exhausted (more filling blocks than max_num_seqs)"
+                        )
+                    r = self.free_res.pop()
+                    self.residual_of[b] = r
+                new_res.append(r)
+        return _WritePlan(
+            blocks,
+            rows,
+            torch.tensor(old_res, dtype=torch.long),
+            torch.tensor(complete, dtype=torch.bool),
+            torch.tensor(new_res, dtype=torch.long),
+        )
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        s = self.shape
+        if layer == 0:
+            self._plan = self._make_plan(slots)
+        plan = self._plan
+        assert plan is not None
+        n = plan.blocks.numel()
+        has_old = plan.old_res >= 0
+        for x, res, codes, params, per_channel in (
+            (k, self.res_k, self.k_codes, self.k_params, True),
+            (v, self.res_v, self.v_codes, self.v_params, False),
+        ):
+            tmp = torch.zeros((n, s.block_size, s.num_kv_heads, s.head_dim), dtype=self.dtype)
+            if has_old.any():
+                tmp[has_old] = res[layer, plan.old_res[has_old]]
+            tmp.view(-1, s.num_kv_heads, s.head_dim)[plan.rows] = x.to(self.dtype)
+            done = plan.complete
+            if done.any():
+                full = tmp[done].float()  # [m, bs, H, d]
+                if per_channel:  # keys: range of each channel over the block's tokens
+                    q, sz = quant_asym(full, BITS, 1)  # sz [m, 2, H, d] (scale, zero)
+                    params[layer, plan.blocks[done]] = (
+                        sz.permute(0, 2, 3, 1).contiguous().to(params.dtype)
+                    )
+                else:  # values: each token, groups of V_GROUP channels
+                    q, sz = quant_asym(full.unflatten(-1, (-1, V_GROUP)), BITS, -1)
+                    q = q.flatten(-2)
+                    params[layer, plan.blocks[done]] = sz.flatten(-2)
+                codes[layer, plan.blocks[done]] = pack(q, BITS)
+            live = ~done
+            if live.any():
+                res[layer, plan.new_res[live]] = tmp[live]
+        if layer == s.num_layers - 1:
+            self.free_res.extend(self._release)
+            self._release = []
+            self._plan = None
+
+    # ------------------------------------------------------------------ read
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = block_ids.reshape(-1)
+        kq = unpack(self.k_codes[layer, flat], BITS).float()  # [n, bs, H, d]
+        kp = self.k_params[layer, flat].float()  # [n, H, d, 2]
+        k = kq * kp[None, ..., 0].transpose(0, 1) + kp[None, ..., 1].transpose(0, 1)
+        vq = unpack(self.v_codes[layer, flat], BITS).float().unflatten(-1, (-1, V_GROUP))
+        vp = self.v_params[layer, flat].float().unflatten(-1, (-1, 2))
+        v = (vq * vp[..., :1] + vp[..., 1:]).flatten(-2)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        res = self.residual_of[flat]
+        live = res >= 0
+        if live.any():
+            k[live] = self.res_k[layer, res[live]]
+            v[live] = self.res_v[layer, res[live]]
+        tail = (*block_ids.shape, *k.shape[1:])
+        return k.view(tail), v.view(tail)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def on_block_freed(self, block_id: int) -> None:
+        r = int(self.residual_of[block_id])
+        if r >= 0:
+            self.residual_of[block_id] = -1
+            self.free_res.append(r)
+        self.filled[block_id] = 0
+
+    def check_integrity(self) -> None:
+        used = [int(r) for r in self.residual_of.tolist() if r >= 0]
+        assert len(set(used)) == len(used), "a residual slot serves two blocks"
+        assert not set(used) & set(self.free_res), "a residual slot both used and free"
+        assert len(used) + len(self.free_res) == self.capacity, "residual slots leaked"
+        bs = self.shape.block_size
+        for b, r in enumerate(self.residual_of.tolist()):
+            if r >= 0:
+                assert 0 < self.filled[b] < bs, f"block {b} has a residual but is not filling"

@@ -1,0 +1,60 @@
+"""``rotated4``: a fixed randomized Hadamard rotation (QuaRot; TurboQuant's rotate-then-quantize
+idea), then 4-bit with one scale + zero per head vector; rotated back on read."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvstack.errors import ConfigError
+from kvstack.kv.codecs.base import CacheShape
+from kvstack.kv.codecs.bits import pack, quant_asym, unpack
+from kvstack.kv.codecs.int4 import Int4Codec
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Sylvester Hadamard matrix of order ``n`` (a power of two), normalized (orthogonal)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+class Rotated4Codec(Int4Codec):
+    """Randomized Hadamard rotation, then 4-bit with one scale+zero per head vector.
+
+    The rotation ``R = diag(signs) @ H`` (fixed seed) spreads outlier channels over all
+    channels, so one range per vector loses less than it would unrotated (QuaRot; the
+    rotate-then-scalar-quantize idea of TurboQuant, with a uniform quantizer here).
+    """
+
+    name = "rotated4"
+
+    @classmethod
+    def check_head_dim(cls, head_dim: int) -> None:
+        if head_dim < 2 or head_dim & (head_dim - 1):
+            raise ConfigError(
+                "--kv-cache-dtype rotated4 needs a power-of-two head_dim (Hadamard), "
+                f"got {head_dim}"
+            )
+
+    @classmethod
+    def param_cols(cls, head_dim: int) -> int:
+        return 2
+
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
+        super().__init__(shape, dtype, max_num_seqs)
+        d = shape.head_dim
+        gen = torch.Generator().manual_seed(0x5EED)
+        signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+        self.rot = signs[:, None] * hadamard(d)  # x_rot = x @ rot; x = x_rot @ rot.T
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, sz = quant_asym(x.float() @ self.rot, self.BITS, -1)
+        return pack(q, self.BITS), sz
+
+    def decode(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        q = unpack(codes, self.BITS).float()
+        p = params.float()
+        return (q * p[..., :1] + p[..., 1:]) @ self.rot.T

@@ -1,0 +1,70 @@
+"""``KV_LAYOUTS``: the ``--kv-layout`` registry, name -> ``KVManager`` factory.
+
+``paged`` is vLLM's PagedAttention bookkeeping with the prefix cache (eras 2-5);
+``contiguous`` and ``contiguous-request`` are the era-1 baselines kept for measurement
+(``kv/contiguous.py``). Every factory takes the same ``KVLayoutParams`` and returns an
+object that satisfies ``kv/base.py``'s ``KVManager`` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstack.kv.base import KVManager
+from kvstack.kv.contiguous import ContiguousKVManager
+from kvstack.kv.manager import KVCacheManager
+from kvstack.registry import Registry
+
+
+@dataclass(frozen=True)
+class KVLayoutParams:
+    """What a layout needs to size and run its bookkeeping (plain values, no config)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    prefix_cache: str = "hash"
+    eviction_policy: str = "lru"
+    max_pinned_fraction: float = 0.5
+    model_id: str = ""
+
+
+KVLayoutFactory = Callable[[KVLayoutParams], KVManager]
+KV_LAYOUTS: Registry[KVLayoutFactory] = Registry("kv_layout")
+
+
+def _paged(p: KVLayoutParams) -> KVManager:
+    return KVCacheManager(
+        p.num_blocks,
+        p.block_size,
+        prefix_cache=p.prefix_cache,
+        eviction_policy=p.eviction_policy,
+        max_pinned_fraction=p.max_pinned_fraction,
+        model_id=p.model_id,
+    )
+
+
+def _contiguous(variant: str) -> KVLayoutFactory:
+    def build(p: KVLayoutParams) -> KVManager:
+        return ContiguousKVManager(p.num_blocks, p.block_size, p.max_model_len, variant)
+
+    return build
+
+
+KV_LAYOUTS.add("paged", _paged, "fixed-size blocks and block tables (default)")
+KV_LAYOUTS.add(
+    "contiguous",
+    _contiguous("contiguous"),
+    "era-1 baseline: one slab of max-model-len tokens per request",
+)
+KV_LAYOUTS.add(
+    "contiguous-request",
+    _contiguous("contiguous-request"),
+    "era-1 baseline: one slab of prompt + max_tokens per request",
+)
+
+
+def build_kv_manager(layout: str, params: KVLayoutParams) -> KVManager:
+    """The ``KVManager`` of ``--kv-layout layout``; ``ConfigError`` for an unknown name."""
+    return KV_LAYOUTS.get(layout)(params)

@@ -1,0 +1,47 @@
+"""The token ids a replica will see for an OpenAI request body, computed at the router.
+
+A KV-aware router must hash exactly the tokens the engine will hash, so it tokenizes
+the same way ``serve/routes_openai.py`` does: a completion's (first) prompt with
+``tokenizer.encode`` or as given ids, a chat through the model's chat template with
+``add_generation_prompt``. A body the router cannot parse is not its business: it
+returns None and the request is routed by load; the replica answers the 400.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvstack.errors import KvstackError
+from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    token_ids: list[int]
+    cache_salt: str | None
+    stream: bool
+
+
+def prompt_info(tokenizer: Any, path: str, body: bytes) -> PromptInfo | None:
+    """Token ids, cache salt and stream flag of a request to ``path``; None if unparsable."""
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            return None
+        if path.endswith("/chat/completions"):
+            chat = ChatCompletionRequest.model_validate(data)
+            ids = tokenizer.apply_chat_template(
+                chat.template_messages(), add_generation_prompt=chat.add_generation_prompt,
+                tokenize=True, **(chat.chat_template_kwargs or {}),
+            )  # fmt: skip
+            return PromptInfo(list(ids), chat.cache_salt, chat.stream)
+        comp = CompletionRequest.model_validate(data)
+        first = comp.prompts()[0]
+        ids = tokenizer.encode(first) if isinstance(first, str) else list(first)
+        return PromptInfo(ids, comp.cache_salt, comp.stream)
+    except (ValueError, ValidationError, KvstackError, IndexError, TypeError, RecursionError):
+        return None

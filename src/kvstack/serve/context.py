@@ -1,0 +1,109 @@
+"""What the server's route modules share: its options and the request checks.
+
+``ServerContext`` holds the ``AsyncEngine`` and the ``ServerConfig`` and turns raw
+requests into validated ones, raising ``ApiError`` (an OpenAI error object with its
+status) for anything wrong, so no malformed input reaches the engine: bodies are read
+under ``max_body_bytes``, decoded as UTF-8, parsed as JSON (nesting bounded by the
+recursion limit), required to be objects, and only then validated by pydantic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvstack.errors import InvalidRequestError
+from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.http_errors import ApiError, check_bearer, read_body
+from kvstack.serve.protocol import ChatMessage
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout_s: float | None = None
+    shutdown_grace_s: float = 30.0
+    # Prefill/decode split (``--role``): a prefill replica computes the prompt's KV, waits
+    # until its offload tiers hold it, and answers one token; "both" is a plain server.
+    role: str = "both"
+    prefill_flush_timeout_s: float = 30.0
+
+
+class ServerContext:
+    """The engine, the options and the checks every route applies."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+
+    def count_error(self, status: int) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.http_errors.labels(str(status)).inc()
+
+    def check_auth(self, raw: Request) -> None:
+        """401 unless the request carries the API key (none configured: open)."""
+        check_bearer(raw, self.config.api_key)
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model name other than the served one (None: the served one)."""
+        if name is not None and name != self.config.model_name:
+            raise ApiError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    async def parse(self, raw: Request, model: type[M]) -> M:
+        """The body as ``model``; 413 / 400 with the first problem found."""
+        body = await read_body(raw, self.config.max_body_bytes)
+        try:
+            data = json.loads(body.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"malformed JSON: {e.msg} at position {e.pos}") from None
+        except RecursionError:
+            raise ApiError(400, "JSON nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
+        except RecursionError:
+            raise ApiError(400, "JSON nested too deeply") from None
+
+    def ids_of(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[ChatMessage] | None,
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+    ) -> list[int]:
+        """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated)."""
+        if (prompt is None) == (messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages")
+        tok = self.tokenizer
+        try:
+            if messages is not None:
+                msgs = [{"role": m.role, "content": m.text()} for m in messages]
+                ids = tok.apply_chat_template(
+                    msgs, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            elif isinstance(prompt, str):
+                ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
+            else:
+                ids = list(prompt or [])
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e)) from None
+        assert isinstance(ids, list)
+        return ids

@@ -1,0 +1,146 @@
+"""The OpenAI routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+A request is checked (API key, body, model name), tokenized here (a completion's prompts
+with ``tokenizer.encode`` or as given ids, a chat through the chat template), queued as
+one engine request per prompt (``OpenAIHandler``) and answered as a stream or as one
+body. Errors: 400 invalid input, 404 unknown model, 408 past ``--request-timeout``, 429
+waiting queue full (``Retry-After: 1``), 499 client gone before the answer, 500 a failed
+step, 503 engine down. A prefill replica (``--role prefill``) computes one token and
+answers only once its offload tiers hold the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvstack.errors import InvalidRequestError
+from kvstack.serve.async_engine import EngineDeadError, QueueFullError
+from kvstack.serve.context import ServerContext
+from kvstack.serve.http_errors import ApiError
+from kvstack.serve.openai_api import ApiContext, Job, OpenAIHandler
+from kvstack.serve.output_stream import RequestTimeoutError
+from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("kvstack.serve")
+Prompts = list[tuple[list[int], str | None]]  # (token ids, the text they came from)
+
+
+class OpenAIRoutes:
+    """The three routes over one ``OpenAIHandler``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.config
+        self.handler = OpenAIHandler(
+            ApiContext(ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s)
+        )
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        ctx = self.ctx
+
+        @r.post("/v1/completions")
+        async def completions(raw: Request) -> Response:
+            ctx.check_auth(raw)
+            return await self.serve(raw, await ctx.parse(raw, CompletionRequest))
+
+        @r.post("/v1/chat/completions")
+        async def chat_completions(raw: Request) -> Response:
+            ctx.check_auth(raw)
+            return await self.serve(raw, await ctx.parse(raw, ChatCompletionRequest))
+
+        @r.get("/v1/models")
+        async def models(raw: Request) -> dict:
+            ctx.check_auth(raw)
+            info = ctx.engine.model_info
+            card = {
+                "id": ctx.config.model_name, "object": "model", "created": 0,
+                "owned_by": "kvstack", "root": info.root, "max_model_len": info.max_model_len,
+            }  # fmt: skip
+            return {"object": "list", "data": [card]}
+
+        return r
+
+    def prompts(self, req: CompletionRequest | ChatCompletionRequest) -> Prompts:
+        """The request's prompts as token ids (``InvalidRequestError`` if untokenizable)."""
+        tok = self.ctx.tokenizer
+        if isinstance(req, ChatCompletionRequest):
+            ids = tok.apply_chat_template(
+                req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                tokenize=True, **(req.chat_template_kwargs or {}),
+            )  # fmt: skip
+            assert isinstance(ids, list)
+            return [(ids, None)]
+        return [
+            (tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in req.prompts()
+        ]
+
+    async def start(
+        self, raw: Request, req: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[str, list[Job]]:
+        """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
+        chat = isinstance(req, ChatCompletionRequest)
+        try:
+            prompts = self.prompts(req)
+            session = raw.headers.get("x-session-id") or req.user
+            return await self.handler.start(
+                prompts, req, "chat" if chat else "completions", session
+            )
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        except QueueFullError as e:
+            raise ApiError(429, str(e), "rate_limit_error", headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "server_error") from None
+
+    async def serve(self, raw: Request, req: CompletionRequest | ChatCompletionRequest) -> Response:
+        self.ctx.check_model(req.model)
+        chat = isinstance(req, ChatCompletionRequest)
+        if self.ctx.config.role == "prefill":  # the router sends the full request to decode
+            req.max_tokens, req.max_completion_tokens = 1, None
+        rid, jobs = await self.start(raw, req)
+        if req.stream:
+            return StreamingResponse(
+                self.handler.stream(rid, req, jobs, chat), media_type="text/event-stream"
+            )
+        if not await self.complete(raw, rid, jobs):
+            return Response(status_code=499)
+        errors = [j.last.error for j in jobs if j.last is not None and j.last.error]
+        if errors:
+            raise ApiError(500, errors[0], "server_error")
+        if self.ctx.config.role == "prefill":
+            await self.flush_offload()
+        if isinstance(req, ChatCompletionRequest):
+            return JSONResponse(self.handler.chat_body(rid, req, jobs))
+        return JSONResponse(self.handler.completion_body(rid, req, jobs))
+
+    async def complete(self, raw: Request, rid: str, jobs: list[Job]) -> bool:
+        """Wait for every job to finish; False (all aborted) if the client went away."""
+        task = asyncio.create_task(self.handler.complete(rid, jobs))
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    return False
+            task.result()
+        except RequestTimeoutError as e:
+            raise ApiError(408, str(e), "timeout") from None
+        finally:
+            for job in jobs:
+                job.stream.close()
+        return True
+
+    async def flush_offload(self) -> None:
+        """Prefill role: answer once the prompt's blocks are in the shared tier.
+
+        The step that finished the request queued its blocks for storing before the
+        output was delivered, so waiting for the store queue to drain is enough.
+        """
+        wait = self.ctx.config.prefill_flush_timeout_s
+        if not await self.ctx.engine.flush_offload(wait):
+            logger.warning("prefill: KV stores still queued after %.0fs", wait)

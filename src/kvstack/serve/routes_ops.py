@@ -1,0 +1,73 @@
+"""Operations routes: ``GET /health``, ``/load``, ``/version``, ``/metrics`` and the
+token tools ``POST /tokenize`` / ``/detokenize``.
+
+None needs the API key (probes and scrapers carry none). ``/load`` is what a router
+polls: load and KV usage from the engine's latest stats snapshot, plus the block-hash
+parameters (``AsyncEngine.routing_info``) it must hash prompts with.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import kvstack
+from kvstack.serve.context import ServerContext
+from kvstack.serve.http_errors import ApiError
+from kvstack.serve.protocol import DetokenizeRequest, TokenizeRequest
+
+
+def ops_router(ctx: ServerContext) -> APIRouter:
+    r = APIRouter()
+    engine = ctx.engine
+
+    @r.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            raise ApiError(503, "engine loop is not running", "server_error")
+        return Response(status_code=200)
+
+    @r.get("/load")
+    async def load() -> dict:
+        """What a router needs: load, KV usage, and the prefix-hash parameters."""
+        s, routing = engine.stats, engine.routing_info
+        return {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "kv_cache_usage_perc": s.kv_usage,
+            "block_size": routing.block_size,
+            "model_id": routing.model_id,
+            "role": ctx.config.role,
+            "served_model_name": ctx.config.model_name,
+        }
+
+    @r.get("/version")
+    async def version() -> dict:
+        return {"version": kvstack.__version__}
+
+    @r.get("/metrics")
+    async def prom() -> Response:
+        metrics = engine.metrics
+        data = generate_latest(metrics.registry) if metrics is not None else b""
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @r.post("/tokenize")
+    async def tokenize(raw: Request) -> dict:
+        req = await ctx.parse(raw, TokenizeRequest)
+        ctx.check_model(req.model)
+        ids = ctx.ids_of(
+            req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens
+        )
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.model_info.max_model_len}
+
+    @r.post("/detokenize")
+    async def detokenize(raw: Request) -> dict:
+        req = await ctx.parse(raw, DetokenizeRequest)
+        ctx.check_model(req.model)
+        vocab = engine.model_info.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    return r

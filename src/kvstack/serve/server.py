@@ -1,0 +1,185 @@
+"""``kvstack serve`` without argparse: server options, ``build_server`` and ``serve``.
+
+``ServerOptions`` declares the server's flags once (help, default, choices), as
+``EngineConfig`` declares the engine's; ``kvstack serve`` derives ``--host``,
+``--port``... from it and reads them back with ``ServerOptions.from_cli_args``.
+``build_server(engine_config, options)`` loads the model and builds the app; it is
+shared by ``kvstack serve`` and each Ray Serve replica (``kvstack.route.ray``), which
+receive these two frozen objects, never a parsed command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvstack.config import EngineConfig
+from kvstack.errors import ConfigError
+from kvstack.options import from_namespace, option
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvstack.llm import LLM
+    from kvstack.serve.async_engine import AsyncEngine
+
+logger = logging.getLogger("kvstack.serve")
+SERVER = "server"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the HTTP server runs; ``port`` in 1..65535 and ``max_waiting`` >= 1."""
+
+    host: str = option("127.0.0.1", "address to bind (default 127.0.0.1)", group=SERVER)
+    port: int = option(8000, "port (default 8000)", group=SERVER)
+    served_model_name: str | None = option(
+        None,
+        "model id clients send and /v1/models lists (default: the model file's name)",
+        group=SERVER,
+    )
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on /v1/* and cache endpoints "
+        "(default: $KVSTACK_API_KEY; none = open)",
+        group=SERVER, env="KVSTACK_API_KEY",
+    )  # fmt: skip
+    max_waiting: int = option(
+        1024,
+        "requests that may wait for a first schedule; past it new ones get 429",
+        group=SERVER,
+    )
+    request_timeout: float | None = option(
+        None,
+        "seconds after which a request is aborted and answered 408 (default: none)",
+        group=SERVER,
+    )
+    request_log: str | None = option(
+        None,
+        "append one JSON line per finished request (timestamps, prompt token ids, "
+        "session id, cached tokens, output length) for `kvstack analyze`",
+        group=SERVER,
+    )
+    max_body_bytes: int = option(
+        8 * 1024 * 1024, "larger request bodies get 413 (default 8 MiB)", group=SERVER
+    )
+    role: str = option(
+        "both",
+        "prefill/decode split behind `kvstack router`: a prefill replica computes the "
+        "prompt's KV, waits until its --kv-offload tiers hold it and answers one token; a "
+        "decode replica loads that KV from the shared tier instead of recomputing it. Both "
+        "need --kv-offload with a tier they share (redis://..., or one disk folder). "
+        "Default both: an ordinary server",
+        group=SERVER, choices=lambda: ("both", "prefill", "decode"),
+    )  # fmt: skip
+    shutdown_grace: float = option(
+        30.0,
+        "on SIGTERM, seconds to let in-flight requests finish before aborting them",
+        group=SERVER,
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 1:
+            raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"unknown role {self.role!r}; choose one of: both, prefill, decode")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:
+        return from_namespace(cls, args)
+
+    def check(self, engine: EngineConfig) -> None:
+        """``ConfigError`` if these options cannot serve ``engine`` (before loading it)."""
+        if self.role != "both" and not engine.cache.kv_offload:
+            raise ConfigError(
+                f"--role {self.role} needs --kv-offload with a tier the replicas share "
+                "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
+            )
+
+
+def default_served_name(model: str) -> str:
+    """The model file's stem (``SmolLM2-135M-Instruct.Q4_1``) or the HF folder's name."""
+    from kvstack.model.registry import resolve_model_path
+
+    path = Path(resolve_model_path(model))
+    return path.stem if path.is_file() else path.name
+
+
+def build_server(
+    engine_config: EngineConfig, options: ServerOptions
+) -> tuple[LLM, AsyncEngine, FastAPI, str]:
+    """Check the options, load the model and build ``(llm, async engine, app, name)``."""
+    from kvstack.llm import LLM
+    from kvstack.serve.app import ServerConfig, create_app
+    from kvstack.serve.async_engine import AsyncEngine
+    from kvstack.serve.metrics import ServerMetrics
+
+    options.check(engine_config)
+    llm = LLM.from_config(engine_config)
+    name = options.served_model_name or default_served_name(engine_config.model)
+    metrics = ServerMetrics(name)
+    engine = AsyncEngine(
+        llm.engine, max_waiting=options.max_waiting, metrics=metrics,
+        request_log=options.request_log,
+    )  # fmt: skip
+    app = create_app(
+        engine,
+        ServerConfig(
+            model_name=name,
+            api_key=options.api_key,
+            max_body_bytes=options.max_body_bytes,
+            request_timeout_s=options.request_timeout,
+            shutdown_grace_s=options.shutdown_grace,
+            role=options.role,
+        ),
+    )
+    return llm, engine, app, name
+
+
+def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
+    """Serve until SIGTERM/SIGINT: the engine loop in this thread, HTTP in another."""
+    import uvicorn
+
+    logging.getLogger("kvstack").setLevel(logging.INFO)
+    o = options
+    llm, engine, app, name = build_server(engine_config, o)
+    logger.info("kvstack serving %s on http://%s:%d (role %s)", name, o.host, o.port, o.role)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=o.host,
+            port=o.port,
+            log_level="info",
+            timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
+        )
+    )
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # First signal: graceful (stop accepting, finish in-flight requests up to
+        # --shutdown-grace, then the lifespan shutdown stops the engine); second: force.
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    # The engine loop runs in the main thread and HTTP in a second one (see
+    # AsyncEngine.run_forever); uvicorn skips installing signal handlers off the main thread.
+    engine.mark_running()
+    http = threading.Thread(target=server.run, name="kvstack-http", daemon=True)
+    http.start()
+    try:
+        engine.run_forever(keep_going=http.is_alive)
+        http.join(timeout=o.shutdown_grace + 10)
+    finally:
+        llm.shutdown()  # offload tiers: write queued stores so a restart finds them
+    if not server.started:
+        raise ConfigError(f"could not serve on {o.host}:{o.port} (see the log above)")
+    return 0

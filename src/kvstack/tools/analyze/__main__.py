@@ -1,0 +1,7 @@
+"""``python -m kvstack.tools.analyze``: the same as ``kvstack analyze``."""
+
+import sys
+
+from kvstack.tools.analyze.cli import main
+
+sys.exit(main())

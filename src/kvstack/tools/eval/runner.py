@@ -1,0 +1,247 @@
+"""The run of ``kvstack eval``: the baseline, then every variant, one engine at a time.
+
+Each variant gets a fresh :class:`~kvstack.llm.LLM` (the previous one is freed first) with
+the same number of KV blocks, so scheduling (and with it the numerics of batched steps)
+is identical and differences come from the codec or press alone. The baseline's
+log-distributions wait in a temporary directory: at most two ``[n, vocab]`` matrices are
+in memory. :func:`run_eval` returns the JSON-ready report that :mod:`.report` formats.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import kvstack.tools.eval.report as rep
+from kvstack.tools.eval.config import BASELINE, CORPUS_KIND, EvalConfig, codec_variant
+from kvstack.tools.eval.tasks import (
+    DECODE_OUTPUT_TOKENS,
+    DECODE_PROMPT_TOKENS,
+    NEEDLE_TASK,
+    EvalText,
+    NeedleCase,
+    decode_throughput,
+    generated_corpus,
+    greedy_params,
+    make_corpus,
+    make_text_ids,
+    needle_cases,
+    run_needle,
+)
+
+if TYPE_CHECKING:
+    from kvstack.llm import LLM
+
+
+def _kv_numbers(llm: LLM, memory: int, max_seqs: int) -> dict[str, Any]:
+    import torch
+
+    from kvstack.kv.storage import KVStorage
+
+    eng = llm.engine
+    mc, bs, codec = eng.model_config, eng.config.cache.block_size, eng.config.cache.kv_cache_dtype
+    blocks = KVStorage.num_blocks_for_memory(mc, bs, eng.dtype, memory, codec, max_seqs)
+    bf16 = KVStorage.num_blocks_for_memory(mc, bs, torch.bfloat16, memory, "auto", max_seqs)
+    return {
+        "bytes_per_token": eng.kv_bytes_per_token,
+        "tokens_in_memory": blocks * bs,
+        "capacity_ratio": blocks / bf16,
+    }
+
+
+def _quality(
+    llm: LLM, texts: list[EvalText], tmp: Path, baseline: bool, tick: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Teacher-forced comparison of every text with the baseline's saved distributions."""
+    import torch
+
+    raw = []
+    for i, text in enumerate(texts):
+        ids, start = text.token_ids, len(text.token_ids) // 2
+        lp = llm.score(ids, start)
+        path = tmp / f"text{i}.pt"
+        if baseline:
+            torch.save(lp, path)
+        base = lp if baseline else torch.load(path)
+        q = rep.compare_logprobs(base, lp, torch.tensor(ids[start:]))
+        del lp, base
+        raw.append({"context": text.context, "index": text.index, **q})
+        tick(f"score {text.context}")
+    return raw
+
+
+@dataclass
+class _Inputs:
+    """What every variant runs on: identical inputs and the same number of KV blocks."""
+
+    texts: list[EvalText]
+    cases: list[NeedleCase]
+    decode_prompts: list[list[int]]
+    max_seqs: int
+    num_blocks: int
+
+
+def _inputs(config: EvalConfig, tok: Any) -> _Inputs:
+    """The corpus, the needle cases, the speed test's prompts and the KV blocks they need."""
+    from kvstack.llm import LLM
+
+    if config.corpus == "generated":
+        gen = LLM(config.model, dtype=config.dtype, seed=config.seed, prefix_cache="none")
+        texts = generated_corpus(gen, config.contexts, config.num_texts, config.seed)
+        del gen
+        gc.collect()
+    else:
+        texts = make_corpus(tok, config.contexts, config.num_texts, config.seed)
+    cases = needle_cases(
+        tok, config.needle_lengths, config.needle_depths, config.needle_trials, config.seed
+    )
+    rng = random.Random(f"kvstack-eval-decode-{config.seed}")
+    decode_prompts = [make_text_ids(tok, DECODE_PROMPT_TOKENS, rng) for _ in range(config.batch)]
+    bs, max_seqs = config.block_size, max(config.batch, 8)
+    need = max(
+        sum(t.context // 2 + config.greedy_tokens + bs for t in texts),
+        max(config.contexts) + bs,
+        config.batch * (DECODE_PROMPT_TOKENS + DECODE_OUTPUT_TOKENS + bs),
+        min(len(cases), max_seqs) * (max(config.needle_lengths) + config.needle_tokens + bs),
+    )
+    num_blocks = -(-need // bs) + max_seqs  # the same for every variant
+    return _Inputs(texts, cases, decode_prompts, max_seqs, num_blocks)
+
+
+def _press_numbers(llm: LLM) -> dict[str, Any] | None:
+    """What the press removed and reclaimed, or None when no request was pressed."""
+    st = llm.get_stats()
+    if not st.num_pressed_requests:
+        return None
+    return {
+        "pressed_requests": st.num_pressed_requests,
+        "input_tokens": st.num_press_input_tokens,
+        "removed_fraction": st.num_press_dropped_tokens / st.num_press_input_tokens,
+        "reclaimed_blocks": st.num_reclaimed_blocks,
+        "reclaimed_blocks_per_request": st.num_reclaimed_blocks / st.num_pressed_requests,
+    }
+
+
+def _measure(
+    llm: LLM,
+    config: EvalConfig,
+    inp: _Inputs,
+    tmp: Path,
+    baseline: dict[str, Any] | None,
+    base_greedy: list[list[int]] | None,
+    tick: Callable[[str], None],
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """One variant's results (without label and wall time) and its greedy tokens.
+
+    ``baseline`` / ``base_greedy`` are the baseline's results and greedy tokens, None while
+    measuring the baseline itself (which then saves its distributions into ``tmp``).
+    """
+    res: dict[str, Any] = _kv_numbers(llm, config.memory, inp.max_seqs)
+    res["speed"] = sp = decode_throughput(llm, inp.decode_prompts, DECODE_OUTPUT_TOKENS)
+    base_sp = baseline["speed"] if baseline is not None else sp
+    sp["ratio_to_baseline"] = sp["output_tok_s"] / base_sp["output_tok_s"]
+    sp["decode_ratio"] = sp["decode_tok_s"] / base_sp["decode_tok_s"]
+    tick("speed")
+    raw_texts = _quality(llm, inp.texts, tmp, baseline is None, tick)
+    res["quality"] = rep.aggregate_quality(raw_texts)
+    res["quality"]["by_context"] = {
+        str(c): rep.aggregate_quality([r for r in raw_texts if r["context"] == c])
+        for c in config.contexts
+    }
+    outs = llm.generate(
+        prompt_token_ids=[t.token_ids[: t.context // 2] for t in inp.texts],
+        sampling_params=greedy_params(config.greedy_tokens),
+    )
+    greedy = [list(o.outputs[0].token_ids) for o in outs]
+    for r, b, g in zip(raw_texts, base_greedy or greedy, greedy, strict=True):
+        r.update(rep.greedy_agreement(b, g), greedy_token_ids=g)
+    res["greedy"] = rep.greedy_summary(raw_texts, config.greedy_tokens)
+    tick("greedy")
+    raw_needle = run_needle(llm, inp.cases, config.needle_tokens, tick)
+    res["needle"] = rep.needle_summary(raw_needle, config.needle_lengths, config.needle_depths)
+    res["raw"] = {"texts": raw_texts, "needle": raw_needle}
+    press = _press_numbers(llm)
+    if press is not None:
+        res["press"] = press
+    return res, greedy
+
+
+def run_eval(config: EvalConfig) -> dict[str, Any]:
+    """Run the baseline and every variant; the JSON-ready report (:mod:`.report` formats it)."""
+    from tqdm import tqdm
+
+    from kvstack.llm import LLM
+    from kvstack.model.registry import load_tokenizer
+
+    t_start = time.perf_counter()
+    model_config = _model_config(config.model)
+    config.validate(model_config.max_position_embeddings)
+    inp = _inputs(config, load_tokenizer(config.model))
+    variants = [codec_variant(BASELINE), *config.variants]
+    total = len(variants) * (2 + len(inp.texts) + len(config.needle_lengths))
+    bar = tqdm(total=total, desc="eval", unit="item", disable=not config.progress)
+    results: list[dict[str, Any]] = []
+    base_greedy: list[list[int]] | None = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvstack-eval-") as tmp:
+            for var in variants:
+                t_var = time.perf_counter()
+
+                def tick(what: str, label: str = var.label) -> None:
+                    bar.set_postfix_str(f"{label}: {what}", refresh=False)
+                    bar.update(1)
+
+                llm = LLM(
+                    config.model,
+                    dtype=config.dtype,
+                    seed=config.seed,
+                    block_size=config.block_size,
+                    num_blocks=inp.num_blocks,
+                    max_num_seqs=inp.max_seqs,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    prefix_cache="none",
+                    **var.llm_kwargs,
+                )
+                baseline = results[0] if results else None
+                res, greedy = _measure(llm, config, inp, Path(tmp), baseline, base_greedy, tick)
+                base_greedy = base_greedy or greedy
+                results.append({"label": var.label, "llm_kwargs": var.llm_kwargs, **res})
+                results[-1]["wall_s"] = time.perf_counter() - t_var
+                del llm  # one engine alive at a time
+                gc.collect()
+    finally:
+        bar.close()
+    return {
+        "version": 1,
+        "tool": "kvstack eval",
+        "config": config.to_json(),
+        "model": rep.model_info(model_config),
+        "baseline": BASELINE,
+        "corpus": {
+            "kind": CORPUS_KIND if config.corpus == "prose" else "generated by the model",
+            "texts": [{"context": t.context, "index": t.index} for t in inp.texts],
+        },
+        "needle_task": NEEDLE_TASK,
+        "kv_blocks_per_engine": inp.num_blocks,
+        "machine": rep.machine_info(),
+        "results": results,
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def _model_config(model: str) -> Any:
+    """The model's architecture from its config alone (no weights loaded)."""
+    from kvstack.model.gguf import read_gguf_config
+    from kvstack.model.registry import model_format, resolve_model_path
+    from kvstack.model.safetensors import config_from_hf, read_hf_config
+
+    path = resolve_model_path(model)
+    if model_format(path) == "gguf":
+        return read_gguf_config(path)
+    return config_from_hf(read_hf_config(path), path)

@@ -1,0 +1,70 @@
+"""The command line of ``kvstack plan`` (and ``python -m kvstack.tools.plan``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from kvstack.tools.command import run_tool
+from kvstack.tools.plan.report import format_plan
+from kvstack.tools.plan.sizing import make_plan
+from kvstack.tools.plan.specs import DTYPE_BYTES, parse_tokens, resolve_gpu, resolve_model
+
+PROG = "python -m kvstack.tools.plan"
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``kvstack plan``."""
+    p.add_argument("--model", required=True, help="registry name, HF id, or path to config.json")
+    p.add_argument(
+        "--gpu",
+        required=True,
+        help="GPU name or per-GPU memory such as 80GiB; a name's '80gb' means 80 GiB (80 × 2^30 B)",
+    )
+    p.add_argument("--context", required=True, help="tokens per request: 131072 or 128k (k=1024)")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=[*DTYPE_BYTES], help="default bf16")
+    p.add_argument(
+        "--weights-dtype", choices=[*DTYPE_BYTES], help="default: the checkpoint's dtype"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="(0, 1], default 0.9")
+    p.add_argument(
+        "--prefix-hit-rate",
+        type=float,
+        default=0.0,
+        help="fraction of each request's tokens that is a shared cached prefix, in [0, 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON object with every figure")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``kvstack plan``; raises ConfigError on bad input, warnings go to stderr."""
+    plan = make_plan(
+        resolve_model(args.model),
+        resolve_gpu(args.gpu),
+        parse_tokens(args.context),
+        kv_cache_dtype=args.kv_cache_dtype,
+        weights_dtype=args.weights_dtype,
+        tp=args.tp,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_hit_rate=args.prefix_hit_rate,
+    )
+    for w in plan.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvstack.tools.plan ...``: the same as ``kvstack plan``."""
+    return run_tool(
+        PROG,
+        add_plan_args,
+        run_plan,
+        argv,
+        description="Capacity planner: KV bytes per token and per request, weight memory, "
+        "KV budget, concurrent requests at a context, and an autoscaling threshold.",
+    )
