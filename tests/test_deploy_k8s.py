@@ -31,7 +31,7 @@ from kvstack.deploy.k8s import (
 )
 from kvstack.deploy.k8s_objects import PRESTOP_SLEEP_S, SHUTDOWN_GRACE_S
 from kvstack.errors import ConfigError
-from kvstack.route.policy import POLICIES
+from kvstack.route.policy import ROUTING_POLICIES
 from kvstack.tools.plan import add_plan_args, make_plan, parse_tokens, resolve_gpu, resolve_model
 
 K8S_VERSION = "1.34.0"  # kubernetes-validate ships schemas up to its own version, offline
@@ -413,7 +413,7 @@ def test_engine_args_and_redis_tier(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_every_router_policy_renders() -> None:
-    for policy in POLICIES:
+    for policy in ROUTING_POLICIES.names():
         docs = render_manifests(K8sOptions(policy=policy))
         args = container(find(docs, "Deployment", "kvstack-router"))["args"]
         assert args[args.index("--policy") + 1] == policy

@@ -6,6 +6,7 @@ mixed with prefix reuse, preemption and a KV codec."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.press import PRESSES, PressInput, make_press
 from kvstack.kv.press.base import window_attention
 from kvstack.kv.press.pyramidkv import pyramid_budgets
+from kvstack.kv.press.state import PressState
 
 L, N, KVH, H, D = 3, 200, 2, 4, 16
 
@@ -288,3 +290,48 @@ def test_bad_press_every_is_rejected(llm: LLM) -> None:
     with pytest.raises(ConfigError, match="one budget"):
         CacheConfig(kv_press="layer_defensivekv", kv_press_ratio=0.5, kv_press_every=8)
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+def test_press_coordinator_integrity_through_abort_and_preemption() -> None:
+    """The press coordinator holds state exactly for the live pressed requests (none once
+    they finish or are aborted; none for a ratio-0 request), resets a preempted request's
+    press and applies it again, and never holds more queries than the press's window."""
+    tight = LLM(
+        "default",
+        dtype="float32",
+        num_blocks=13,
+        max_num_seqs=4,
+        kv_press="snapkv",
+        kv_press_ratio=0.5,
+        kv_press_every=6,
+    )
+    eng, coord = tight.engine, tight.engine.press
+    text = TEXT[: len(TEXT) * 3 // 8]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    rids = [eng.add_request(None, text + s, sp) for s in (" One.", " Two.", " Three.", "")]
+    reqs = [eng.scheduler.requests[r] for r in rids]
+    victim = eng.add_request(None, text + " Four.", sp)
+    unpressed = eng.add_request(None, text, replace(sp, max_tokens=8, kv_press_ratio=0.0))
+    assert eng.scheduler.requests[unpressed].press is None
+    assert set(coord.states) == {*rids, victim}
+    aborted = windows = False
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_integrity()  # includes coord.check_integrity(eng.scheduler.requests)
+        st = coord.states.get(victim)
+        if not aborted and st is not None and st.applied:
+            eng.abort_request(victim)
+            aborted = True
+            assert victim not in coord.states
+            coord.check_integrity(eng.scheduler.requests)
+        windows = windows or any(s.window is not None for s in coord.states.values())
+    assert aborted and windows and not coord.states
+    assert eng.scheduler.num_preemptions_total > 0
+    preempted = [r for r in reqs if r.num_preemptions > 0]
+    assert preempted and all(r.press is not None and r.press.applied for r in preempted)
+    assert all(len(r.output_token_ids) == 24 for r in reqs)
+    assert eng.num_free_blocks == eng.kv_manager.num_blocks
+    # The check catches state kept for a request that is gone.
+    coord.states["ghost"] = PressState(make_press("snapkv", 0.5), point=8)
+    with pytest.raises(AssertionError, match="press states"):
+        coord.check_integrity(eng.scheduler.requests)

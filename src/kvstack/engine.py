@@ -387,14 +387,12 @@ class LLMEngine:
         """Every block hash each medium serves now: ``device`` (the prefix cache) and each
         offload tier that can list its blocks (Redis is shared and cannot)."""
         held = {"device": self.kv_manager.cached_hashes()}
-        for tier in self.connector.offload.tiers if self.connector is not None else []:
-            hashes = tier.held_hashes()
-            if hashes is not None:
-                held[tier.name] = hashes
+        if self.connector is not None:
+            held |= self.connector.held_hashes()
         return held
 
     def flush_offload(self, timeout_s: float) -> bool:
         """Wait until queued tier stores and loads are done (True at once without tiers);
         False on timeout. The exception here: it blocks, so call it off the engine thread
         (the I/O thread's queue is thread-safe)."""
-        return self.connector is None or self.connector.offload.flush(timeout_s)
+        return self.connector is None or self.connector.flush(timeout_s)

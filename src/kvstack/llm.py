@@ -10,7 +10,6 @@ import torch
 from kvstack.config import EngineConfig
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
-from kvstack.model.runner import LogitCapture
 from kvstack.options import build
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.stats import EngineStats
@@ -132,15 +131,11 @@ class LLM:
         if not 1 <= start < len(prompt_token_ids):
             raise InvalidRequestError(f"start must be in [1, {len(prompt_token_ids)}), got {start}")
         rid = self.engine.new_request_id()
-        capture = LogitCapture(start)
-        self.engine.runner.capture_logits[rid] = capture
-        try:
+        with self.engine.capture_logits(rid, start) as capture:
             after = start if press_after is None else press_after
             sp = SamplingParams(max_tokens=1, prompt_logprobs=0, kv_press_after=after)
             self.engine.add_request(rid, None, sp, prompt_token_ids=list(prompt_token_ids))
             self._run([rid], False, False, None)
-        finally:
-            self.engine.runner.capture_logits.pop(rid, None)
         return capture.logprobs()
 
     def shutdown(self) -> None:

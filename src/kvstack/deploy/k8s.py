@@ -43,7 +43,7 @@ import yaml
 
 from kvstack.deploy.k8s_objects import render_components
 from kvstack.errors import ConfigError
-from kvstack.route.policy import POLICIES
+from kvstack.route.policy import ROUTING_POLICIES
 from kvstack.tools.plan import make_plan, parse_tokens, resolve_gpu, resolve_model
 
 Manifest = dict[str, Any]
@@ -158,7 +158,8 @@ def check_options(o: K8sOptions) -> None:
     _check(o.router_replicas >= 1, f"--router-replicas must be at least 1, got {o.router_replicas}")
     _check(0 < o.port < 65536, f"--port must be in 1..65535, got {o.port}")
     _check(
-        o.policy in POLICIES, f"unknown --policy {o.policy!r}; choose from {', '.join(POLICIES)}"
+        o.policy in ROUTING_POLICIES,
+        f"unknown --policy {o.policy!r}; choose from {', '.join(ROUTING_POLICIES.names())}",
     )
     _check(o.model is None or bool(o.model.strip()), "--model must not be empty")
     for what, q in (("--cpu", o.cpu_request), ("--cpu-limit", o.cpu_limit), ("--memory", o.memory)):

@@ -12,7 +12,7 @@ import shlex
 
 from kvstack.deploy.k8s import DEFAULT_PLAN_CONTEXT, DEFAULT_PLAN_MODEL, K8sOptions
 from kvstack.errors import ConfigError
-from kvstack.route.policy import POLICIES
+from kvstack.route.policy import ROUTING_POLICIES
 
 D = K8sOptions()
 _PLAN_ARGS = (
@@ -91,7 +91,7 @@ def _tier_and_router_args(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--policy",
         default=D.policy,
-        help=f"router policy: {', '.join(POLICIES)} (default {D.policy})",
+        help=f"router policy: {', '.join(ROUTING_POLICIES.names())} (default {D.policy})",
     )
     r.add_argument(
         "--cluster-domain",

@@ -362,6 +362,3 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     if capacity < 1:
         raise ConfigError(f"eviction policy capacity must be >= 1, got {capacity}")
     return cls(capacity)
-
-
-POLICIES = EVICTION_POLICIES  # TRANSITIONAL alias while callers move to EVICTION_POLICIES

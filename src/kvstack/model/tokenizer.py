@@ -339,11 +339,6 @@ class Tokenizer:
             raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
         return str(piece)
 
-    def piece_to_id(self, piece: str) -> int | None:
-        """The id of a vocabulary entry, or None."""
-        tid = self.backend.token_to_id(piece)
-        return None if tid is None else int(tid)
-
     # ----------------------------------------------------------------- chat
     def special_tokens_map(self) -> dict[str, str]:
         """``bos_token``/``eos_token``/``unk_token``/``pad_token`` strings, for templates."""

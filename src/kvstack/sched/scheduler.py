@@ -31,13 +31,12 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
-from kvstack.kv.contiguous import ContiguousKVManager
-from kvstack.kv.manager import KVCacheManager
 from kvstack.request import Request, RequestStatus
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvstack.config import SchedulerConfig
+    from kvstack.kv.base import KVManager
     from kvstack.kv.press.coordinator import PressCoordinator
     from kvstack.kv.tiers.connector import TierConnector
 
@@ -46,7 +45,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_manager: KVCacheManager | ContiguousKVManager,
+        kv_manager: KVManager,
         max_model_len: int,
     ) -> None:
         self.config = config

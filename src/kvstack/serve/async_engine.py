@@ -82,6 +82,8 @@ class PinResult:
 
 
 class AsyncEngine:
+    """The server's handle on an ``LLMEngine`` (see the module docstring)."""
+
     def __init__(
         self,
         llm_engine: LLMEngine,
@@ -90,7 +92,9 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         request_log: str | None = None,
     ) -> None:
-        self._llm_engine = llm_engine  # touched only by the engine thread once it runs
+        # Touched only by the engine thread once it runs (``flush_offload`` aside: it
+        # waits on the tiers' thread-safe queue).
+        self._llm_engine = llm_engine
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._request_log = RequestLog(request_log) if request_log else None

@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvstack.kv.manager import KVCacheStats
+from kvstack.kv.base import KVCacheStats
 from kvstack.kv.tiers.base import LOAD_LATENCY_BUCKETS, TierStats
 from kvstack.request import RequestOutput
 from kvstack.stats import EngineStats

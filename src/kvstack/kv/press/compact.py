@@ -69,13 +69,16 @@ def apply_press(
     """Press ``req``'s cached tokens now; None when skipped (no room, or nothing to drop).
 
     ``keep`` presses an already pressed request again, down to ``keep`` slots per head.
+    Updates ``req.press`` (``PressState``: applied, num_dropped, layer_lens); the blocks
+    change only through the ``KVManager`` and ``KVStorage`` APIs.
     """
-    press = req.press
-    assert press is not None
+    st = req.press
+    assert st is not None
+    press = st.press
     if keep is None:
-        assert not req.press_applied and req.num_dropped == 0
+        assert not st.applied and st.num_dropped == 0
     else:
-        assert req.press_applied and req.kv_layer_lens is None and press.uniform
+        assert st.applied and st.layer_lens is None and press.uniform
     n = req.num_kv_tokens
     bs = kv.block_size
     ids = torch.tensor(kv.get_block_ids(req.request_id))
@@ -89,7 +92,7 @@ def apply_press(
     chosen = press.select(PressInput(keys, values, queries, scale, keep))
     lens = [int(idx.shape[1]) for idx in chosen]
     m = max(lens)
-    req.press_applied = True  # decided once per (re)computation, even if nothing drops
+    st.applied = True  # decided once per (re)computation, even if nothing drops
     if min(lens) >= n:
         return None  # nothing removed anywhere (ratio 0, or a budget as large as the prompt)
     need = cdiv(m, bs)
@@ -109,6 +112,6 @@ def apply_press(
         kv.release_blocks(new)  # the request keeps its old, intact blocks
         raise
     reclaimed = kv.replace_blocks(req, new)
-    req.num_dropped += n - m
-    req.kv_layer_lens = lens if min(lens) < m else None
+    st.num_dropped += n - m
+    st.layer_lens = lens if min(lens) < m else None
     return PressResult(kept=m, dropped=n - m, reclaimed_blocks=reclaimed)

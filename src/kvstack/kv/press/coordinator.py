@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.press import check_repress, make_press
@@ -82,18 +82,6 @@ class PressCounters:
     input_tokens: int = 0  # cached tokens the presses looked at (dropped / input: share)
     represses: int = 0  # presses again while decoding (``every``)
     reclaimed_blocks: int = 0  # blocks compaction returned to the pool
-
-
-@dataclass
-class _CompactView:
-    """The request attributes today's ``apply_press(req, ...)`` reads and writes."""
-
-    request_id: str
-    press: Press
-    press_applied: bool
-    num_dropped: int
-    kv_layer_lens: list[int] | None
-    num_kv_tokens: int
 
 
 class PressCoordinator:
@@ -240,19 +228,9 @@ class PressCoordinator:
     def _compact(
         self, req: Request, st: PressState, queries: Queries | None, keep: int | None
     ) -> PressResult | None:
-        """``compact.apply_press`` on ``req``: it reads and sets the press attributes of
-        the view, copied back into ``st`` whatever happens."""
-        view = _CompactView(
-            req.request_id, st.press, st.applied, st.num_dropped, st.layer_lens, req.num_kv_tokens
-        )
-        try:
-            return apply_press(
-                cast("Request", view), queries, self.kv, self.storage, self.scale, keep
-            )
-        finally:
-            st.applied = view.press_applied
-            st.num_dropped = view.num_dropped
-            st.layer_lens = view.kv_layer_lens
+        """``compact.apply_press`` on ``req`` (it updates ``req.press``, which is ``st``)."""
+        assert req.press is st
+        return apply_press(req, queries, self.kv, self.storage, self.scale, keep)
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self, requests: Mapping[str, Request]) -> None:

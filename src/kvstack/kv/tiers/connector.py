@@ -172,6 +172,19 @@ class TierConnector:
         """Per-tier counters (``EngineStats.offload``)."""
         return self.offload.stats()
 
+    def held_hashes(self) -> dict[str, list[bytes]]:
+        """Block hashes of each tier that can list them (host, disk; not shared Redis)."""
+        held = {}
+        for tier in self.offload.tiers:
+            hashes = tier.held_hashes()
+            if hashes is not None:
+                held[tier.name] = hashes
+        return held
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until queued stores and loads are done; False on timeout (any thread)."""
+        return self.offload.flush(timeout_s)
+
     def close(self) -> None:
         self.offload.close()
 

@@ -9,16 +9,21 @@ Grammar (comma-separated, order = lookup order, each kind at most once)::
 
 ``SIZE`` as ``--kv-cache-memory`` (2GiB, 512MiB, 1e9); ``POLICY`` ``lru`` (default) or
 ``lfu``. Every mistake raises one ``ConfigError`` naming the bad part.
+
+Tier kinds are registered in ``TIERS`` (name -> ``TierKind``: how to parse a spec part,
+how to build the tier); a new tier adds one entry and its module in ``kv/tiers/``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from kvstack.errors import ConfigError
 from kvstack.kv.tiers.base import OffloadTier
 from kvstack.kv.tiers.block_format import BlockLayout
+from kvstack.registry import Registry
 
 TIER_POLICIES = ("lru", "lfu")
 EXAMPLE = "host:2GiB,disk:/tmp/kvstack-kv:20GiB,redis://127.0.0.1:6379"
@@ -83,6 +88,63 @@ def _redis(part: str) -> TierSpec:
     )
 
 
+def _host(part: str) -> TierSpec:
+    size, policy = _size_and_policy(part, part.split(":")[1:])
+    return TierSpec("host", capacity_bytes=size, policy=policy)
+
+
+def _disk(part: str) -> TierSpec:
+    fields = part.split(":")[1:]
+    policy = "lru"
+    if fields and fields[-1].lower() in TIER_POLICIES:
+        policy = fields.pop().lower()
+    if len(fields) < 2 or not fields[0]:
+        raise _bad(part, "expected disk:PATH:SIZE")
+    path = ":".join(fields[:-1])
+    size, _ = _size_and_policy(part, fields[-1:])
+    return TierSpec("disk", capacity_bytes=size, policy=policy, path=path)
+
+
+def _build_host(s: TierSpec, layout: BlockLayout) -> OffloadTier:
+    from kvstack.kv.tiers.host import HostTier
+
+    return HostTier(layout, s.capacity_bytes, s.policy)
+
+
+def _build_disk(s: TierSpec, layout: BlockLayout) -> OffloadTier:
+    from kvstack.kv.tiers.disk import DiskTier
+
+    try:
+        return DiskTier(layout, s.path, s.capacity_bytes, s.policy)
+    except OSError as e:
+        raise ConfigError(f"--kv-offload disk path {s.path!r} is not usable: {e}") from e
+
+
+def _build_redis(s: TierSpec, layout: BlockLayout) -> OffloadTier:
+    from kvstack.kv.tiers.redis_tier import RedisTier  # (imports the redis client)
+
+    return RedisTier(layout, s.url, s.ttl_s, s.timeout_s, s.backoff_s)
+
+
+@dataclass(frozen=True)
+class TierKind:
+    """One kind of tier: a spec part starting with ``prefix`` is read by ``parse``;
+    ``build`` makes the tier."""
+
+    prefix: str
+    parse: Callable[[str], TierSpec]
+    build: Callable[[TierSpec, BlockLayout], OffloadTier]
+
+    def matches(self, part: str) -> bool:
+        return part.startswith(self.prefix) or part == self.prefix.rstrip(":")
+
+
+TIERS: Registry[TierKind] = Registry("offload tier")
+TIERS.add("host", TierKind("host:", _host, _build_host), "host:SIZE[:lru|lfu] (RAM)")
+TIERS.add("disk", TierKind("disk:", _disk, _build_disk), "disk:PATH:SIZE[:lru|lfu] (files)")
+TIERS.add("redis", TierKind("redis://", _redis, _build_redis), "redis://HOST:PORT[/DB] (shared)")
+
+
 def parse_offload_spec(text: str | None) -> list[TierSpec]:
     """Parse a ``--kv-offload`` value; ``None`` or ``""`` means no tiers."""
     if not text:
@@ -92,23 +154,10 @@ def parse_offload_spec(text: str | None) -> list[TierSpec]:
         part = raw.strip()
         if not part:
             raise _bad(raw, "empty tier")
-        if part.startswith("redis://"):
-            spec = _redis(part)
-        elif part.split(":")[0] == "host":
-            size, policy = _size_and_policy(part, part.split(":")[1:])
-            spec = TierSpec("host", capacity_bytes=size, policy=policy)
-        elif part.split(":")[0] == "disk":
-            fields = part.split(":")[1:]
-            policy = "lru"
-            if fields and fields[-1].lower() in TIER_POLICIES:
-                policy = fields.pop().lower()
-            if len(fields) < 2 or not fields[0]:
-                raise _bad(part, "expected disk:PATH:SIZE")
-            path = ":".join(fields[:-1])
-            size, _ = _size_and_policy(part, fields[-1:])
-            spec = TierSpec("disk", capacity_bytes=size, policy=policy, path=path)
-        else:
+        kinds = [k for _, k in TIERS.items() if k.matches(part)]
+        if not kinds:
             raise _bad(part, "a tier is host:SIZE, disk:PATH:SIZE or redis://HOST:PORT")
+        spec = kinds[0].parse(part)
         if any(s.kind == spec.kind for s in specs):
             raise _bad(part, f"{spec.kind} is given twice")
         specs.append(spec)
@@ -116,19 +165,4 @@ def parse_offload_spec(text: str | None) -> list[TierSpec]:
 
 
 def build_tiers(specs: list[TierSpec], layout: BlockLayout) -> list[OffloadTier]:
-    from kvstack.kv.tiers.disk import DiskTier
-    from kvstack.kv.tiers.host import HostTier
-    from kvstack.kv.tiers.redis_tier import RedisTier
-
-    tiers: list[OffloadTier] = []
-    for s in specs:
-        if s.kind == "host":
-            tiers.append(HostTier(layout, s.capacity_bytes, s.policy))
-        elif s.kind == "disk":
-            try:
-                tiers.append(DiskTier(layout, s.path, s.capacity_bytes, s.policy))
-            except OSError as e:
-                raise ConfigError(f"--kv-offload disk path {s.path!r} is not usable: {e}") from e
-        else:
-            tiers.append(RedisTier(layout, s.url, s.ttl_s, s.timeout_s, s.backoff_s))
-    return tiers
+    return [TIERS.get(s.kind).build(s, layout) for s in specs]

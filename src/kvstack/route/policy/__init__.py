@@ -54,12 +54,7 @@ def make_policy(
     )
 
 
-# TRANSITIONAL: the names as a tuple, until deploy/k8s*.py, route/ray and
-# tests/test_deploy_k8s.py read ``ROUTING_POLICIES.names()``.
-POLICIES: tuple[str, ...] = ROUTING_POLICIES.names()
-
 __all__ = [
-    "POLICIES",
     "ROUTING_POLICIES",
     "BalanceConfig",
     "Decision",
