@@ -42,7 +42,7 @@ from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
-from kvstack.kv.policies import make_policy
+from kvstack.kv.policies import EvictionPolicy, make_policy
 from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
 from kvstack.kv.radix import RadixPrefixCache
 from kvstack.registry import Registry
@@ -69,11 +69,15 @@ class KVCacheManager:
         max_pinned_fraction: float = 0.5,
         model_id: str = "",
         events: KVEventLog | None = None,
+        policy: EvictionPolicy | None = None,
     ) -> None:
+        """``policy``: an already built eviction policy used instead of the one named
+        ``eviction_policy`` (``kvstack analyze`` passes its Belady oracle)."""
         cls = PREFIX_CACHES.get(prefix_cache)
         self.block_size = block_size
         self.events = events if events is not None else KVEventLog()
-        policy = make_policy(eviction_policy, num_blocks)
+        if policy is None:
+            policy = make_policy(eviction_policy, num_blocks)
         self.cache: PrefixCache | None = (
             cls(block_size, policy, self.events) if cls is not None else None
         )

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstack.model_config import ModelConfig, RopeScaling
 from kvstack.errors import ModelLoadError
 from kvstack.model.gguf_reader import GGUF_MAGIC, SUPPORTED_TYPES, GGUFFile, GGUFTensorInfo, Q
+from kvstack.model_config import ModelConfig, RopeScaling
 
 __all__ = [
     "GGUF_MAGIC",

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstack.model_config import ModelConfig
 from kvstack.errors import ModelLoadError
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, paged_attention
 from kvstack.model.layers import Linear, Rotary, apply_rope, rms_norm
+from kvstack.model_config import ModelConfig
 
 
 @dataclass

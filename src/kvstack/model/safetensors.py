@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvstack.model_config import ModelConfig, RopeScaling
 from kvstack.errors import ModelLoadError
 from kvstack.model.gguf import check_weights, expected_shapes
+from kvstack.model_config import ModelConfig, RopeScaling
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")

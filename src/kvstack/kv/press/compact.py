@@ -14,7 +14,7 @@ blocks; the request's old blocks are released at once::
 * **Heads choose independently.** Slot ``j`` of a layer holds, for each KV head, that
   head's ``j``-th kept token; attention over past tokens needs no per-slot position.
 * **Per-layer budgets** (PyramidKV, Layer-DefensiveKV) fill ``max_l m_l`` slots; layer
-  ``l`` masks slots ``m_l ..`` (``Request.kv_layer_lens``).
+  ``l`` masks slots ``m_l ..`` (``PressState.layer_lens``).
 * **Prefix reuse is never affected.** The old blocks, which may be shared or cached,
   are only released, never rewritten: they still hold the unpressed KV of a true prefix,
   so another request's output never changes because someone else's KV was pressed. The

@@ -250,14 +250,17 @@ def replay(
             policy, cache_size_tokens, num_blocks, len(requests), prompt_tokens, 0, 0, 0, 0, 0, 0
         )
     engine_policy = policy if policy in ENGINE_POLICIES else "lru"
-    kv = KVCacheManager(
-        num_blocks, block_size, prefix_cache="hash", eviction_policy=engine_policy, model_id=""
-    )
     oracle: OraclePolicy | None = None
     if policy == "oracle":
-        assert kv.cache is not None
         oracle = OraclePolicy(num_blocks, prep.uses, prep.needs)
-        kv.cache.policy = oracle  # nothing is cached yet; the pool asks cache.policy
+    kv = KVCacheManager(
+        num_blocks,
+        block_size,
+        prefix_cache="hash",
+        eviction_policy=engine_policy,
+        model_id="",
+        policy=oracle,
+    )
     hit_tokens = hit_requests = within = oversized = 0
     sp = SamplingParams(max_tokens=1)
     for i, r in enumerate(requests):
@@ -293,5 +296,5 @@ def replay(
         within,
         hit_tokens - within,
         oversized,
-        kv.pool.num_evicted_blocks,
+        kv.stats().num_evicted_blocks,
     )
