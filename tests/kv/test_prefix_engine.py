@@ -62,6 +62,7 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
 @pytest.mark.parametrize(
     ("cache", "policy"), [("hash", "lru"), ("radix", "lru"), ("hash", "adaptive"), ("radix", "lfu")]
 )
+@pytest.mark.slow
 def test_reuse_under_pressure_keeps_greedy_tokens(
     reference: tuple[list[list[int]], list[list[int]]], cache: str, policy: str
 ) -> None:
@@ -83,6 +84,7 @@ def test_reuse_under_pressure_keeps_greedy_tokens(
     assert s.prefill_tokens_computed < sum(len(p) for p in ps)
 
 
+@pytest.mark.slow
 def test_cached_tokens_pins_events_and_reset(
     reference: tuple[list[list[int]], list[list[int]]],
 ) -> None:
@@ -116,6 +118,7 @@ def test_cached_tokens_pins_events_and_reset(
     assert llm.engine.num_free_blocks == 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "contiguous-request"])
 def test_contiguous_layout_same_tokens_more_waste(
     reference: tuple[list[list[int]], list[list[int]]], layout: str

@@ -62,6 +62,7 @@ def test_roles_need_a_shared_tier(tmp_path: Path) -> None:
     assert main(["serve", "--role", "prefill", "--port", str(free_port())]) == 2
 
 
+@pytest.mark.slow
 def test_prefill_then_decode_loads_the_prompt_from_redis(
     replicas: dict[str, ServerProcess],
 ) -> None:
@@ -75,6 +76,7 @@ def test_prefill_then_decode_loads_the_prompt_from_redis(
     assert out["choices"][0]["text"] == complete(replicas["plain"].url)["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_router_sequences_prefill_and_decode(
     replicas: dict[str, ServerProcess], tmp_path: Path
 ) -> None:
@@ -110,6 +112,7 @@ def test_router_sequences_prefill_and_decode(
         log.close()
 
 
+@pytest.mark.slow
 def test_decode_recomputes_when_the_hand_off_is_lost(
     replicas: dict[str, ServerProcess], redis: LocalRedis
 ) -> None:

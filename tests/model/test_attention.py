@@ -54,6 +54,7 @@ def models() -> tuple[torch.nn.Module, LlamaModel, ModelConfig]:
     return hf, LlamaModel(cfg, weights, torch.float32), cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [False, True])
 def test_prefill_chunked_and_decode_match_transformers(
     models: tuple[torch.nn.Module, LlamaModel, ModelConfig], kernels: bool

@@ -229,6 +229,7 @@ def test_bad_per_request_press_is_rejected(llm: LLM) -> None:
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["streaming_llm", "snapkv"])
 def test_press_every_holds_the_budget_while_decoding(llm: LLM, name: str) -> None:
     """``kv_press_every=8``: after the prompt's press, the request's KV never grows past
@@ -292,6 +293,7 @@ def test_bad_press_every_is_rejected(llm: LLM) -> None:
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_press_coordinator_integrity_through_abort_and_preemption() -> None:
     """The press coordinator holds state exactly for the live pressed requests (none once
     they finish or are aborted; none for a ratio-0 request), resets a preempted request's

@@ -35,7 +35,7 @@ from kvstack.route.policy import ROUTING_POLICIES
 from kvstack.tools.plan import add_plan_args, make_plan, parse_tokens, resolve_gpu, resolve_model
 
 K8S_VERSION = "1.34.0"  # kubernetes-validate ships schemas up to its own version, offline
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = REPO / "deploy" / "k8s"
 REGENERATE = (
     "deploy/k8s/ differs from the default rendering; regenerate it with `kvstack deploy k8s "

@@ -79,6 +79,7 @@ def ref() -> Any:
 # ------------------------------------------------------------------ ids vs transformers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_ids_match_transformers(tok: Tokenizer, ref: Any, text: str) -> None:
     ids = tok.encode(text)

@@ -112,6 +112,7 @@ def test_unpermuted_qk_give_same_attention_scores_as_llama_cpp(
     assert not torch.allclose(scores(raw_q, raw_k, _rope_half), reference, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_default_weights_equal_transformers_dequantized(default_model: LoadedModel) -> None:
     """transformers' own GGUF path (dequantize + reverse permute) gives identical tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM

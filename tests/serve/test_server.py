@@ -74,6 +74,7 @@ def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> None:
     raise AssertionError("server did not go idle (leaked KV blocks or a hung request?)")
 
 
+@pytest.mark.slow
 def test_completions_match_offline_engine(client: openai.OpenAI, srv: ServerProcess) -> None:
     prompt = "The three primary colours are"
     got = client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=0)  # type: ignore[arg-type]
@@ -315,6 +316,7 @@ BODY = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6).map(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODY, chat=st.booleans())
 def test_fuzz_never_breaks_the_server(srv: ServerProcess, body: dict, chat: bool) -> None:
@@ -333,6 +335,7 @@ def test_zz_pool_clean_after_everything(srv: ServerProcess) -> None:
     wait_idle(srv)
 
 
+@pytest.mark.slow
 def test_queue_limit_timeout_and_graceful_shutdown(tmp_path: Path) -> None:
     args = [
         "--max-waiting",
@@ -462,6 +465,7 @@ def test_load_and_kv_event_stream(srv: ServerProcess) -> None:
         assert set(want) <= set(snap["events"][0]["block_hashes"])  # a reconnect sees them
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_cache", ["hash", "none"])
 def test_pin_is_checked_on_the_engine_thread(
     prefix_cache: str, monkeypatch: pytest.MonkeyPatch

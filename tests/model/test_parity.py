@@ -102,6 +102,7 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(
     hf_reference: Any, llm_fp32: LLM, prompt_ids: list[list[int]]
 ) -> None:
@@ -128,6 +129,7 @@ def test_logits_match_transformers(
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow
 def test_single_requests_match(llm_fp32: LLM, prompt_ids: list[list[int]], reference: Any) -> None:
     outs = [
         llm_fp32.generate(prompt_token_ids=[ids], sampling_params=greedy())[0] for ids in prompt_ids
@@ -137,6 +139,7 @@ def test_single_requests_match(llm_fp32: LLM, prompt_ids: list[list[int]], refer
     assert llm_fp32.engine.num_free_blocks == llm_fp32.engine.kv_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_batch_matches(llm_fp32: LLM, prompt_ids: list[list[int]], reference: Any) -> None:
     outs = llm_fp32.generate(
         prompt_token_ids=prompt_ids, sampling_params=greedy(), check_integrity=True
@@ -144,6 +147,7 @@ def test_batch_matches(llm_fp32: LLM, prompt_ids: list[list[int]], reference: An
     assert_matches("batch", reference, outs)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_matches(
     llm_fp32: LLM, prompt_ids: list[list[int]], reference: Any
 ) -> None:
@@ -163,6 +167,7 @@ def test_chunked_prefill_matches(
             assert abs(a[tok].logprob - b[tok].logprob) < 1e-3
 
 
+@pytest.mark.slow
 def test_preemption_matches(prompt_ids: list[list[int]], reference: Any) -> None:
     longest = max(len(p) for p in prompt_ids) + NEW_TOKENS
     num_blocks = -(-longest // 16) + 3  # room for one long request and a bit more

@@ -63,6 +63,7 @@ def test_non_utf8_input_file(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert code == 2 and "UTF-8" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_generate_jsonl(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_text(

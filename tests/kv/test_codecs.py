@@ -143,6 +143,7 @@ QUESTIONS = ["When do you open?", "Is there rye bread on Monday?", "Open on Satu
 SP = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int8", "kivi2", "rotated4"])
 def test_codec_outputs_unchanged_by_prefix_reuse_and_preemption(name: str) -> None:
     plain = LLM("default", dtype="float32", kv_cache_dtype=name, prefix_cache="none")
@@ -171,6 +172,7 @@ def test_codec_outputs_unchanged_by_prefix_reuse_and_preemption(name: str) -> No
         assert len(codec.free_res) == codec.capacity  # every residual slot came back
 
 
+@pytest.mark.slow
 def test_fp8_and_int8_fit_more_tokens_in_the_same_memory() -> None:
     caps = {}
     for name in ("auto", "fp8", "int8"):

@@ -88,6 +88,7 @@ def flush(llm: LLM) -> None:
     assert llm.engine.connector.offload.flush(30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
 def test_same_greedy_tokens_through_each_tier_under_eviction(
     tier: str,
@@ -162,6 +163,7 @@ def test_corrupt_file_is_recomputed_from_that_block_on(
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_tiny_disk_budget_evicts_files_and_stays_correct(
     reference: tuple[list[list[int]], list[list[int]]], tmp_path: Path
 ) -> None:
@@ -177,6 +179,7 @@ def test_tiny_disk_budget_evicts_files_and_stays_correct(
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_redis_killed_mid_run_then_restarted(
     reference: tuple[list[list[int]], list[list[int]]],
 ) -> None:
@@ -201,6 +204,7 @@ def test_redis_killed_mid_run_then_restarted(
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_one_redis(
     reference: tuple[list[list[int]], list[list[int]]], redis_server: LocalRedis
 ) -> None:
@@ -251,6 +255,7 @@ def _chat(url: str, content: str) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
+@pytest.mark.slow
 def test_server_warm_restart_finds_its_prefixes_on_disk(tmp_path: Path) -> None:
     args = [
         "--served-model-name",
@@ -290,6 +295,7 @@ def test_server_warm_restart_finds_its_prefixes_on_disk(tmp_path: Path) -> None:
         ("serve", "redis://127.0.0.1:6379?ttl=soon", "ttl must be a number"),
     ],
 )
+@pytest.mark.slow
 def test_bad_kv_offload_spec_is_one_line_and_nonzero_exit(
     cmd: str, spec: str, message: str
 ) -> None:

@@ -143,6 +143,7 @@ def tiny_report() -> dict[str, Any]:
     return run_eval(cfg)
 
 
+@pytest.mark.slow
 def test_run_eval_end_to_end(tiny_report: dict[str, Any]) -> None:
     report = json.loads(json.dumps(tiny_report))  # JSON-clean
     for key in ("config", "model", "machine", "corpus", "needle_task", "results", "wall_s"):
@@ -166,6 +167,7 @@ def test_run_eval_end_to_end(tiny_report: dict[str, Any]) -> None:
     assert base["needle"]["accuracy"] == 1.0  # a short passkey prompt works uncompressed
 
 
+@pytest.mark.slow
 def test_report_outputs(tiny_report: dict[str, Any], tmp_path: Path) -> None:
     table = rep.format_table(tiny_report)
     assert "int8" in table and "tokens in 1 GiB" in table

@@ -61,6 +61,7 @@ def router_state(url: str) -> dict[str, Any]:
     return dict(states[0])
 
 
+@pytest.mark.slow
 def test_multi_turn_on_two_replicas_matches_one_engine(ray_srv: ServerProcess, llm: LLM) -> None:
     convs = [[{"role": "system", "content": SYSTEM}] for _ in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -89,6 +90,7 @@ def test_multi_turn_on_two_replicas_matches_one_engine(ray_srv: ServerProcess, l
     assert hits > 0
 
 
+@pytest.mark.slow
 def test_killed_replica_loses_no_unstarted_request(ray_srv: ServerProcess) -> None:
     """SIGKILL one replica while non-streamed requests run: each is retried once on the
     other replica (nothing was sent to the client yet), so every one answers 200."""
@@ -110,6 +112,7 @@ def test_killed_replica_loses_no_unstarted_request(ray_srv: ServerProcess) -> No
     assert chat(ray_srv.url, [{"role": "user", "content": "Hello"}])["choices"]
 
 
+@pytest.mark.slow
 def test_bad_input_through_ray_gets_openai_errors(ray_srv: ServerProcess) -> None:
     r = httpx.post(ray_srv.url + "/v1/completions", content=b"{bad", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -126,6 +129,7 @@ def test_ray_options_are_checked(tmp_path: Path) -> None:
     assert main(["serve", "--ray", "--replica-cpus", "0"]) == 2
 
 
+@pytest.mark.slow
 def test_router_counts_a_burst_before_ray_reports_it_routed() -> None:
     """Ray asks ``choose_replicas`` for a burst of queued requests before it reports any
     of them routed; each decision must see the ones before it, or a shared system prompt
