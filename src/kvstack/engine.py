@@ -54,15 +54,7 @@ class LLMEngine:
         self.max_model_len = max_len
         cc = config.cache
         max_seqs = config.scheduler.max_num_seqs
-        if cc.num_blocks is not None:
-            num_blocks = cc.num_blocks
-        else:
-            memory = cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            num_blocks = KVStorage.num_blocks_for_memory(
-                mc, cc.block_size, self.dtype, memory, cc.kv_cache_dtype, max_seqs
-            )
-            if num_blocks < 1:
-                raise ConfigError(f"kv_cache_memory {memory} B holds not even one KV block")
+        num_blocks = self._num_blocks()
         if cc.block_size > max_len:
             raise ConfigError(f"block_size {cc.block_size} exceeds max_model_len {max_len}")
         self.kv_storage = KVStorage(
@@ -114,6 +106,29 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
+        self._log_loaded(time.perf_counter() - t0)
+
+    def _num_blocks(self) -> int:
+        """Pool size: ``num_blocks``, or as many blocks as ``kv_cache_memory`` holds."""
+        cc = self.config.cache
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        memory = cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        num_blocks = KVStorage.num_blocks_for_memory(
+            self.model_config,
+            cc.block_size,
+            self.dtype,
+            memory,
+            cc.kv_cache_dtype,
+            self.config.scheduler.max_num_seqs,
+        )
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory {memory} B holds not even one KV block")
+        return num_blocks
+
+    def _log_loaded(self, seconds: float) -> None:
+        mc, cc, config = self.model_config, self.config.cache, self.config
+        num_blocks = self.kv_manager.num_blocks
         plain = mc.kv_bytes_per_token(self.dtype.itemsize)
         logger.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache %s: %d blocks x %d tokens = %d tokens "
@@ -122,7 +137,7 @@ class LLMEngine:
             mc.name,
             config.dtype,
             mc.num_layers,
-            time.perf_counter() - t0,
+            seconds,
             cc.kv_cache_dtype,
             num_blocks,
             cc.block_size,

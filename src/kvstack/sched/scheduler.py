@@ -97,8 +97,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_request_ids:
+            self._admit_waiting(out, budget)
+        for s in out.scheduled:
+            req = s.request
+            p, c = req.num_prompt_tokens, s.num_computed_tokens
+            self.num_prefill_tokens_computed += min(c + s.num_new_tokens, p) - min(c, p)
+            req.num_computed_tokens += s.num_new_tokens
+        self.max_num_running = max(self.max_num_running, len(self.running))
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Step 1: running requests, oldest first, preempting the newest for blocks.
+        Returns the token budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -119,68 +131,59 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids))
             budget -= num_new
             i += 1
+        return budget
 
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Step 2: admit waiting requests in arrival order while budget, seats and blocks
+        allow; each adopts its cached prefix (era 3) and tier blocks (era 4) first."""
         skipped: list[Request] = []  # waiting on an offload-tier lookup (era 4)
-        if not out.preempted_request_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                if self.connector is not None and self.connector.is_loading(req):
-                    skipped.append(self.waiting.popleft())
-                    continue
-                # Era 3: adopt the longest cached prefix; compute only the rest.
-                computed = self.kv.get_computed_blocks(req)
-                num_ext = offered = 0  # era 4: blocks after the hit the offload tiers supply
-                if self.connector is not None:
-                    matched = self.connector.match_external(
-                        req, computed, budget, bool(self.running)
-                    )
-                    if matched is None:
-                        break  # no room to load yet; running requests will free some
-                    num_ext = offered = matched
-                if self.press is not None:  # era 5: never reuse past the press point
-                    cap = self.press.max_cached_blocks(
-                        req, len(computed) + num_ext, self.kv.block_size
-                    )
-                    computed = computed[:cap]
-                    num_ext = max(0, min(num_ext, cap - len(computed)))
-                num_hit = len(computed) + num_ext
-                num_cached = num_hit * self.kv.block_size
-                num_new = req.num_tokens - num_cached
-                if num_new > budget and not self.config.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-                if self.press is not None:  # the press runs once its point is computed
-                    num_new = self.press.max_new_tokens(req, num_cached, num_new)
-                block_ids = self.kv.allocate_slots(req, num_new, computed, num_ext)
-                if block_ids is None:
-                    break
-                if self.connector is not None and offered:  # (num_ext may be 0 after the cap)
-                    self.connector.write_external(req, block_ids[len(computed) : num_hit])
-                self.waiting.popleft()
-                req.num_computed_tokens = num_cached
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = num_cached
-                    if self.connector is not None:
-                        req.cached_tokens_by_tier = self.connector.cached_tokens_by_tier(
-                            req, num_hit
-                        )
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append(
-                    ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids)
-                )
-                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if self.connector is not None and self.connector.is_loading(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            # Era 3: adopt the longest cached prefix; compute only the rest.
+            computed = self.kv.get_computed_blocks(req)
+            num_ext = offered = 0  # era 4: blocks after the hit the offload tiers supply
+            if self.connector is not None:
+                matched = self.connector.match_external(req, computed, budget, bool(self.running))
+                if matched is None:
+                    break  # no room to load yet; running requests will free some
+                num_ext = offered = matched
+            if self.press is not None:  # era 5: never reuse past the press point
+                cap = self.press.max_cached_blocks(req, len(computed) + num_ext, self.kv.block_size)
+                computed = computed[:cap]
+                num_ext = max(0, min(num_ext, cap - len(computed)))
+            num_hit = len(computed) + num_ext
+            num_cached = num_hit * self.kv.block_size
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.press is not None:  # the press runs once its point is computed
+                num_new = self.press.max_new_tokens(req, num_cached, num_new)
+            block_ids = self.kv.allocate_slots(req, num_new, computed, num_ext)
+            if block_ids is None:
+                break
+            if self.connector is not None and offered:  # (num_ext may be 0 after the cap)
+                self.connector.write_external(req, block_ids[len(computed) : num_hit])
+            self.waiting.popleft()
+            self._start(req, num_cached, num_hit)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids))
+            budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-        for s in out.scheduled:
-            req = s.request
-            p, c = req.num_prompt_tokens, s.num_computed_tokens
-            self.num_prefill_tokens_computed += min(c + s.num_new_tokens, p) - min(c, p)
-            req.num_computed_tokens += s.num_new_tokens
-        self.max_num_running = max(self.max_num_running, len(self.running))
-        return out
+    def _start(self, req: Request, num_cached: int, num_hit: int) -> None:
+        """An admitted request: past its ``num_cached`` hit tokens, running."""
+        req.num_computed_tokens = num_cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+            if self.connector is not None:
+                req.cached_tokens_by_tier = self.connector.cached_tokens_by_tier(req, num_hit)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
