@@ -256,7 +256,7 @@ class LLMEngine:
         self._record_logprobs(out, result)
         now = time.monotonic()
         changed = self.scheduler.update_from_output(out, result.sampled)
-        self.press.after_step([s.request for s in out.scheduled], result.press_queries)
+        self.press.after_step((s.request for s in out.scheduled), result.press_queries)
         touched: set[str] = set()
         for req in changed:
             if req.first_token_time is None:

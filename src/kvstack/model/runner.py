@@ -248,7 +248,7 @@ class ModelRunner:
         """Era 5: per request, the rows ``[r0, r1)`` whose queries its press needs
         (``PressCoordinator.capture_rows`` decides how many trailing rows)."""
         rows: dict[str, tuple[int, int]] = {}
-        if self.press is None:
+        if self.press is None or not self.press.states:
             return rows
         row = 0
         for s in ordered:

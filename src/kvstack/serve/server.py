@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
-from kvstack.options import from_namespace, option
+from kvstack.options import check_choices, from_namespace, option
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvstack.serve")
 SERVER = "server"
+ROLES = ("both", "prefill", "decode")  # --role: an ordinary server, or one side of a P/D split
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ServerOptions:
         "decode replica loads that KV from the shared tier instead of recomputing it. Both "
         "need --kv-offload with a tier they share (redis://..., or one disk folder). "
         "Default both: an ordinary server",
-        group=SERVER, choices=lambda: ("both", "prefill", "decode"),
+        group=SERVER, choices=lambda: ROLES,
     )  # fmt: skip
     shutdown_grace: float = option(
         30.0,
@@ -88,8 +89,7 @@ class ServerOptions:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
-        if self.role not in ("both", "prefill", "decode"):
-            raise ConfigError(f"unknown role {self.role!r}; choose one of: both, prefill, decode")
+        check_choices(self)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:

@@ -179,6 +179,8 @@ class PressCoordinator:
     def after_step(self, requests: Iterable[Request], queries: Mapping[str, Queries]) -> None:
         """Press every request whose press point this step computed, and press again those
         holding a budget. ``requests``: the step's; ``queries``: what the runner captured."""
+        if not self.states:
+            return  # no live request has a press (the usual case): nothing to look at
         for req in requests:
             st = req.press
             if st is None or req.is_finished():

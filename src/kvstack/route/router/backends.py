@@ -42,10 +42,10 @@ from kvstack.errors import ConfigError
 from kvstack.route.policy import Replica
 from kvstack.route.router.discovery import DnsDiscovery, Resolver, normalize_url
 from kvstack.route.router.events_client import EventFollower, EventSink
+from kvstack.serve.server import ROLES
 
 logger = logging.getLogger("kvstack.route")
 
-ROLES = ("both", "prefill", "decode")
 _STATE_FIELDS = ("url", "role", "source", "consecutive_failures", "failures_total", "ejections",
                  "last_error", "last_check", "block_size", "model_id", "served_model_name",
                  "mismatch")  # fmt: skip
