@@ -25,6 +25,7 @@ from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.fingerprint import model_fingerprint
+from kvstack.model.kernels import fallback_counts
 from kvstack.model.registry import build_model, load_tokenizer
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
 from kvstack.output_processor import OutputProcessor, ParentState
@@ -365,6 +366,7 @@ class LLMEngine:
             num_represses=press.represses,
             num_reclaimed_blocks=press.reclaimed_blocks,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            kernel_fallbacks=[[k, r, n] for (k, r), n in fallback_counts().items()],
         )
 
     def check_integrity(self) -> None:

@@ -48,6 +48,9 @@ class EngineStats:
     num_press_input_tokens: int = 0  # dropped / input = the share of KV presses removed
     num_reclaimed_blocks: int = 0
     num_represses: int = 0  # presses again while decoding, holding a budget
+    # PyTorch fallbacks where a C++ kernel was meant to run: [kernel, reason, count]
+    # (``model/kernels.py``; in this process, since it started).
+    kernel_fallbacks: list[list[Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

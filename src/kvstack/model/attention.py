@@ -24,13 +24,12 @@ Rows of one step are ordered decodes first, then prefill chunks::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from kvstack.kv.storage import LayerCache
+from kvstack.model.kernels import Kernels, note_fallback
 
 
 @dataclass
@@ -58,7 +57,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [D] long (context incl. the new token)
     decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size]; fallback path only
     prefills: list[PrefillSeq]
-    kernels: ModuleType | None = None  # compiled kernels (model/kernels.py) if available
+    kernels: Kernels | None = None  # torch.ops.kvstack (model/kernels.py) if built
     # Per-layer decode bias [layers, D, 1, 1, S] when a pressed request keeps different
     # token counts per layer (PyramidKV, Layer-DefensiveKV); replaces decode_bias.
     decode_layer_bias: torch.Tensor | None = None
@@ -136,13 +135,14 @@ def paged_attention(
             and layer_bias is None
         ):
             assert meta.decode_context_lens is not None
-            # Named region so torch.profiler attributes the C++ kernel's time to it.
-            with record_function("kvstack::paged_decode_attention"):
-                out[:nd] = meta.kernels.paged_decode_attention(
-                    q[:nd], cache.k, cache.v, meta.decode_block_tables,
-                    meta.decode_context_lens, scale,
-                )  # fmt: skip
+            out[:nd] = meta.kernels.paged_decode_attention(
+                q[:nd], cache.k, cache.v, meta.decode_block_tables,
+                meta.decode_context_lens, scale,
+            )  # fmt: skip
         else:
+            if meta.kernels is not None and cache.layer == 0:  # counted, once per step
+                reason = "encoded_cache" if cache.k is None else "uneven_press"
+                note_fallback("paged_decode_attention", reason)
             bias = layer_bias[cache.layer] if layer_bias is not None else meta.decode_bias
             assert bias is not None
             keys, vals = cache.gather(meta.decode_block_tables)  # [D, blocks, bs, KVH, d]

@@ -1,10 +1,17 @@
 """Optional C++ kernels, compiled on first use with ``torch.utils.cpp_extension``.
 
-``paged_decode_attention`` reads K/V in place through block tables (``csrc/``). The
-build takes ~30-60 s once per machine and is cached under ``~/.cache/kvstack``
-(or ``$KVSTACK_KERNEL_DIR``). If the compiler is missing or the build fails, kvstack
-logs a warning and falls back to the pure-PyTorch path in ``model/attention.py``;
-``KVSTACK_NO_KERNELS=1`` forces the fallback (used by tests that compare both paths).
+``csrc/`` holds the paged decode attention (K/V read in place through block tables) and
+the fused per-token ops of a layer (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm,
+SiLU-and-mul, RoPE + KV-cache write). The build takes ~30-90 s once per machine and is
+cached under ``~/.cache/kvstack`` (or ``$KVSTACK_KERNEL_DIR``). ``KVSTACK_NO_KERNELS=1``
+forces the PyTorch path (tests compare both).
+
+Fallbacks are never silent: every time the engine takes the PyTorch path where a kernel
+was meant to run, ``note_fallback(kernel, reason)`` counts it (one warning per pair, the
+first time) and the server exports the counts as ``kvstack:kernel_fallback_total{kernel,
+reason}``. Reasons: ``build_failed`` (compiler or headers missing), ``disabled``
+(``KVSTACK_NO_KERNELS``), and per-kernel ones such as ``encoded_cache`` or
+``bf16_unsupported`` (oneDNN cannot prepack bf16 weights on this CPU).
 """
 
 from __future__ import annotations
@@ -12,15 +19,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 logger = logging.getLogger("kvstack.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
 _lock = threading.Lock()
-_module: ModuleType | None = None
+_module: Any = None  # torch.ops.kvstack once loaded
 _failed = False
+_fallbacks: Counter[tuple[str, str]] = Counter()
 
 
 def kernels_disabled() -> bool:
@@ -34,10 +44,28 @@ def build_dir() -> Path:
     return path
 
 
-def load_kernels() -> ModuleType | None:
-    """The compiled extension module, or None when unavailable (never raises)."""
+def note_fallback(kernel: str, reason: str, count: int = 1) -> None:
+    """Count a use of the PyTorch path where ``kernel`` was meant to run."""
+    key = (kernel, reason)
+    if key not in _fallbacks:
+        logger.warning("kernel %s falls back to PyTorch: %s", kernel, reason)
+    _fallbacks[key] += count
+
+
+def fallback_counts() -> dict[tuple[str, str], int]:
+    """``(kernel, reason) -> count`` since the process started (a copy)."""
+    return dict(_fallbacks)
+
+
+Kernels = Any  # the ``torch.ops.kvstack`` namespace (ops declared in csrc/bindings.cpp)
+
+
+def load_kernels() -> Kernels | None:
+    """``torch.ops.kvstack`` with the compiled kernels, or None when unavailable (never
+    raises)."""
     global _module, _failed
     if kernels_disabled():
+        note_fallback("all", "disabled")
         return None
     if _module is not None or _failed:
         return _module
@@ -45,18 +73,23 @@ def load_kernels() -> ModuleType | None:
         if _module is not None or _failed:
             return _module
         try:
+            import torch
             from torch.utils.cpp_extension import load
 
             logger.info("building kvstack C++ kernels (first use on this machine)...")
-            _module = load(
+            load(
                 name="kvstack_kernels",
-                sources=[str(_CSRC / "paged_attention.cpp")],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                is_python_module=False,
+                sources=[str(_CSRC / s) for s in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(_CSRC)],
                 build_directory=str(build_dir()),
                 verbose=False,
             )
+            _module = torch.ops.kvstack
         except Exception as exc:  # compiler missing, headers missing, ...
             _failed = True
             logger.warning("C++ kernels unavailable (%s); using the PyTorch fallback", exc)
+            note_fallback("all", "build_failed")
     return _module

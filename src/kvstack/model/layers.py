@@ -2,7 +2,9 @@
 
 ``Linear`` keeps bf16 weights prepacked for oneDNN when the CPU supports it (DESIGN.md:
 0.14 ms vs 0.27 ms for a decode-size GEMM); float32 uses plain ``F.linear`` so fp32
-results stay bit-comparable with the reference.
+results stay bit-comparable with the reference. A bf16 weight that cannot be prepacked
+runs through ``F.linear`` and is counted (``kvstack:kernel_fallback_total{kernel=
+"onednn_prepack"}``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvstack.model.kernels import note_fallback
 from kvstack.model_config import RopeScaling
 
 
@@ -31,8 +34,15 @@ class Linear:
         self.weight = weight.to(dtype).contiguous()
         self.out_features = self.weight.shape[0]
         self.packed: torch.Tensor | None = None
-        if prepack and dtype == torch.bfloat16 and _mkldnn_bf16_ok():
+        if not (prepack and dtype == torch.bfloat16):
+            return
+        if not _mkldnn_bf16_ok():  # counted: kvstack:kernel_fallback_total
+            note_fallback("onednn_prepack", "bf16_unsupported")
+            return
+        try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+        except RuntimeError:
+            note_fallback("onednn_prepack", "reorder_failed")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -6,7 +6,16 @@ attention splits by request (``model/attention.py``). Logits are computed only f
 rows that sample (``logits_indices``): the tied lm_head is the most expensive GEMM.
 
 Weights come in Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``...);
-q/k/v and gate/up are fused into one matrix each so a layer runs four GEMMs.
+q/k/v and gate/up are fused into one matrix each so a layer runs four GEMMs. Between
+them run the per-token ops of ``model/ops.py`` (``ops``: fused C++ when built, else the
+PyTorch reference); the residual stream is carried as in vLLM: each norm first adds the
+previous sub-layer's output to ``residual``::
+
+    residual = embed(ids);  x = norm(residual)
+    per layer:  qkv = x Wqkv;  RoPE + KV write;  a = attention
+                x, residual = add_norm(a Wo, residual)      # residual += a Wo
+                h = down(silu(x Wgate) * x Wup)
+                x, residual = add_norm(h, residual)         # (next layer's input norm)
 """
 
 from __future__ import annotations
@@ -14,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvstack.errors import ModelLoadError
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, paged_attention
-from kvstack.model.layers import Linear, Rotary, apply_rope, rms_norm
+from kvstack.model.kernels import load_kernels
+from kvstack.model.layers import Linear, Rotary
+from kvstack.model.ops import HeadShape, LayerOps, select_ops
 from kvstack.model_config import ModelConfig
 
 
@@ -35,10 +45,16 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        ops: LayerOps | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
+        # The fused C++ ops when built (model/kernels.py), else the PyTorch reference.
+        self.ops: LayerOps = ops if ops is not None else select_ops(load_kernels())
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -79,9 +95,7 @@ class LlamaModel:
             config.rope_scaling,
         )
         self.scale = config.head_dim**-0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qk_heads = config.num_heads + config.num_kv_heads
+        self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -93,27 +107,27 @@ class LlamaModel:
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """Return float32 logits ``[len(logits_indices), vocab]`` (all rows if None)."""
-        cfg = self.config
+        eps, ops, heads = self.config.rms_norm_eps, self.ops, self.heads
         t = input_ids.shape[0]
-        h = self.embed[input_ids]
-        cos, sin = self.rotary.tables(positions, self.dtype)
+        residual = self.embed[input_ids]
+        rope = ops.rope_input(self.rotary, positions, self.dtype)
+        h: torch.Tensor | None = None  # the last sub-layer's output, not yet in residual
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            if h is None:
+                x = ops.rms_norm(residual, layer.input_norm, eps)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)
-            # RoPE on q and k heads in one call: [T, H + KVH, d].
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.qk_heads, cfg.head_dim)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = ops.rope_and_cache(qkv, rope, heads, kv, li, meta.slot_mapping)
             for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
                 meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
-            kv.write(li, meta.slot_mapping, k, v)
             a = paged_attention(q, k, v, kv.layer(li), meta, self.scale)
-            h = h + layer.o(a.reshape(t, self.q_size))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            x, residual = ops.add_rms_norm(
+                layer.o(a.reshape(t, heads.q_size)), residual, layer.post_norm, eps
+            )
+            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        assert h is not None
         if logits_indices is not None:
-            h = h[logits_indices]
-        h = rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+            h, residual = h[logits_indices], residual[logits_indices]
+        x, _ = ops.add_rms_norm(h, residual, self.norm, eps)
+        return self.lm_head(x).float()

@@ -74,6 +74,14 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
             c.add_metric([name], float(value))
             yield c
+        fb = CounterMetricFamily(
+            "kvstack:kernel_fallback",
+            "Uses of the PyTorch path where a C++ kernel was meant to run",
+            labels=["model_name", "kernel", "reason"],
+        )
+        for kernel, reason, count in s.kernel_fallbacks:
+            fb.add_metric([name, kernel, reason], float(count))
+        yield fb
         if s.offload:
             yield from _offload_metrics(name, s.offload)
 

@@ -5,20 +5,12 @@
 // request's block table: no gather, no copy (vLLM PagedAttention's idea, on CPU).
 // Work is split over (request, kv head) pairs; the q heads of one GQA group share each
 // K/V row, which is converted to float once.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <cmath>
+
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-// 16 lanes of a row -> float32 (bf16 is the upper half of a float32).
-static inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#endif
+#include "kvstack_ops.h"
+#include "simd.h"
 
 // Converts one K/V row of HD elements to float.
 template <typename T>
@@ -75,22 +67,6 @@ static inline __m512 hsum16(const __m512* v) {
                          _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-}
-
-// exp(x) for x <= 0: 2^n * 2^f with a degree-6 polynomial (relative error ~1e-7).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // head_dim 64, G query heads per KV head: scores for 16 keys at a time (one horizontal
@@ -278,9 +254,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     TORCH_CHECK(false, "paged_decode_attention supports bfloat16 and float32");
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention reading a paged KV cache in place");
 }

@@ -1,0 +1,20 @@
+// Registers kvstack's CPU kernels as the torch.ops.kvstack library (loaded by
+// kvstack/model/kernels.py), so they go through the dispatcher: torch.profiler names them
+// (kvstack::rms_norm ...) and the schemas state which arguments are written in place.
+#include <torch/library.h>
+
+#include "kvstack_ops.h"
+
+TORCH_LIBRARY(kvstack, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor",
+        &paged_decode_attention);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",
+        &add_rms_norm);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("rope_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!)? k_cache, Tensor(c!)? v_cache, Tensor? slots, int num_heads, "
+        "int num_kv_heads, int head_dim) -> ()",
+        &rope_and_cache);
+}

@@ -1,0 +1,71 @@
+// SIMD helpers shared by kvstack's CPU kernels (AVX-512 when the compiler targets it).
+//
+// bf16 <-> float32 conversions round to nearest even, exactly as c10::BFloat16 (and so
+// PyTorch) does, so a kernel that rounds where PyTorch rounds gives bit-identical results.
+#pragma once
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KVSTACK_AVX512 1
+
+// 16 lanes -> float32 (bf16 is the upper half of a float32).
+static inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// float32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN.
+static inline __m256i bf16_bits(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// Rounds each lane to the nearest T value (identity for float; bf16 round trip).
+template <typename T>
+static inline __m512 round_to(__m512 v);
+template <>
+inline __m512 round_to<float>(__m512 v) { return v; }
+template <>
+inline __m512 round_to<c10::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+
+// exp(x) as 2^n * 2^f with a degree-7 Taylor polynomial on |f ln2| <= 0.35 (truncation
+// ~6e-9, below float32's epsilon), x clamped to
+// [-87, 88] (exp(-87) ~ 1.6e-38 stands for 0, exp(88) ~ 1.6e38 for overflow).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // y = x - n ln2 in two steps (Cody-Waite): ln2 = 0.693359375 - 2.12194440e-4.
+  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), y);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Scalar helpers (any ISA).
+template <typename T>
+static inline float to_f(T v) { return static_cast<float>(v); }
+template <typename T>
+static inline float round_f(float v) { return static_cast<float>(static_cast<T>(v)); }
