@@ -102,18 +102,20 @@ def test_prefill_chunked_and_decode_match_transformers(
     assert (torch.cat([o1, o2, o3]) - ref).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("max_len", [100, 1300])  # 1300: three 512-token partitions
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype) -> None:
+def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype, max_len: int) -> None:
     if kernels_disabled():
         pytest.skip("KVSTACK_NO_KERNELS is set: the C++ kernel is switched off on purpose")
     kernels = load_kernels()
     assert kernels is not None, "the C++ decode kernel failed to build (see the log warning)"
     g = torch.Generator().manual_seed(0)
-    d, h, kvh, hd, bs, nb = 8, 9, 3, 64, 16, 64
+    d, h, kvh, hd, bs, nb = 8, 9, 3, 64, 16, 96
     kc = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
     vc = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
     q = torch.randn(d, h, hd, generator=g).to(dtype)
-    lens = torch.randint(1, 100, (d,), generator=g)
+    lens = torch.randint(1, max_len, (d,), generator=g)
+    lens[0] = 1  # a single key
     mb = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(d)])
     bias = torch.zeros(d, mb * bs)
@@ -123,3 +125,17 @@ def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype) -> None:
     out = kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.float() - ref.float()).abs().max() < tol
+
+
+def test_cpp_decode_kernel_refuses_out_of_range_lengths_and_blocks() -> None:
+    if kernels_disabled():
+        pytest.skip("KVSTACK_NO_KERNELS is set: the C++ kernel is switched off on purpose")
+    kernels = load_kernels()
+    assert kernels is not None
+    kc = torch.zeros(4, 16, 3, 64)
+    q = torch.zeros(1, 9, 64)
+    table = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="context length 33 outside"):
+        kernels.paged_decode_attention(q, kc, kc, table, torch.tensor([33]), 0.125)
+    with pytest.raises(RuntimeError, match="block id 4 outside"):
+        kernels.paged_decode_attention(q, kc, kc, torch.tensor([[0, 4]]), torch.tensor([20]), 0.125)

@@ -3,10 +3,12 @@
 // One query token per request attends to its whole context, reading K and V in place
 // from the paged cache [num_blocks, block_size, kv_heads, head_dim] through the
 // request's block table: no gather, no copy (vLLM PagedAttention's idea, on CPU).
-// Work is split over (request, kv head) pairs; the q heads of one GQA group share each
-// K/V row, which is converted to float once.
+// The head_dim-64 AVX-512 path (below) splits long contexts into partitions and runs an
+// online softmax; other shapes take the generic kernel, split over (request, kv head).
+// The q heads of one GQA group share each K/V row.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kvstack_ops.h"
@@ -69,82 +71,166 @@ static inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-// head_dim 64, G query heads per KV head: scores for 16 keys at a time (one horizontal
-// reduction per 16 keys instead of one per key), vectorized softmax, register accumulators.
+// ---------------------------------------------------------------- head_dim 64 fast path
+// Work is split over (request, context partition, kv head): a partition holds up to
+// kPartTokens tokens, so one long context still spreads over every thread (flash-decoding,
+// Dao et al. 2023). Each work item runs an online softmax over its tokens, 16 at a time
+// (one horizontal reduction per 16 keys), and leaves per q head the running max m, the sum
+// l and the unnormalized output; a merge pass combines partitions:
+//
+//   out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
+//
+// bf16 caches score with AVX512-BF16 dot products (vdpbf16ps: products exact in float32,
+// float32 sums); V is converted once per row and shared by the G q heads of a KV head.
+constexpr int64_t kPartTokens = 512;
+
+struct Partial {  // one (request, partition, q head): m, l, acc[64]
+  float m, l;
+  alignas(64) float acc[64];
+};
+
+// Query of one q head, kept in registers: bf16 pairs for vdpbf16ps, or float32.
+template <typename T>
+struct QReg;
+template <>
+struct QReg<float> {
+  __m512 v[4];
+  void load(const float* q) {
+    for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(q + 16 * c);
+  }
+  __m512 dot(const float* k) const {  // 16 partial sums of q . k
+    __m512 a = _mm512_mul_ps(v[0], _mm512_loadu_ps(k));
+    a = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(k + 16), a);
+    a = _mm512_fmadd_ps(v[2], _mm512_loadu_ps(k + 32), a);
+    return _mm512_fmadd_ps(v[3], _mm512_loadu_ps(k + 48), a);
+  }
+};
+template <>
+struct QReg<c10::BFloat16> {
+#if defined(__AVX512BF16__)
+  __m512bh v[2];
+  void load(const c10::BFloat16* q) {
+    v[0] = (__m512bh)_mm512_loadu_si512(q);
+    v[1] = (__m512bh)_mm512_loadu_si512(q + 32);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0], (__m512bh)_mm512_loadu_si512(k));
+    return _mm512_dpbf16_ps(a, v[1], (__m512bh)_mm512_loadu_si512(k + 32));
+  }
+#else
+  __m512 v[4];
+  void load(const c10::BFloat16* q) {
+    for (int c = 0; c < 4; ++c) v[c] = load16(q + 16 * c);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 a = _mm512_mul_ps(v[0], load16(k));
+    a = _mm512_fmadd_ps(v[1], load16(k + 16), a);
+    a = _mm512_fmadd_ps(v[2], load16(k + 32), a);
+    return _mm512_fmadd_ps(v[3], load16(k + 48), a);
+  }
+#endif
+};
+
+// Tokens [t_begin, t_end) of request d against KV head kh: G partials. Two passes over
+// the partition (scores of all its tokens into an L1-resident buffer, then one softmax and
+// the P.V pass): an online update every 16 keys costs more in reduction latency than the
+// second read of the scores.
+template <typename T, int G>
+static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t* table,
+                             int64_t KVH, int64_t BS, int64_t kh, int64_t t_begin,
+                             int64_t t_end, float scale, Partial* parts) {
+  constexpr int64_t HD = 64;
+  const int64_t n = t_end - t_begin, np = (n + 15) / 16 * 16;
+  alignas(64) float sc[G][kPartTokens];
+  int64_t offs[kPartTokens];  // element offset of each token's row for head kh
+  for (int64_t j = 0, b = t_begin / BS, i = t_begin % BS; j < n; ++j) {
+    offs[j] = ((table[b] * BS + i) * KVH + kh) * HD;
+    if (++i == BS) i = 0, ++b;
+  }
+  for (int64_t j = n; j < np; ++j) offs[j] = offs[0];  // padding rows: masked below
+  QReg<T> qr[G];
+  for (int g = 0; g < G; ++g) qr[g].load(q + (kh * G + g) * HD);
+  for (int64_t j0 = 0; j0 < np; j0 += 16) {
+    for (int64_t j = j0 + 16; j < std::min(j0 + 32, n); ++j)  // scattered blocks: prefetch
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offs[j]), _MM_HINT_T0);
+    const __mmask16 live = static_cast<__mmask16>(n - j0 >= 16 ? 0xFFFF : (1u << (n - j0)) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512 d16[16];
+      for (int j = 0; j < 16; ++j) d16[j] = qr[g].dot(kc + offs[j0 + j]);
+      const __m512 s = _mm512_mul_ps(hsum16(d16), _mm512_set1_ps(scale));
+      _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[g] + j));
+    const float m = _mm512_reduce_max_ps(mv);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j += 16) {
+      const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m))));
+      _mm512_store_ps(sc[g] + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    parts[g].m = m;
+    parts[g].l = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + 16 < n) _mm_prefetch(reinterpret_cast<const char*>(vc + offs[j + 16]), _MM_HINT_T0);
+    const T* v = vc + offs[j];
+    __m512 vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(sc[g][j]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(parts[g].acc + 16 * c, acc[g][c]);
+}
+
 template <typename T, int G>
 static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64_t* tables,
                                const int64_t* lens, T* out, int64_t D, int64_t KVH, int64_t BS,
                                int64_t MB, float scale) {
   constexpr int64_t HD = 64;
   const int64_t H = KVH * G;
-  at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    alignas(64) float kf[16][HD];
+  std::vector<int64_t> first(D + 1, 0);  // first partition index of each request
+  for (int64_t d = 0; d < D; ++d)
+    first[d + 1] = first[d] + std::max<int64_t>(1, (lens[d] + kPartTokens - 1) / kPartTokens);
+  const int64_t P = first[D];
+  std::vector<Partial> parts(P * H);
+  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t d = w / KVH, kh = w % KVH;
-      const int64_t L = lens[d], Lp = (L + 15) / 16 * 16;
-      const int64_t* table = tables + d * MB;
-      scores.assign(G * Lp, -INFINITY);
-      __m512 qv[G][4];
-      for (int g = 0; g < G; ++g)
+      const int64_t pi = w / KVH, kh = w % KVH;
+      const int64_t d = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
+      const int64_t t0 = (pi - first[d]) * kPartTokens;
+      decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + d * MB, KVH, BS, kh, t0,
+                             std::min(lens[d], t0 + kPartTokens), scale,
+                             parts.data() + pi * H + kh * G);
+    }
+  });
+  at::parallel_for(0, D * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t d = w / H, h = w % H;
+      float mx = -INFINITY;
+      for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      float l = 0.f;
+      for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) {
+        const Partial& pt = parts[pi * H + h];
+        const float wgt = std::exp(pt.m - mx);
+        l += wgt * pt.l;
         for (int c = 0; c < 4; ++c)
-          qv[g][c] = _mm512_mul_ps(load16(q + (d * H + kh * G + g) * HD + 16 * c),
-                                   _mm512_set1_ps(scale));
-      for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, L - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = t0 + j;
-          const T* k = kc + ((table[t / BS] * BS + t % BS) * KVH + kh) * HD;
-          for (int c = 0; c < 4; ++c) _mm512_store_ps(kf[j] + 16 * c, load16(k + 16 * c));
-        }
-        for (int64_t j = n; j < 16; ++j)
-          for (int c = 0; c < 4; ++c) _mm512_store_ps(kf[j] + 16 * c, _mm512_setzero_ps());
-        for (int g = 0; g < G; ++g) {
-          __m512 acc[16];
-          for (int j = 0; j < 16; ++j) {
-            __m512 a = _mm512_mul_ps(qv[g][0], _mm512_load_ps(kf[j]));
-            a = _mm512_fmadd_ps(qv[g][1], _mm512_load_ps(kf[j] + 16), a);
-            a = _mm512_fmadd_ps(qv[g][2], _mm512_load_ps(kf[j] + 32), a);
-            acc[j] = _mm512_fmadd_ps(qv[g][3], _mm512_load_ps(kf[j] + 48), a);
-          }
-          _mm512_mask_storeu_ps(scores.data() + g * Lp + t0, (__mmask16)((1u << n) - 1),
-                                hsum16(acc));
-        }
+          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * c), acc[c]);
       }
-      for (int g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * Lp;
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < Lp; t += 16) {
-          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
-          if (t + 16 > L) e = _mm512_maskz_mov_ps((__mmask16)((1u << (L - t)) - 1), e);
-          _mm512_storeu_ps(sg + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-        for (int64_t t = 0; t < Lp; t += 16)
-          _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
-      }
-      __m512 acc[G][4];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < L; ++t) {
-        const T* v = vc + ((table[t / BS] * BS + t % BS) * KVH + kh) * HD;
-        __m512 vv[4];
-        for (int c = 0; c < 4; ++c) vv[c] = load16(v + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * Lp + t]);
-          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        alignas(64) float o[HD];
-        for (int c = 0; c < 4; ++c) _mm512_store_ps(o + 16 * c, acc[g][c]);
-        T* dst = out + (d * H + kh * G + g) * HD;
-        for (int64_t i = 0; i < HD; ++i) dst[i] = static_cast<T>(o[i]);
-      }
+      const __m512 inv = _mm512_set1_ps(1.f / l);
+      for (int c = 0; c < 4; ++c) store16(out + (d * H + h) * HD + 16 * c, _mm512_mul_ps(acc[c], inv));
     }
   });
 }
@@ -232,6 +318,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t D = q.size(0), H = q.size(1), HD = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == HD, "head shapes do not match");
+  const int64_t NB = k_cache.size(0);
+  TORCH_CHECK(block_tables.size(0) == D && context_lens.numel() == D, "one row per request");
+  const int64_t* lens_p = context_lens.data_ptr<int64_t>();
+  const int64_t* tab_p = block_tables.data_ptr<int64_t>();
+  for (int64_t d = 0; d < D; ++d) {  // checked before any read: no input reads out of bounds
+    TORCH_CHECK(lens_p[d] >= 1 && lens_p[d] <= MB * BS, "context length ", lens_p[d],
+                " outside [1, ", MB * BS, "]");
+    for (int64_t b = 0; b < (lens_p[d] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tab_p[d * MB + b] >= 0 && tab_p[d * MB + b] < NB, "block id ",
+                  tab_p[d * MB + b], " outside the cache");
+  }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kBFloat16) {
     using T = c10::BFloat16;
