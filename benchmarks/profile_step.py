@@ -1,12 +1,18 @@
-"""Where a decode step's time goes: torch.profiler on kvstack at batch 32, bf16.
+"""Where a decode step's time goes (torch.profiler, batch 32, bf16), and how far decode and
+prefill steps are from their bounds on this machine (``benchmarks/roofline.py``).
 
 Python overhead = wall time of ``LLMEngine.step()`` minus the time spent inside aten /
-extension ops (the sum of the profiler's self CPU times). Runs the benchmark workload's
-prompts (200 tokens each), prefills them, then profiles ``--steps`` pure decode steps.
+extension ops (the sum of the profiler's self CPU times; kvstack's C++ kernels are
+``torch.ops.kvstack`` ops, so they count as ops). Runs the benchmark workload's prompts
+(200 tokens each), prefills them, then profiles ``--steps`` pure decode steps. Then times
+prefill steps of ``--prefill-prompts`` whole prompts (2,000 tokens by default) and
+measures the bounds: decode max(bytes ÷ bandwidth, FLOPs ÷ GEMM throughput at M = batch),
+prefill FLOPs ÷ GEMM throughput at M = 2048.
 
     .venv/bin/python benchmarks/profile_step.py --batch 32 --steps 10
 
-Writes ``benchmarks/results/profile_step-<date>.json`` and prints the top ops.
+Writes ``benchmarks/results/profile_step-<date>.json`` (CPU model and ISA flags included)
+and prints the top ops and the step-vs-bound table.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 from kvstack import LLM, SamplingParams
+from offline_throughput import machine_info
+from roofline import decode_bound, prefill_bound
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -31,6 +39,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="decode steps to profile")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--top", type=int, default=12, help="ops to list")
+    ap.add_argument(
+        "--prefill-prompts", type=int, default=10, help="200-token prompts per timed prefill step"
+    )
     args = ap.parse_args()
 
     from workload import build_prompts  # benchmarks/workload.py
@@ -54,6 +65,7 @@ def main() -> None:
             t0 = time.perf_counter()
             eng.step()
             walls.append(time.perf_counter() - t0)
+    ctx_lens = [r.num_computed_tokens for r in eng.scheduler.running]
     eng.abort_request([f"p{i}" for i in range(args.batch)])
 
     events = prof.key_averages()
@@ -68,17 +80,29 @@ def main() -> None:
         eng.step()
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running):
             clean.append(time.perf_counter() - t0)
+    prefill_ms = time_prefill(llm, prompts[: args.prefill_prompts])
+    model = eng.runner.model
+    dec_bound = decode_bound(model, ctx_lens)
+    pre_bound = prefill_bound(model, [len(p) for p in prompts[: args.prefill_prompts]])
+    decode_ms = 1000 * statistics.median(clean[2:] or clean)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     result = {
         "benchmark": "profile_step",
         "date": dt.date.today().isoformat(),
+        "machine": machine_info(),
         "batch": args.batch,
         "dtype": args.dtype,
         "profiled_steps": args.steps,
         "profiled_wall_ms_per_step": 1000 * wall_s / args.steps,
         "op_time_ms_per_step": 1000 * op_self_s / args.steps,
         "python_overhead_fraction": max(0.0, 1 - op_self_s / wall_s),
-        "decode_step_ms_median_unprofiled": 1000 * statistics.median(clean[2:] or clean),
+        "decode_step_ms_median_unprofiled": decode_ms,
+        "decode_bound": dec_bound.to_dict(),
+        "decode_over_bound": decode_ms / dec_bound.ms,
+        "prefill_tokens": sum(len(p) for p in prompts[: args.prefill_prompts]),
+        "prefill_step_ms_median": prefill_ms,
+        "prefill_bound": pre_bound.to_dict(),
+        "prefill_over_bound": prefill_ms / pre_bound.ms,
         "top_ops": [
             {
                 "name": e.key,
@@ -94,7 +118,45 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "top_ops"}, indent=1))
     for op in result["top_ops"]:
         print(f"  {op['self_ms_per_step']:8.2f} ms  {op['calls_per_step']:6.0f}x  {op['name']}")
+    print(bound_table(result))
     print(f"wrote {out}")
+
+
+def time_prefill(llm: LLM, prompts: list[list[int]], runs: int = 3) -> float:
+    """Median ms of one step that prefills all ``prompts`` (whole, no prefix cache hits)."""
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for rep in range(runs + 1):  # the first is a warm-up
+        for i, p in enumerate(prompts):
+            eng.add_request(f"f{rep}-{i}", None, sp, prompt_token_ids=p)
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        while eng.has_unfinished_requests():
+            eng.step()
+        eng.reset_prefix_cache()
+    return 1000 * statistics.median(times[1:])
+
+
+def bound_table(r: dict) -> str:
+    m = r["machine"]
+    db, pb = r["decode_bound"], r["prefill_bound"]
+    rows = [
+        f"CPU {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}), commit "
+        f"{m.get('git_commit')}",
+        "| step | measured ms | bound ms | memory bound | compute bound | measured / bound |",
+        "|---|---:|---:|---|---|---:|",
+        f"| decode, batch {r['batch']} | {r['decode_step_ms_median_unprofiled']:.1f} | "
+        f"{db['bound_ms']:.1f} | {db['bytes_read'] / 2**20:.0f} MiB ÷ "
+        f"{db['bandwidth_gib_s']:.1f} GiB/s = {db['memory_ms']:.1f} ms | {db['flops'] / 1e9:.1f}"
+        f" GFLOP ÷ {db['gemm_gflops']:.0f} GFLOP/s = {db['compute_ms']:.1f} ms | "
+        f"{r['decode_over_bound']:.2f}× |",
+        f"| prefill, {r['prefill_tokens']} tokens | {r['prefill_step_ms_median']:.0f} | "
+        f"{pb['bound_ms']:.0f} | – | {pb['flops'] / 1e9:.0f} GFLOP ÷ {pb['gemm_gflops']:.0f} "
+        f"GFLOP/s (M = 2048) | {r['prefill_over_bound']:.2f}× |",
+    ]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
