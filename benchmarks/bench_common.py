@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from turns import Turns, turn_of
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
 RESULTS_DIR = BENCH_DIR / "results"
@@ -158,6 +160,47 @@ def measure(
     for cross-engine sanity checks; every run is checked to produce exactly
     ``max_new_tokens`` tokens per prompt.
     """
+    turns = Turns.from_env()
+    try:
+        return _measure(
+            generate,
+            prompt_ids,
+            max_new_tokens,
+            turns,
+            runs=runs,
+            warmup_new_tokens=warmup_new_tokens,
+            single_new_tokens=single_new_tokens,
+            time_budget_s=time_budget_s,
+            sample_prompts=sample_prompts,
+            idle_wait_s=idle_wait_s,
+            max_other_load=max_other_load,
+            retries=retries,
+        )
+    finally:
+        if turns is not None:
+            turns.leave()
+
+
+def _measure(
+    generate: GenerateFn,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    turns: Turns | None,
+    *,
+    runs: int,
+    warmup_new_tokens: int | None,
+    single_new_tokens: int,
+    time_budget_s: float | None,
+    sample_prompts: int,
+    idle_wait_s: float,
+    max_other_load: float,
+    retries: int,
+) -> dict[str, Any]:
+    """``measure``'s procedure; with ``turns`` (``benchmarks/turns.py``) the timed phases
+    alternate with the other engines': phase r < runs is timed run r, then the batch
+    prefill, then the single request."""
+    if turns is not None:  # the peers wait their turn: their load is no one's but ours
+        retries, idle_wait_s = 0, 0.0
     t_start = time.perf_counter()
     n_prompts = len(prompt_ids)
     prompt_tokens = sum(len(p) for p in prompt_ids)
@@ -168,6 +211,8 @@ def measure(
     if warm > 0:
         generate(prompt_ids, warm)
     warmup_s = time.perf_counter() - t0
+    if turns is not None:
+        turns.ready()
 
     walls: list[float] = []
     others: list[float] = []
@@ -176,7 +221,7 @@ def measure(
     samples: list[list[int]] = []
     while len(walls) < runs:
         waited += wait_for_idle(idle_wait_s) if idle_wait_s > 0 else 0.0
-        with LoadMeter() as meter:
+        with turn_of(turns, len(walls)), LoadMeter() as meter:
             t0 = time.perf_counter()
             outs = generate(prompt_ids, max_new_tokens)
             wall = time.perf_counter() - t0
@@ -205,7 +250,7 @@ def measure(
 
     # Prefill of the whole batch (one new token each), to split the wall time into its
     # prefill and decode parts.
-    with LoadMeter() as meter:
+    with turn_of(turns, runs), LoadMeter() as meter:
         t0 = time.perf_counter()
         generate(prompt_ids, 1)
         batch_ttft = time.perf_counter() - t0
@@ -241,7 +286,7 @@ def measure(
             wait_for_idle(idle_wait_s)
         ttfts: list[float] = []
         e2es: list[float] = []
-        with LoadMeter() as meter:
+        with turn_of(turns, runs + 1), LoadMeter() as meter:
             for _ in range(max(len(walls), 1)):
                 t0 = time.perf_counter()
                 generate(single, 1)

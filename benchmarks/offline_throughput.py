@@ -25,6 +25,11 @@ machine is idle (``--wait-idle``), every timed run records the cores others used
 repeated (twice at most). ``machine.calibration`` in the result file times two bf16 matmuls
 that DESIGN.md quotes, to tell a slower machine from a slower engine.
 
+Paired by default: a case's engines load side by side and then take turns run by run
+(``benchmarks/turns.py``), so run k of each engine sees the same machine; the table's
+"× vllm (paired)" column is the median of the per-pair throughput ratios (each pair in
+parentheses). ``--no-paired`` runs them one after another.
+
 Examples::
 
     .venv/bin/python benchmarks/offline_throughput.py --skip-kvstack
@@ -48,8 +53,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,10 +63,10 @@ from bench_common import (
     RESULTS_DIR,
     log,
     measure_scheduled,
-    venv_python,
     wait_for_idle,
     write_json,
 )
+from engine_procs import paired_ratios, run_paired, run_peer
 
 README_BEGIN = "<!-- bench:offline_throughput -->"
 README_END = "<!-- /bench -->"
@@ -155,79 +158,6 @@ def kvstack_available() -> str | None:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def peer_command(peer: str, request: Path, out: Path) -> tuple[list[str], dict[str, str]]:
-    """Command line and environment that run ``peer`` on a request file."""
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    bench = str(REPO_ROOT / "benchmarks")
-    if peer == "kvstack":
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker-request",
-            str(request),
-            "--worker-out",
-            str(out),
-        ]
-        return cmd, env
-    python = venv_python(peer)
-    if not python.exists():
-        raise FileNotFoundError(f"{python} missing: run bash benchmarks/setup_peers.sh")
-    if peer == "vllm":
-        sys.path.insert(0, bench)
-        from peers import VLLM_ENV
-
-        env.update(VLLM_ENV)
-        env.pop("OMP_NUM_THREADS", None)
-        iomp = BENCH_VENVS / "vllm" / "lib" / "libiomp5.so"
-        if iomp.exists():
-            env["LD_PRELOAD"] = str(iomp)
-    return [
-        str(python),
-        f"{bench}/peers.py",
-        "run",
-        "--request",
-        str(request),
-        "--out",
-        str(out),
-    ], env
-
-
-def run_peer(peer: str, request: dict[str, Any], timeout_s: float, log_path: Path) -> dict:
-    """Run one engine in its own process; return its result or ``{"error": ...}``."""
-    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req_path.write_text(json.dumps({"peer": peer, **request}))
-        cmd, env = peer_command(peer, req_path, out_path)
-        log(f"[{peer}] starting (timeout {timeout_s:.0f} s, log {log_path})")
-        t0 = time.perf_counter()
-        with log_path.open("w") as logf:
-            try:
-                proc = subprocess.run(
-                    cmd,
-                    env=env,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    timeout=timeout_s,
-                    cwd=REPO_ROOT,
-                    check=False,
-                )
-                rc: int | str = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        elapsed = time.perf_counter() - t0
-        if rc == 0 and out_path.exists():
-            result = json.loads(out_path.read_text())
-            result["process_s"] = round(elapsed, 1)
-            log(f"[{peer}] done in {elapsed:.0f} s: {result['output_tok_s']} output tok/s")
-            return result
-    tail = log_path.read_text(errors="replace").splitlines()[-15:]
-    log(f"[{peer}] FAILED ({rc}) after {elapsed:.0f} s; last lines of {log_path}:")
-    for line in tail:
-        log(f"    {line}")
-    return {"peer": peer, "error": f"exit {rc}", "process_s": round(elapsed, 1), "log_tail": tail}
 
 
 # --------------------------------------------------------------------------- reporting
@@ -353,8 +283,9 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
     )
     lines = [
         "| engine | prompts × new tokens | dtype | prefix caching | output tok/s "
-        "| processed tok/s | 1-request decode tok/s | wall s (median) | runs | others' load |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| × vllm (paired) | processed tok/s | 1-request decode tok/s | wall s (median) | runs "
+        "| others' load |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in rows:
         case = f"{e['num_prompts']} × {e['max_new_tokens']}"
@@ -362,14 +293,21 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
         if "error" in e:
             lines.append(
                 f"| {e['peer']} | {case} | {entry_key(e)[3]} | {prefix} | failed: {e['error']} "
-                "| | | | | |"
+                "| | | | | | |"
             )
             continue
         single = e.get("single", {}).get("decode_tok_s", "–")
         load = max(e.get("other_load_cores") or [float("nan")])
+        ratio = e.get("paired_ratio_vs_vllm")
+        ratio_s = (
+            f"{ratio:.2f}× ({', '.join(f'{r:.2f}' for r in e['paired_ratios_vs_vllm'])})"
+            if ratio
+            else "–"
+        )
         lines.append(
             f"| {e['peer']} {e.get('engine_version', '')} | {case} | {e['config']['dtype']} "
-            f"| {prefix} | {e['output_tok_s']:.0f} | {e['processed_tok_s']:.0f} | {single} "
+            f"| {prefix} | {e['output_tok_s']:.0f} | {ratio_s} | {e['processed_tok_s']:.0f} "
+            f"| {single} "
             f"| {e['wall_s_median']:.2f} | {e['runs_done']} | {load:.2f} |"
         )
     return "\n".join(lines)
@@ -405,6 +343,30 @@ def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
 
 
 # --------------------------------------------------------------------------- main
+
+
+def case_request(
+    args: argparse.Namespace, peer: str, prompts: list[list[int]], max_new: int, seqs: int
+) -> dict[str, Any]:
+    """The request file of one engine for one case."""
+    request: dict[str, Any] = {
+        "prompt_ids": prompts,
+        "max_new_tokens": max_new,
+        "dtype": args.dtype,
+        "runs": args.runs,
+        "single_new_tokens": args.single_new_tokens,
+        # leave room for loading (vLLM compiles on its first start) and the single request
+        "time_budget_s": max(args.timeout * 0.5, 30.0),
+    }
+    if peer == "transformers":
+        request["batch_size"] = args.transformers_batch_size
+    else:
+        request.update(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefix_caching=args.prefix_caching,
+        )
+    return request
 
 
 def parse_cases(num_prompts: list[int], max_new: list[int]) -> list[tuple[int, int]]:
@@ -477,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="smoke test: 8 prompts x 16 new tokens, 1 run, 32-token single "
         "request; results go to a separate -quick file",
+    )
+    p.add_argument(
+        "--no-paired",
+        dest="paired",
+        action="store_false",
+        help="run the engines one after another instead of loading them together and "
+        "alternating their timed runs (benchmarks/turns.py; the default, since this machine's "
+        "speed drifts by up to 2x over minutes)",
     )
     p.add_argument(
         "--wait-idle",
@@ -558,31 +528,17 @@ def main(argv: list[str] | None = None) -> None:
         workload = describe(prompts)
         log(f"case {num_prompts} prompts x {max_new} new tokens: {workload}")
         seqs = args.max_num_seqs or num_prompts
-        case_results = []
-        for peer in peers:
-            request: dict[str, Any] = {
-                "prompt_ids": prompts,
-                "max_new_tokens": max_new,
-                "dtype": args.dtype,
-                "runs": args.runs,
-                "single_new_tokens": args.single_new_tokens,
-                # leave room for loading (vLLM compiles on its first start) and the
-                # single-request measurement
-                "time_budget_s": max(args.timeout * 0.5, 30.0),
-            }
-            if peer == "transformers":
-                request["batch_size"] = args.transformers_batch_size
-            else:
-                request.update(
-                    max_num_seqs=seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    prefix_caching=args.prefix_caching,
-                )
-            log_path = log_dir / f"offline_throughput-{peer}-{num_prompts}x{max_new}.log"
-            if args.wait_idle > 0:
-                waited = wait_for_idle(args.wait_idle)
-                log(f"[{peer}] waited {waited:.0f} s for an idle machine")
-            result = run_peer(peer, request, args.timeout, log_path)
+        requests = {p: case_request(args, p, prompts, max_new, seqs) for p in peers}
+        logs = {p: log_dir / f"offline_throughput-{p}-{num_prompts}x{max_new}.log" for p in peers}
+        if args.wait_idle > 0:
+            log(f"waited {wait_for_idle(args.wait_idle):.0f} s for an idle machine")
+        if args.paired and len(peers) > 1:
+            log(f"paired: {', '.join(peers)} load together, then take turns run by run")
+            case_results = run_paired(peers, requests, args.timeout, logs)
+        else:
+            case_results = [run_peer(p, requests[p], args.timeout, logs[p]) for p in peers]
+        paired_ratios(case_results)
+        for result in case_results:
             result.update(
                 num_prompts=num_prompts,
                 max_new_tokens=max_new,
@@ -590,10 +546,9 @@ def main(argv: list[str] | None = None) -> None:
                 workload=workload,
                 measured_at=dt.datetime.now().isoformat(timespec="seconds"),
                 calibration=calibration,
+                paired=bool(args.paired and len(peers) > 1),
             )
-            versions = result.get("versions", {})
-            result["engine_version"] = versions.get(peer, "")
-            case_results.append(result)
+            result["engine_version"] = result.get("versions", {}).get(result["peer"], "")
         keys = {entry_key(r) for r in case_results}
         entries[:] = [e for e in entries if entry_key(e) not in keys]
         entries.extend(case_results)
