@@ -10,7 +10,8 @@ Rows of one step are ordered decodes first, then prefill chunks::
   tables; contexts are cut into 512-token partitions, each scored by one task (AVX512-BF16
   dot products for bf16 caches) and merged by their softmax maxima and sums (flash-
   decoding), so one long request still uses every core. Encoded caches and uneven press
-  budgets take the PyTorch path below, counted in ``kvstack:kernel_fallback_total``. The PyTorch fallback gathers the keys of all D requests once per layer into
+  budgets take the PyTorch path below, counted in ``kvstack:kernel_fallback_total``.
+  The PyTorch fallback gathers the keys of all D requests once per layer into
   ``[D, L]`` and runs two grouped-query matmuls with a length mask (DESIGN.md: CPU
   SDPA is 12x slower at q_len 1).
 * A prefill chunk that starts a sequence (no earlier KV) attends to its own fresh K/V
