@@ -25,7 +25,7 @@ from bench_common import (
     log,
     venv_python,
 )
-from offline_throughput import peer_command
+from engine_procs import peer_command
 
 MAX_NUM_SEQS, MAX_MODEL_LEN = 16, 2048
 LOG_DIR = BENCH_VENVS / "logs"
