@@ -346,7 +346,12 @@ def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
 
 
 def case_request(
-    args: argparse.Namespace, peer: str, prompts: list[list[int]], max_new: int, seqs: int
+    args: argparse.Namespace,
+    peer: str,
+    prompts: list[list[int]],
+    max_new: int,
+    seqs: int,
+    timeout: float,
 ) -> dict[str, Any]:
     """The request file of one engine for one case."""
     request: dict[str, Any] = {
@@ -356,7 +361,7 @@ def case_request(
         "runs": args.runs,
         "single_new_tokens": args.single_new_tokens,
         # leave room for loading (vLLM compiles on its first start) and the single request
-        "time_budget_s": max(args.timeout * 0.5, 30.0),
+        "time_budget_s": max(timeout * 0.5, 30.0),
     }
     if peer == "transformers":
         request["batch_size"] = args.transformers_batch_size
@@ -528,15 +533,18 @@ def main(argv: list[str] | None = None) -> None:
         workload = describe(prompts)
         log(f"case {num_prompts} prompts x {max_new} new tokens: {workload}")
         seqs = args.max_num_seqs or num_prompts
-        requests = {p: case_request(args, p, prompts, max_new, seqs) for p in peers}
+        paired = bool(args.paired and len(peers) > 1)
+        # Paired engines also wait out each other's turns: each gets the sum of the budgets.
+        timeout = args.timeout * (len(peers) if paired else 1)
+        requests = {p: case_request(args, p, prompts, max_new, seqs, timeout) for p in peers}
         logs = {p: log_dir / f"offline_throughput-{p}-{num_prompts}x{max_new}.log" for p in peers}
         if args.wait_idle > 0:
             log(f"waited {wait_for_idle(args.wait_idle):.0f} s for an idle machine")
-        if args.paired and len(peers) > 1:
+        if paired:
             log(f"paired: {', '.join(peers)} load together, then take turns run by run")
-            case_results = run_paired(peers, requests, args.timeout, logs)
+            case_results = run_paired(peers, requests, timeout, logs)
         else:
-            case_results = [run_peer(p, requests[p], args.timeout, logs[p]) for p in peers]
+            case_results = [run_peer(p, requests[p], timeout, logs[p]) for p in peers]
         paired_ratios(case_results)
         for result in case_results:
             result.update(
@@ -546,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
                 workload=workload,
                 measured_at=dt.datetime.now().isoformat(timespec="seconds"),
                 calibration=calibration,
-                paired=bool(args.paired and len(peers) > 1),
+                paired=paired,
             )
             result["engine_version"] = result.get("versions", {}).get(result["peer"], "")
         keys = {entry_key(r) for r in case_results}
