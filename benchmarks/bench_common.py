@@ -113,6 +113,18 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def median_time_s(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``runs`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 """``generate(prompts, max_new_tokens) -> output token ids per prompt`` (greedy, fixed length)."""
 

@@ -63,6 +63,7 @@ from bench_common import (
     RESULTS_DIR,
     log,
     measure_scheduled,
+    median_time_s,
     wait_for_idle,
     write_json,
 )
@@ -211,14 +212,7 @@ def calibrate() -> dict[str, float]:
         return {}
 
     def best_ms(fn: Any, n: int) -> float:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return round(sorted(times)[len(times) // 2] * 1e3, 3)
+        return round(median_time_s(fn, n, warmup=5) * 1e3, 3)
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 576, generator=gen).to(torch.bfloat16)

@@ -13,34 +13,25 @@ only for the rows that sample), and attention (4 · heads · head_dim per query-
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-
-def _median_s(fn: Any, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+from bench_common import median_time_s
 
 
 def read_bandwidth(nbytes: int, runs: int = 5) -> float:
     """Bytes per second ``torch.sum`` reads from a float32 buffer of ``nbytes``."""
     buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    return buf.numel() * 4 / _median_s(buf.sum, runs)
+    return buf.numel() * 4 / median_time_s(buf.sum, runs)
 
 
 def gemm_flops_per_s(layer: Any, m: int, dtype: torch.dtype, runs: int = 7) -> float:
     """bf16 GEMM throughput of ``layer`` (a ``kvstack.model.layers.Linear``) at ``m`` rows."""
     n, k = layer.weight.shape
     x = torch.randn(m, k).to(dtype)
-    return 2 * m * n * k / _median_s(lambda: layer(x), runs)
+    return 2 * m * n * k / median_time_s(lambda: layer(x), runs)
 
 
 @dataclass
