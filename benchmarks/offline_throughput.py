@@ -307,11 +307,16 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+ISA_SHOWN = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
+
+
 def readme_section(doc: dict[str, Any]) -> str:
     """The README block: the table and one line saying where it comes from."""
     m = doc["machine"]
     note = (
-        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores); 200-token "
+        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores; "
+        f"{' '.join(f for f in m.get('cpu_flags', []) if f in ISA_SHOWN)}), commit "
+        f"{m.get('git_commit')}; paired runs (median of per-pair ratios); 200-token "
         f"prompts (144 shared), greedy, EOS ignored; vllm and kvstack with max_num_seqs = "
         f"prompts, max_num_batched_tokens = {doc['settings']['max_num_batched_tokens']}; "
         f"with prefix caching each engine's cache is emptied before every run; others' load = "
