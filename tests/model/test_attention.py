@@ -9,7 +9,7 @@ import torch
 from kvstack.config import ModelConfig
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, PrefillSeq, decode_attention
-from kvstack.model.kernels import kernels_disabled, load_kernels
+from kvstack.model.kernels import Kernels, load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.testing.tiny_models import hf_config_dict, tiny_llama_config
 
@@ -104,11 +104,9 @@ def test_prefill_chunked_and_decode_match_transformers(
 
 @pytest.mark.parametrize("max_len", [100, 1300])  # 1300: three 512-token partitions
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype, max_len: int) -> None:
-    if kernels_disabled():
-        pytest.skip("KVSTACK_NO_KERNELS is set: the C++ kernel is switched off on purpose")
-    kernels = load_kernels()
-    assert kernels is not None, "the C++ decode kernel failed to build (see the log warning)"
+def test_cpp_decode_kernel_matches_fallback(
+    kernels: Kernels, dtype: torch.dtype, max_len: int
+) -> None:
     g = torch.Generator().manual_seed(0)
     d, h, kvh, hd, bs, nb = 8, 9, 3, 64, 16, 96
     kc = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
@@ -127,11 +125,7 @@ def test_cpp_decode_kernel_matches_fallback(dtype: torch.dtype, max_len: int) ->
     assert (out.float() - ref.float()).abs().max() < tol
 
 
-def test_cpp_decode_kernel_refuses_out_of_range_lengths_and_blocks() -> None:
-    if kernels_disabled():
-        pytest.skip("KVSTACK_NO_KERNELS is set: the C++ kernel is switched off on purpose")
-    kernels = load_kernels()
-    assert kernels is not None
+def test_cpp_decode_kernel_refuses_out_of_range_lengths_and_blocks(kernels: Kernels) -> None:
     kc = torch.zeros(4, 16, 3, 64)
     q = torch.zeros(1, 9, 64)
     table = torch.tensor([[0, 1]])

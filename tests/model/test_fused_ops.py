@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from kvstack.kv.base import KVCacheStats
 from kvstack.kv.storage import KVStorage
 from kvstack.model import kernels as kernels_mod
-from kvstack.model.kernels import kernels_disabled, load_kernels
+from kvstack.model.kernels import Kernels, load_kernels
 from kvstack.model.layers import Rotary
 from kvstack.model.ops import HeadShape, KernelOps, TorchOps
 from kvstack.serve.metrics import ServerMetrics
@@ -26,12 +26,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def kops() -> KernelOps:
-    if kernels_disabled():
-        pytest.skip("KVSTACK_NO_KERNELS is set: the C++ kernels are switched off on purpose")
-    k = load_kernels()
-    assert k is not None, "the C++ kernels failed to build (see the log warning)"
-    return KernelOps(k)
+def kops(kernels: Kernels) -> KernelOps:
+    return KernelOps(kernels)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,7 +85,7 @@ def test_rope_and_cache_bit_exact(kops: KernelOps, dtype: torch.dtype, head_dim:
     for ops in (TorchOps(), kops):
         kv = _storage(dtype, heads)
         q, k, v = ops.rope_and_cache(
-            qkv.clone(), ops.rope_input(rot, positions, dtype), heads, kv, 0, slots
+            qkv.clone(), ops.rope_input(rot, positions, dtype), heads, kv.layer(0), slots
         )
         outs.append((q, k, v, kv.k.clone(), kv.v.clone()))
     for want, got in zip(*outs, strict=True):
@@ -104,10 +100,10 @@ def test_rope_and_cache_refuses_bad_slots_and_positions(kops: KernelOps) -> None
     before = qkv.clone()
     rope = kops.rope_input(rot, torch.tensor([0, 1, 2]), torch.float32)
     with pytest.raises(RuntimeError, match="KV slot 24 outside"):
-        kops.rope_and_cache(qkv, rope, heads, kv, 0, torch.tensor([0, 1, 24]))
+        kops.rope_and_cache(qkv, rope, heads, kv.layer(0), torch.tensor([0, 1, 24]))
     with pytest.raises(RuntimeError, match="position 16 outside"):
         bad = kops.rope_input(rot, torch.tensor([0, 16, 2]), torch.float32)
-        kops.rope_and_cache(qkv, bad, heads, kv, 0, torch.tensor([0, 1, 2]))
+        kops.rope_and_cache(qkv, bad, heads, kv.layer(0), torch.tensor([0, 1, 2]))
     assert torch.equal(qkv, before) and not kv.k.any()  # nothing written
 
 
@@ -121,7 +117,7 @@ def test_encoded_cache_write_is_counted(kops: KernelOps) -> None:
         kv = _storage(torch.float32, heads, codec="int8")
         qkv = torch.randn(3, 8 * 64, generator=torch.Generator().manual_seed(3))
         rope = ops.rope_input(rot, torch.tensor([0, 1, 2]), torch.float32)
-        ops.rope_and_cache(qkv, rope, heads, kv, 0, torch.tensor([4, 5, 6]))
+        ops.rope_and_cache(qkv, rope, heads, kv.layer(0), torch.tensor([4, 5, 6]))
         outs.append(kv.layer(0).gather(torch.tensor([1])))
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
     assert kernels_mod.fallback_counts()[("kv_cache_write", "encoded_cache")] == before + 1

@@ -37,6 +37,10 @@ class LayerCache:
     def identity(self) -> bool:
         return self.k is not None
 
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``."""
+        self.codec.write(self.layer, slots, k, v)
+
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of whole blocks, ``block_ids.shape + (bs, kv_heads, head_dim)``."""
         if self.k is not None and self.v is not None:

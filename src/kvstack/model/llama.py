@@ -118,10 +118,11 @@ class LlamaModel:
             else:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)
-            q, k, v = ops.rope_and_cache(qkv, rope, heads, kv, li, meta.slot_mapping)
+            cache = kv.layer(li)
+            q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
             for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
                 meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
-            a = paged_attention(q, k, v, kv.layer(li), meta, self.scale)
+            a = paged_attention(q, k, v, cache, meta, self.scale)
             x, residual = ops.add_rms_norm(
                 layer.o(a.reshape(t, heads.q_size)), residual, layer.post_norm, eps
             )

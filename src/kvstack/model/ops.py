@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvstack.kv.storage import KVStorage
+from kvstack.kv.storage import LayerCache
 from kvstack.model.kernels import Kernels, note_fallback
 from kvstack.model.layers import Rotary, apply_rope, rms_norm
 
@@ -86,12 +86,11 @@ class LayerOps(Protocol):
         qkv: torch.Tensor,
         rope: RopeInput,
         heads: HeadShape,
-        kv: KVStorage,
-        layer: int,
+        cache: LayerCache,
         slots: torch.Tensor,
     ) -> QKV:
         """RoPE on the q and k heads of ``qkv`` ``[T, (H + 2 KVH) d]``, new K/V stored at
-        ``slots`` of ``layer``; returns q ``[T, H, d]``, k and v ``[T, KVH, d]``."""
+        ``slots`` of ``cache`` (one layer); returns q ``[T, H, d]``, k and v ``[T, KVH, d]``."""
         ...
 
 
@@ -130,8 +129,7 @@ class TorchOps:
         qkv: torch.Tensor,
         rope: RopeInput,
         heads: HeadShape,
-        kv: KVStorage,
-        layer: int,
+        cache: LayerCache,
         slots: torch.Tensor,
     ) -> QKV:
         t, d = qkv.shape[0], heads.head_dim
@@ -140,7 +138,7 @@ class TorchOps:
         qk = apply_rope(qk, rope.cos, rope.sin)  # q and k heads in one call
         q, k = qk[:, : heads.num_heads], qk[:, heads.num_heads :]
         v = split_qkv(qkv, heads)[2]
-        kv.write(layer, slots, k, v)
+        cache.write(slots, k, v)
         return q, k, v
 
 
@@ -173,11 +171,9 @@ class KernelOps:
         qkv: torch.Tensor,
         rope: RopeInput,
         heads: HeadShape,
-        kv: KVStorage,
-        layer: int,
+        cache: LayerCache,
         slots: torch.Tensor,
     ) -> QKV:
-        cache = kv.layer(layer)
         direct = cache.k is not None and cache.v is not None and cache.k.dtype == qkv.dtype
         self.k.rope_and_cache(
             qkv, rope.positions, rope.cos, rope.sin,
@@ -187,9 +183,9 @@ class KernelOps:
         )  # fmt: skip
         q, k, v = split_qkv(qkv, heads)
         if not direct:  # encoded (era 5 codec) or cast cache: the codec stores the rows
-            if layer == 0:
+            if cache.layer == 0:
                 note_fallback("kv_cache_write", "encoded_cache")
-            kv.write(layer, slots, k, v)
+            cache.write(slots, k, v)
         return q, k, v
 
 
