@@ -257,6 +257,12 @@ class EngineConfig:
     )  # fmt: skip
     tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
     seed: int = option(0, "global random seed", group=ENGINE)
+    structured_outputs_backend: str = option(
+        "auto",
+        "grammar engine for structured outputs (response_format, guided_*, forced tool "
+        "calls); auto = llguidance",
+        group=ENGINE, choices=lambda: ("auto", *_structured_backends()),
+    )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -290,3 +296,9 @@ class EngineConfig:
     def describe(cls, indent: str = "    ") -> str:
         """One line per option (name, default, choices, help): the ``LLM`` docstring's list."""
         return describe(cls, indent)
+
+
+def _structured_backends() -> tuple[str, ...]:
+    from kvstack.model.structured.backend import STRUCTURED_BACKENDS
+
+    return STRUCTURED_BACKENDS.names()

@@ -28,6 +28,7 @@ from kvstack.model.fingerprint import model_fingerprint
 from kvstack.model.kernels import fallback_counts
 from kvstack.model.registry import build_model, load_tokenizer
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
+from kvstack.model.structured import StructuredOutputManager
 from kvstack.output_processor import OutputProcessor, ParentState
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
@@ -103,7 +104,10 @@ class LLMEngine:
             self.model.scale,
         )
         self.scheduler.press = self.press
-        self.runner = ModelRunner(self.model, self.kv_storage, self.press)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, config.structured_outputs_backend
+        )
+        self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
@@ -195,6 +199,8 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         press = self.press.resolve(sp)
+        so = sp.structured_outputs
+        grammar = None if so is None else self.structured.compile(so)
         eos = frozenset(self.tokenizer.eos_token_ids)
         children = []
         for i in range(sp.n):
@@ -210,6 +216,8 @@ class LLMEngine:
         for child in children:
             if child.sampling_params.prompt_logprobs is not None:
                 child.prompt_logprobs = [None]
+            if grammar is not None:
+                self.structured.add(child.request_id, grammar)
             self.scheduler.add_request(child)
             self.press.on_request_added(child, press)
             if self.connector is not None:
@@ -223,6 +231,7 @@ class LLMEngine:
         for cid in children:
             self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
         self.outputs.release_finished(children)
+        self.structured.release(children)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -262,12 +271,24 @@ class LLMEngine:
         for req in changed:
             if req.first_token_time is None:
                 req.first_token_time = now
+            if (verdict := result.grammar_stops.get(req.request_id)) and not req.is_finished():
+                self._grammar_stop(req, verdict)
             if self.outputs.on_new_token(req, stream=not final_only):
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             touched.add(req.request_id)
+        self.structured.release(r.request_id for r in changed if r.is_finished())
         outputs = self.outputs.outputs_for(touched, final_only)
         self.outputs.release_finished(touched)
         return outputs
+
+    def _grammar_stop(self, req: Request, verdict: str) -> None:
+        """Finish a request whose grammar is complete (stop) or rejected a token (error)."""
+        if verdict == "done":
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            return
+        logger.warning("%s: structured output failed: %s", req.request_id, verdict)
+        req.error = f"structured output failed: {verdict}"
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         for rid, lp in result.logprobs.items():
@@ -294,6 +315,7 @@ class LLMEngine:
             s.request.error = message
             self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
             ids.add(s.request.request_id)
+        self.structured.release(ids)
         outputs = self.outputs.outputs_for(ids)
         self.outputs.release_finished(ids)
         return outputs
@@ -372,6 +394,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         self.press.check_integrity(self.scheduler.requests)
+        self.structured.check_integrity(self.scheduler.requests)
         self.kv_storage.codec.check_integrity()
         if self.connector is not None:
             self.connector.check_integrity()

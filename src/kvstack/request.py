@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
+from kvstack.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvstack.kv.press.state import PressState
@@ -61,6 +62,9 @@ class SamplingParams:
     kv_press_after: int | None = None
     # Press again every this many generated tokens, back to the first press's budget.
     kv_press_every: int | None = None
+    # Structured outputs (vLLM's field): the output must match this schema / regex /
+    # choice / grammar (``structured_outputs.py``; compiled in ``model/structured/``).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +123,8 @@ class SamplingParams:
                 raise bad(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})")
             if not -100.0 <= float(bias) <= 100.0:
                 raise bad(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:

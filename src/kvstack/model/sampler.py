@@ -6,8 +6,9 @@ Order of operations (as vLLM v1)::
       → logit_bias (sparse add)  → min_tokens (stop tokens of short outputs := -inf)
       → penalties: repetition (divide positive / multiply negative logits of tokens seen in
         the prompt or output), then frequency and presence on output counts (OpenAI)
+      → structured outputs: tokens the row's grammar forbids := -inf
       → sanitize, only if some row max is not finite (NaN := -inf, +inf := float32 max,
-        a row with no finite logit := all 0)
+        a row with no finite logit := all 0, then the grammar's mask again)
       = "processed logits"  ──► logprobs = log_softmax(processed)   (before temperature)
       → greedy rows: argmax
       → random rows: z = (x - max) / temperature → top-k mask on z → probs = softmax(z)
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstack.model.sampling_metadata import SamplingBatch
+from kvstack.model.structured.bitmask import StepMask
 from kvstack.request import Logprob
 
 __all__ = [
@@ -83,8 +85,15 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row. ``logits`` is not modified."""
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, mask: StepMask | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row. ``logits`` is not modified.
+
+        ``mask`` (structured outputs) sets the logits of tokens a row's grammar forbids to
+        -inf after the logits processors; a row left with no finite logit samples
+        uniformly among the tokens its grammar allows.
+        """
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.num_rows}, V)")
         if logits.shape[1] != batch.vocab_size:
@@ -93,9 +102,15 @@ class Sampler:
             return SamplerOutput([], [])
 
         x = apply_logits_processors(logits.float(), batch)
+        if mask is not None:
+            if x is logits:
+                x = x.clone()
+            mask.apply(x)
         row_max = x.amax(dim=-1)  # vectorized, ~15x cheaper than argmax / max(dim)
         if not bool(torch.isfinite(row_max).all()):
             x = _sanitize(x)
+            if mask is not None:
+                mask.apply(x)
             row_max = x.amax(dim=-1)
 
         if batch.all_random:

@@ -27,6 +27,7 @@ from kvstack.request import CompletionOutput, Logprob, RequestOutput
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvstack.serve.tool_calls import ChoiceToolStream
 
 
 @dataclass
@@ -43,6 +44,12 @@ class _ChoiceState:
     lp_sent: int = 0
     role_sent: bool = False
     done: bool = False
+    tools: ChoiceToolStream | None = None  # chat requests with tools
+
+
+def _new_state(req: CompletionRequest | ChatCompletionRequest) -> _ChoiceState:
+    plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
+    return _ChoiceState(tools=None if plan is None else plan.streamer())
 
 
 @dataclass
@@ -199,18 +206,24 @@ class OpenAIHandler:
         tok = self.ctx.tokenizer
         job = jobs[0]
         assert job.last is not None
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tok, c, 0, req.top_logprobs or 0)
-                if req.logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in job.last.outputs
-        ]
+        plan = req.tool_plan()
+        choices = []
+        for c in job.last.outputs:
+            content, calls = (c.text, []) if plan is None else plan.parse(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(tok, c, 0, req.top_logprobs or 0)
+                    if req.logprobs
+                    else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
@@ -269,7 +282,7 @@ class OpenAIHandler:
         req: CompletionRequest | ChatCompletionRequest,
         chat: bool,
     ) -> dict | None:
-        st = job.choices.setdefault(c.index, _ChoiceState())
+        st = job.choices.get(c.index) or job.choices.setdefault(c.index, _new_state(req))
         if st.done:
             return None
         tok = self.ctx.tokenizer
@@ -295,9 +308,14 @@ class OpenAIHandler:
         out: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": c.finish_reason}
         if chat:
             delta: dict[str, Any] = {"content": text}
+            if st.tools is not None:
+                delta = st.tools.delta(text, st.done)
+                if st.done and st.tools.num_calls:
+                    out["finish_reason"] = "tool_calls"
             if first:
                 delta["role"] = "assistant"
-            out["delta"] = delta if (text or first) else {}
+            worth = delta.get("content") or delta.get("tool_calls") or first
+            out["delta"] = delta if worth else {}
         else:
             out["text"] = prefix + text
         if st.done:

@@ -10,10 +10,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
 from kvstack.errors import InvalidRequestError
 from kvstack.request import SamplingParams
+from kvstack.serve.protocol_tools import (
+    MAX_TOOLS,
+    StructuredFields,
+    ToolCallMessage,
+    ToolChoice,
+    ToolDef,
+)
+from kvstack.serve.tool_calls import ToolPlan
 
 MAX_N = 16
 MAX_STOP = 8
@@ -28,7 +44,7 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(_Strict, StructuredFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -106,6 +122,7 @@ class _Sampling(_Strict):
             kv_press=self.kv_press,
             kv_press_ratio=self.kv_press_ratio,
             kv_press_every=self.kv_press_every,
+            structured_outputs=self.structured_params(),
         )
 
     @property
@@ -147,6 +164,22 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (``developer`` becomes ``system``)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -161,6 +194,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    _plan: ToolPlan | None = PrivateAttr(default=None)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -171,21 +208,43 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"may not set {sorted(reserved & set(v))}")
         return v
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         out = []
         for i, m in enumerate(self.messages):
-            text = m.text()
-            if not text and m.role != "assistant":
+            if not m.text() and m.role != "assistant":
                 raise InvalidRequestError(
                     f"messages[{i}] ({m.role}) has empty content", param=f"messages.{i}.content"
                 )
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+            if m.tool_calls and m.role != "assistant":
+                raise InvalidRequestError(
+                    "only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls"
+                )
+            out.append(m.template_dict())
         return out
+
+    def tool_plan(self, parser: str = "hermes", auto_enabled: bool = True) -> ToolPlan | None:
+        """Build (once) what the request's tools mean (``tool_calls.py``); 400 if invalid."""
+        if self._plan is None and self.tools:
+            self._plan = ToolPlan.build(
+                self.tools, self.tool_choice, self.parallel_tool_calls, parser, auto_enabled
+            )
+        elif not self.tools:
+            ToolPlan.build(None, self.tool_choice, None, parser)  # tool_choice without tools
+        return self._plan
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        return self._sampling_params((self.top_logprobs or 0) if self.logprobs else None)
+        sp = self._sampling_params((self.top_logprobs or 0) if self.logprobs else None)
+        forced = None if self._plan is None else self._plan.constraint()
+        if forced is not None:
+            if sp.structured_outputs is not None:
+                raise InvalidRequestError(
+                    "a forced tool_choice cannot be combined with another output constraint",
+                    param="tool_choice",
+                )
+            sp.structured_outputs = forced
+        return sp
 
 
 class TokenizeRequest(_Strict):

@@ -24,6 +24,7 @@ from kvstack.serve.http_errors import ApiError
 from kvstack.serve.openai_api import ApiContext, Job, OpenAIHandler
 from kvstack.serve.output_stream import RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvstack.structured_outputs import SpecTooLargeError
 
 logger = logging.getLogger("kvstack.serve")
 Prompts = list[tuple[list[int], str | None]]  # (token ids, the text they came from)
@@ -69,9 +70,14 @@ class OpenAIRoutes:
         """The request's prompts as token ids (``InvalidRequestError`` if untokenizable)."""
         tok = self.ctx.tokenizer
         if isinstance(req, ChatCompletionRequest):
+            cfg = self.ctx.config
+            plan = req.tool_plan(cfg.tool_call_parser, cfg.enable_auto_tool_choice)
+            messages, tools = req.template_messages(), None
+            if plan is not None:
+                messages, tools = plan.render(messages, tok.chat_template or "")
             ids = tok.apply_chat_template(
-                req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-                tokenize=True, **(req.chat_template_kwargs or {}),
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                tools=tools, **(req.chat_template_kwargs or {}),
             )  # fmt: skip
             assert isinstance(ids, list)
             return [(ids, None)]
@@ -90,6 +96,8 @@ class OpenAIRoutes:
             return await self.handler.start(
                 prompts, req, "chat" if chat else "completions", session
             )
+        except SpecTooLargeError as e:
+            raise ApiError(413, str(e), param=e.param) from None
         except InvalidRequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
         except QueueFullError as e:
