@@ -222,6 +222,7 @@ CASES: list[tuple[str, str, str | None, list[Call]]] = [
         [("météo", {"ville": "Zürich", "ciel": "🌧"})],
     ),
     ("pythonic", "[f(a=1),]", None, [("f", {"a": 1})]),
+    ("pythonic", "[f\n(a=1),\n  g(\n b=2,\n)]", None, [("f", {"a": 1}), ("g", {"b": 2})]),
     ("pythonic", '[f(x=os.system("echo pwned"))]', "<same>", []),
     ("pythonic", '[f(x=__import__("os"))]', "<same>", []),
     ("pythonic", "[f(1)]", "<same>", []),
@@ -374,7 +375,26 @@ PIECES = {
     "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]abc", "[", "]", "{", "}", "hi", "[TOOL_CA"],
     "pythonic": ["[", "]", ", ", ",", "(", ")", "1", "\n", "'", '"', "x=", "text", "#"],
 }
-VALUES = ["é🌧", 'a "q" ]}),', "</tool_call>", 0, -3, 2.5, True, None, [1, {"k": "v"}], {}]
+VALUES = [
+    "é🌧",
+    'a "q" ]}),',
+    "</tool_call>",
+    "two\nlines 'q' end",
+    "back\\slash",
+    0,
+    -3,
+    2.5,
+    True,
+    None,
+    [1, {"k": "v"}],
+]
+
+
+def python_literal(value: object, rng: random.Random) -> str:
+    """``repr``, or for a plain string sometimes a raw triple-quoted literal."""
+    if isinstance(value, str) and "\\" not in value and rng.random() < 0.4:
+        return " + value + "
+    return repr(value)
 
 
 def random_output(name: str, rng: random.Random) -> str:
@@ -404,7 +424,8 @@ def random_output(name: str, rng: random.Random) -> str:
         text = (
             "["
             + ", ".join(
-                n + "(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls
+                n + "(" + ", ".join(f"{k}={python_literal(v, rng)}" for k, v in a.items()) + ")"
+                for n, a in calls
             )
             + "]"
         )
