@@ -481,16 +481,31 @@ def test_hostile_input_never_raises() -> None:
             assert (content, calls) == (text, [])
 
 
-def test_streaming_long_output_is_fast() -> None:
-    """20 calls of 2 kB each, fed a few characters at a time, in well under a second."""
-    body = json.dumps({"code": "x = 1\n" * 300, "n": list(range(50))})
-    text = "".join(
-        f'<tool_call>{{"name": "f{i}", "arguments": {body}}}</tool_call>' for i in range(20)
-    )
-    for name, out in (
-        ("hermes", text),
-        ("pythonic", "[" + ", ".join(f"f{i}(a={body!r})" for i in range(20)) + "]"),
-    ):
-        t0 = time.perf_counter()
-        _, calls, _ = stream(tool_parser(name), [out[i : i + 3] for i in range(0, len(out), 3)])
-        assert len(calls) == 20 and time.perf_counter() - t0 < 2.0, name
+def test_streaming_long_output_is_linear() -> None:
+    """Long outputs fed 3 characters at a time: 200 calls, or one call whose 18 kB
+    argument is full of commas, brackets and escapes (rescanning it per delta would take
+    seconds), in both modes."""
+    code = "a, b] (c} \\n" * 1500
+    many = [(f"f{i}", {"a": i, "s": "x, ]"}) for i in range(200)]
+    outputs = {
+        "hermes": "".join(
+            f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in many
+        ),
+        "llama3_json": "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in many),
+        "mistral": "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in many),
+        "pythonic": "[" + ", ".join(f"{n}(a={a['a']}, s={a['s']!r})" for n, a in many) + "]",
+    }
+    long_ones = {
+        "hermes": f'<tool_call>{{"name": "f", "arguments": {{"code": {json.dumps(code)}}}}}',
+        "llama3_json": f'{{"name": "f", "parameters": {{"code": {json.dumps(code)}}}}}',
+        "mistral": f"[TOOL_CALLS]f[ARGS]{{{json.dumps('code')}: {json.dumps(code)}}}",
+        "pythonic": f"[f(code={code!r}, more=[{', '.join(map(str, range(1500)))}])]",
+    }
+    for name in TOOL_PARSERS:
+        for out, n_calls in ((outputs[name], 200), (long_ones[name], 1)):
+            chunks = [out[i : i + 3] for i in range(0, len(out), 3)]
+            for eager in (True, False):
+                t0 = time.perf_counter()
+                _, calls, _ = stream(tool_parser(name), chunks, eager=eager)
+                took = time.perf_counter() - t0
+                assert len(calls) == n_calls and took < 1.5, (name, n_calls, eager, took)

@@ -23,8 +23,13 @@ calls equal ``extract(text).tool_calls`` but for their ids, for every text and e
 of cutting it into deltas, with one exception that only ``eager=True`` (the default) has:
 when a call was already sent and a LATER part of the region turns out malformed, the
 sent calls stand and the text after the last of them is emitted as content, where
-``extract`` makes the whole text content. ``eager=False`` holds every call until
-``finish`` and then always agrees with ``extract``.
+``extract`` makes the whole text content (the usual cause: ``max_tokens`` cuts the
+second of two calls). ``eager=False`` holds every call until ``finish`` and then always
+agrees with ``extract``.
+
+Cost: each scan resumes after the calls already found (``pythonic`` also resumes inside
+a call through ``memo``), and scans run only on deltas holding one of the parser's
+``closers``, so a stream costs about linear time in its length.
 """
 
 from __future__ import annotations
