@@ -11,9 +11,11 @@ serves every format and streams exactly what ``extract`` returns:
   None while there is none; once found in a prefix it stays the same for every longer text;
 * ``content_end(text)``: with no start yet, how much of ``text`` is content whatever
   follows (a suffix that could begin the start marker is held back);
-* ``scan(region, pos, final)``: the calls complete in the region (text from the start on),
-  read from ``pos`` (0 or an earlier ``resume``), and whether the region can no longer be
-  valid tool calls; ``final`` says no more text will come.
+* ``scan(region, pos, final, memo)``: the calls complete in the region (text from the
+  start on), read from ``pos`` (0 or an earlier ``resume``), and whether the region can no
+  longer be valid tool calls; ``final`` says no more text will come. ``memo`` is scratch
+  space the parser may keep between scans of one growing region (the streamer passes one
+  dict per stream; only ``pythonic`` uses it); the answer never depends on it.
 
 ``extract`` (``ScanningToolParser``) is these three applied to the whole text:
 
@@ -104,7 +106,9 @@ class ToolParser(Protocol):
         """With no start in ``text``: the length of its prefix that is content for sure."""
         ...
 
-    def scan(self, region: str, pos: int, final: bool) -> ScanResult:
+    def scan(
+        self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
+    ) -> ScanResult:
         """Calls complete in ``region`` after ``pos`` (0 or an earlier ``resume``)."""
         ...
 
@@ -126,7 +130,9 @@ class ScanningToolParser:
     def content_end(self, text: str) -> int:
         raise NotImplementedError
 
-    def scan(self, region: str, pos: int, final: bool) -> ScanResult:
+    def scan(
+        self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
+    ) -> ScanResult:
         raise NotImplementedError
 
     def worth_scanning(self, delta: str) -> bool:

@@ -13,7 +13,7 @@ Qwen 2.5 / Qwen 3's templates, and of kvstack's own fallback prompt (``tool_prom
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvstack.serve.tool_parsers.base import (
     RawCall,
@@ -49,7 +49,9 @@ class HermesToolParser(ScanningToolParser):
     def content_end(self, text: str) -> int:
         return len(text) - marker_overlap(text, START)
 
-    def scan(self, region: str, pos: int, final: bool) -> ScanResult:
+    def scan(
+        self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
+    ) -> ScanResult:
         calls: list[RawCall] = []
         resume = pos
         while True:

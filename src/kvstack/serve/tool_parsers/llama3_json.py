@@ -15,7 +15,7 @@ of Llama 3.1 / 3.2 / 4 (``examples/tool_chat_template_llama3.1_json.jinja``):
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvstack.serve.tool_parsers.base import (
     RawCall,
@@ -49,7 +49,9 @@ class Llama3JsonToolParser(ScanningToolParser):
             return 0  # blank so far: a leading "{" may still come
         return len(text) - marker_overlap(text, TAG)
 
-    def scan(self, region: str, pos: int, final: bool) -> ScanResult:
+    def scan(
+        self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
+    ) -> ScanResult:
         calls: list[RawCall] = []
         resume = pos
         i = len(TAG) if pos == 0 and region.startswith(TAG) else pos

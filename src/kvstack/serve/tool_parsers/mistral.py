@@ -19,7 +19,7 @@ the whole text is content (the rule of every kvstack parser).
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvstack.serve.tool_parsers.base import (
     RawCall,
@@ -92,7 +92,9 @@ class MistralToolParser(ScanningToolParser):
     def content_end(self, text: str) -> int:
         return len(text) - marker_overlap(text, START)
 
-    def scan(self, region: str, pos: int, final: bool) -> ScanResult:
+    def scan(
+        self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
+    ) -> ScanResult:
         calls: list[RawCall] = []
         resume = pos
         while True:

@@ -13,14 +13,16 @@ format of Llama 3.2 / 4 pythonic templates and of ToolACE:
   after the list) means the output is not tool calls and is all content.
 
 ``ast.parse`` only builds a syntax tree; nothing is evaluated or imported. Each element is
-cut out by a bracket- and string-aware scan, so a stream can emit a call as soon as the
-``,`` or ``]`` after it arrives.
+cut out by a bracket- and string-aware scan (``pyscan.py``, resumable through the
+streamer's ``memo``), so a stream emits a call as soon as the ``,`` or ``]`` after it
+arrives, and long arguments cost linear time.
 """
 
 from __future__ import annotations
 
 import ast
 import math
+import warnings
 from typing import Any, ClassVar
 
 from kvstack.serve.tool_parsers.base import (
@@ -30,12 +32,9 @@ from kvstack.serve.tool_parsers.base import (
     dump_arguments,
     first_non_space,
 )
+from kvstack.serve.tool_parsers.pyscan import INCOMPLETE, ElementScan, run
 
-_OPEN = {"(": ")", "[": "]", "{": "}"}
-_CLOSE = set(_OPEN.values())
 _SPACE = " \t\r\n"
-INCOMPLETE = -1
-INVALID = -2
 
 
 class _NotLiteral(Exception):
@@ -76,7 +75,11 @@ def _literal(node: ast.expr) -> Any:
 def parse_call(source: str, end: int) -> RawCall | None:
     """``name(kw=literal, ...)`` as a ``RawCall``; None for anything else."""
     try:
-        tree = ast.parse(source.strip(), mode="eval")
+        # In brackets, as in the list: a newline before "(" is no statement end. Invalid
+        # escapes in model text ("\\s") would warn on every parse: not the caller's concern.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse("(" + source + ")", mode="eval")
         call = tree.body
         if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
             return None
@@ -90,57 +93,21 @@ def parse_call(source: str, end: int) -> RawCall | None:
         return None
 
 
-def _string_end(text: str, i: int) -> int:
-    """Offset just past the string literal whose quote is at ``text[i]``."""
-    q = text[i]
-    if i + 2 >= len(text) and text[i + 1 : i + 3] == q * len(text[i + 1 : i + 3]):
-        return INCOMPLETE  # '' or ' at the end: an empty string or a triple quote
-    delim = q * 3 if text.startswith(q * 3, i) else q
-    k = i + len(delim)
-    while k < len(text):
-        c = text[k]
-        if c == "\\":
-            k += 2
-            continue
-        if text.startswith(delim, k):
-            return k + len(delim)
-        if c == "\n" and len(delim) == 1:
-            return INVALID
-        k += 1
-    return INCOMPLETE
+def _element(region: str, i: int, memo: dict[int, Any] | None) -> tuple[int, RawCall | None]:
+    """(end, call) of the element at ``region[i]``, resuming an unfinished scan in ``memo``.
 
-
-def element_end(text: str, i: int) -> int:
-    """Offset of the ``,`` or ``]`` ending the list element at ``text[i]``.
-
-    ``INCOMPLETE`` while the text runs out first, ``INVALID`` for mismatched brackets or a
-    ``#`` comment (which ``pythonic`` does not accept).
+    A finished element is not kept: the caller's ``resume`` moves past it (or the region
+    failed), so no later scan asks for it again.
     """
-    stack: list[str] = []
-    k = i
-    while k < len(text):
-        c = text[k]
-        if c in "'\"":
-            k = _string_end(text, k)
-            if k < 0:
-                return k
-            continue
-        if c == "#":
-            return INVALID
-        if c in _OPEN:
-            stack.append(_OPEN[c])
-        elif c in _CLOSE:
-            if stack:
-                if stack.pop() != c:
-                    return INVALID
-            elif c == "]":
-                return k
-            else:
-                return INVALID
-        elif c == "," and not stack:
-            return k
-        k += 1
-    return INCOMPLETE
+    scan = memo.pop(i, None) if memo is not None else None
+    if not isinstance(scan, ElementScan):
+        scan = ElementScan(i)
+    end = run(region, scan)
+    if end == INCOMPLETE:
+        if memo is not None:
+            memo[i] = scan
+        return end, None
+    return end, (parse_call(region[i:end], end) if end >= 0 else None)
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -162,7 +129,9 @@ class PythonicToolParser(ScanningToolParser):
     def content_end(self, text: str) -> int:
         return 0 if first_non_space(text) is None else len(text)
 
-    def scan(self, region: str, pos: int, final: bool) -> ScanResult:
+    def scan(
+        self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
+    ) -> ScanResult:
         """From ``pos`` 0 (the ``[``) or a ``resume``: the ``,`` or ``]`` after a call."""
         calls: list[RawCall] = []
         resume = pos
@@ -184,10 +153,9 @@ class PythonicToolParser(ScanningToolParser):
                 continue
             if not (c.isidentifier() or c == "_"):
                 return ScanResult(calls, resume, failed=True)  # "[]", "[1, 2]", "[x", ...
-            end = element_end(region, i)
+            end, call = _element(region, i, memo)
             if end == INCOMPLETE:
                 return ScanResult(calls, resume, failed=final)
-            call = parse_call(region[i:end], end) if end >= 0 else None
             if call is None:
                 return ScanResult(calls, resume, failed=True)
             calls.append(call)

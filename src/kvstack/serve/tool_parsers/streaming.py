@@ -23,8 +23,13 @@ calls equal ``extract(text).tool_calls`` but for their ids, for every text and e
 of cutting it into deltas, with one exception that only ``eager=True`` (the default) has:
 when a call was already sent and a LATER part of the region turns out malformed, the
 sent calls stand and the text after the last of them is emitted as content, where
-``extract`` makes the whole text content. ``eager=False`` holds every call until
-``finish`` and then always agrees with ``extract``.
+``extract`` makes the whole text content (the usual cause: ``max_tokens`` cuts the
+second of two calls). ``eager=False`` holds every call until ``finish`` and then always
+agrees with ``extract``.
+
+Cost: each scan resumes after the calls already found (``pythonic`` also resumes inside
+a call through ``memo``), and scans run only on deltas holding one of the parser's
+``closers``, so a stream costs about linear time in its length.
 """
 
 from __future__ import annotations
@@ -80,8 +85,10 @@ class ToolStreamer:
         self._content_started = False  # a non-blank character was emitted
         self._start: int | None = None  # where the tool-call region begins
         self._resume = 0  # region offset to scan from (after the consumed calls)
-        self._consumed_end = 0  # region offset just past the last consumed call
+        self._consumed_end = 0  # region offset just past the last emitted (or dropped) call
+        self._held: list[RawCall] = []  # complete calls not emitted yet (eager=False)
         self._passthrough = False  # the region is content: emit everything
+        self._memo: dict[int, Any] = {}  # the parser's scratch space for this region
         self._finished = False
         self.tool_calls_sent = 0  # calls emitted (finish_reason "tool_calls" when > 0)
 
@@ -142,20 +149,20 @@ class ToolStreamer:
     def _advance(self, final: bool) -> list[StreamEvent]:
         assert self._start is not None
         region = self._text[self._start :]
-        pos = self._resume if self.eager else 0
         try:
-            result = self.parser.scan(region, pos, final)
+            result = self.parser.scan(region, self._resume, final, self._memo)
         except (ValueError, RecursionError, MemoryError):  # defensive, as in extract
             return self._fail()
-        nothing = final and not result.calls and self._consumed_end == 0
-        if result.failed or nothing:
+        self._held += result.calls
+        self._resume = result.resume
+        if result.failed or (final and not self._held and not self._consumed_end):
             return self._fail()
         if not (self.eager or final):
             return []
         events: list[StreamEvent] = []
-        for call in result.calls:
+        for call in self._held:
             events += self._emit(call)
-        self._resume = result.resume
+        self._held = []
         return events
 
     def _emit(self, call: RawCall) -> list[StreamEvent]:
@@ -173,6 +180,7 @@ class ToolStreamer:
         """The region is not tool calls: content from here on."""
         assert self._start is not None
         self._passthrough = True
+        self._held = []
         if self.tool_calls_sent:  # eager's one divergence from extract (module docstring)
             self._sent = max(self._sent, self._start + self._consumed_end)
         return self._flush()
