@@ -24,9 +24,11 @@ from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
+from kvstack.model.chat_template import load_chat_template
 from kvstack.model.fingerprint import model_fingerprint
+from kvstack.model.generation_config import load_generation_defaults
 from kvstack.model.kernels import fallback_counts
-from kvstack.model.registry import build_model, load_tokenizer
+from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
 from kvstack.output_processor import OutputProcessor, ParentState
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -44,6 +46,17 @@ class LLMEngine:
         self.model = build_model(config.model, config.dtype, config.seed)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        if config.chat_template is not None:
+            self.tokenizer.set_chat_template(load_chat_template(config.chat_template))
+        # Sampling defaults of requests that leave a field unset (``--generation-config``).
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, resolve_model_path(config.model)
+        )
+        if self.generation_defaults:
+            logger.info(
+                "default sampling parameters from the generation config: %s (ignore them "
+                "with --generation-config vllm)", self.generation_defaults,
+            )  # fmt: skip
         self.dtype = self.model.dtype
 
         mc = self.model_config
@@ -153,6 +166,11 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ requests
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the generation config's defaults (vLLM's
+        ``get_default_sampling_params``)."""
+        return SamplingParams(**self.generation_defaults)
+
     def new_request_id(self) -> str:
         self._next_id += 1
         return f"req-{self._next_id}"
@@ -170,7 +188,7 @@ class LLMEngine:
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
         salt share cached KV.
         """
-        sp = replace(sampling_params) if sampling_params is not None else SamplingParams()
+        sp = replace(sampling_params or self.default_sampling_params())
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.outputs.parents:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -190,8 +208,12 @@ class LLMEngine:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         sp.validate(vocab)
-        if sp.max_tokens is None:
-            sp.max_tokens = max(1, self.max_model_len - len(ids))
+        if len(trimmed := sp.truncate_prompt(ids, self.max_model_len)) < len(ids):
+            ids, text = trimmed, self.tokenizer.decode(trimmed, skip_special_tokens=False)
+        sp.resolve_bad_words(lambda w: self.tokenizer.encode(w, add_special_tokens=False), vocab)
+        if sp.max_tokens is None:  # the rest of the context, or the generation config's
+            room = max(1, self.max_model_len - len(ids))
+            sp.max_tokens = min(room, self.generation_defaults.get("max_tokens", room))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         press = self.press.resolve(sp)
