@@ -256,6 +256,20 @@ class EngineConfig:
         group=ENGINE, choices=lambda: ("bfloat16", "float32"),
     )  # fmt: skip
     tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
+    chat_template: str | None = option(
+        None,
+        "chat template to use instead of the model's: a file, or the Jinja text itself "
+        "(vLLM's --chat-template)",
+        group=ENGINE, metavar="FILE_OR_TEMPLATE",
+    )  # fmt: skip
+    generation_config: str = option(
+        "auto",
+        "default sampling parameters (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens) for requests that do not set them: 'auto' = "
+        "the model's generation_config.json (a GGUF has none), 'vllm' = none (vLLM's "
+        "defaults), or a folder holding a generation_config.json",
+        group=ENGINE, metavar="auto|vllm|FOLDER",
+    )  # fmt: skip
     seed: int = option(0, "global random seed", group=ENGINE)
     structured_outputs_backend: str = option(
         "auto",
@@ -299,6 +313,6 @@ class EngineConfig:
 
 
 def _structured_backends() -> tuple[str, ...]:
-    from kvstack.model.structured.backend import STRUCTURED_BACKENDS
+    from kvstack.model.structured.backends import STRUCTURED_BACKENDS
 
     return STRUCTURED_BACKENDS.names()

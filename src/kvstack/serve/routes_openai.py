@@ -22,6 +22,7 @@ from kvstack.serve.async_engine import EngineDeadError, QueueFullError
 from kvstack.serve.context import ServerContext
 from kvstack.serve.http_errors import ApiError
 from kvstack.serve.openai_api import ApiContext, Job, OpenAIHandler
+from kvstack.serve.openapi import request_body
 from kvstack.serve.output_stream import RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kvstack.structured_outputs import SpecTooLargeError
@@ -44,12 +45,12 @@ class OpenAIRoutes:
         r = APIRouter()
         ctx = self.ctx
 
-        @r.post("/v1/completions")
+        @r.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
         async def completions(raw: Request) -> Response:
             ctx.check_auth(raw)
             return await self.serve(raw, await ctx.parse(raw, CompletionRequest))
 
-        @r.post("/v1/chat/completions")
+        @r.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
         async def chat_completions(raw: Request) -> Response:
             ctx.check_auth(raw)
             return await self.serve(raw, await ctx.parse(raw, ChatCompletionRequest))
@@ -71,16 +72,8 @@ class OpenAIRoutes:
         tok = self.ctx.tokenizer
         if isinstance(req, ChatCompletionRequest):
             cfg = self.ctx.config
-            plan = req.tool_plan(cfg.tool_call_parser, cfg.enable_auto_tool_choice)
-            messages, tools = req.template_messages(), None
-            if plan is not None:
-                messages, tools = plan.render(messages, tok.chat_template or "")
-            ids = tok.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                tools=tools, **(req.chat_template_kwargs or {}),
-            )  # fmt: skip
-            assert isinstance(ids, list)
-            return [(ids, None)]
+            req.tool_plan(cfg.tool_call_parser, cfg.enable_auto_tool_choice)
+            return [(req.prompt_ids(tok), None)]
         return [
             (tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in req.prompts()
         ]

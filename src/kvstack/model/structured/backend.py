@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 
-from kvstack.registry import Registry
 from kvstack.structured_outputs import StructuredOutputsParams
 
 
@@ -59,19 +58,3 @@ class GrammarBackend(Protocol):
     def fill_bitmask(self, rows: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
         """Write the allowed tokens of each ``(matcher, row)`` into ``bitmask[row]``."""
         ...
-
-
-STRUCTURED_BACKENDS: Registry[type[GrammarBackend]] = Registry("structured outputs backend")
-
-
-def _register() -> None:
-    from kvstack.model.structured.llguidance_backend import LLGuidanceBackend
-
-    STRUCTURED_BACKENDS.add(
-        "llguidance",
-        LLGuidanceBackend,
-        help="Microsoft llguidance (Earley parser + token trie; JSON schema, regex, Lark, GBNF)",
-    )
-
-
-_register()

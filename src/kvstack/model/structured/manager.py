@@ -25,12 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.model.structured.backend import (
-    STRUCTURED_BACKENDS,
-    CompiledGrammar,
-    GrammarBackend,
-    GrammarMatcher,
-)
+from kvstack.model.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from kvstack.model.structured.backends import STRUCTURED_BACKENDS
 from kvstack.model.structured.bitmask import StepMask, allocate_bitmask
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import Request
