@@ -12,6 +12,7 @@ no model declares are ignored, logged and named in the response's
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
 from kvstack.serve.protocol import ChatMessage, chat_prompt_ids, ignored_fields
+from kvstack.serve.tool_calls import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -98,18 +100,21 @@ class ServerContext:
         add_special_tokens: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tool_plan: Callable[[], ToolPlan | None] | None = None,
     ) -> list[int]:
         """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated
-        as a chat completion templates them: ``protocol.chat_prompt_ids``)."""
+        as a chat completion templates them: ``protocol.chat_prompt_ids``, with the tools
+        of ``tool_plan()``)."""
         if (prompt is None) == (messages is None):
             raise ApiError(400, "give exactly one of prompt or messages")
         tok = self.tokenizer
         try:
+            plan = tool_plan() if tool_plan is not None else None
             if messages is not None:
                 return chat_prompt_ids(
                     tok, messages, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
-                    chat_template_kwargs=chat_template_kwargs,
+                    chat_template_kwargs=chat_template_kwargs, plan=plan,
                 )  # fmt: skip
             if isinstance(prompt, str):
                 return tok.encode(prompt, add_special_tokens=add_special_tokens)

@@ -340,7 +340,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them."""
+    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them,
+    with ``tools`` (vLLM's field) and ``tool_choice`` (kvstack's: the fallback prompt
+    names a forced choice) rendered as a chat completion renders them."""
 
     model: str | None = None
     prompt: str | None = None
@@ -349,8 +351,16 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The tools' plan for rendering (400 if invalid); None without tools."""
+        if self.tools and self.messages is None:
+            raise InvalidRequestError("tools need messages", param="tools")
+        return ToolPlan.build(self.tools, self.tool_choice, None, "hermes")
 
 
 class DetokenizeRequest(_Strict):
