@@ -19,20 +19,26 @@ blocks that an earlier prompt already contained, never the whole prompt. Layouts
     few-shot       |H=preamble=|=task=|=8 shots (family)=|.q.|   shots fixed per family
     rag-qa         |H=system=|== document d (1000) ==|.q.|       d ~ Zipf over num_docs
     agent-tools    |H=instructions + <tools> JSON (1500)=|.user (40).| (+ turns: rounds)
+    agent-loop     |H=system (150)=|=tools (8 of 16)=|u0|c0|r0|a0|u1|c1|r1|a1|...  forced
+                   tool calls (c), their results (r) and answers (a): see .agent
 
 ``round`` orders dependencies: turn k of a conversation is round k and needs turn k-1's
 reply; single-turn workloads are all round 0. In multi-turn histories the assistant replies
 are synthetic fixed text (``assistant_len`` tokens): the real engine's replies differ, so a
 benchmark resending these histories prefills those tokens rather than reusing the decode's
 KV; the ideal hit rate counts only prompt tokens that an earlier *prompt* contained.
+agent-loop's requests here carry scripted tool calls; ``kvstack bench serve --workload
+agent-loop`` runs it live instead, each request built from the server's previous reply
+(:mod:`.agent`: a JSONL file cannot express that dependency).
 
 Run ``python -m kvstack.tools.workloads NAME --num-requests N --out FILE.jsonl``. The modules:
 ``spec`` (knobs and requests), ``text`` (word lists and the token-budgeted text maker),
-``builders`` (one per workload), ``stats`` (ideal hit rate, summary), ``jsonl`` (files),
+``builders`` (one per workload), ``agent`` and ``agent_pool`` (agent-loop's sessions and
+tool pool), ``stats`` (ideal hit rate, summary), ``jsonl`` (files),
 ``cli`` (the command line).
 """
 
-from kvstack.tools.workloads.builders import build_workload, make_workload
+from kvstack.tools.workloads.builders import build_workload, make_spec, make_workload
 from kvstack.tools.workloads.cli import main
 from kvstack.tools.workloads.jsonl import read_jsonl, write_jsonl
 from kvstack.tools.workloads.spec import (
@@ -54,6 +60,7 @@ __all__ = [
     "build_workload",
     "ideal_hit_rate",
     "main",
+    "make_spec",
     "make_workload",
     "parse_knob",
     "read_jsonl",

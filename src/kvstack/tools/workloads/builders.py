@@ -1,4 +1,4 @@
-"""The six workload builders: seeded text, rendered with the chat template, in arrival order.
+"""The seven workload builders: seeded text, rendered with the chat template, in arrival order.
 
 Each builder draws its text from sub-generators seeded by ``(seed, workload, piece)``
 (:func:`_rng`), so text shared between requests does not depend on ``num_requests``, and
@@ -12,9 +12,10 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvstack.errors import ConfigError
+from kvstack.tools.workloads.agent import agent_loop_requests
 from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
 from kvstack.tools.workloads.text import (
     QUESTION_OPENERS,
@@ -27,6 +28,9 @@ from kvstack.tools.workloads.text import (
     sys_user,
     tool_call_reply,
 )
+
+if TYPE_CHECKING:
+    from kvstack.model.tokenizer import Tokenizer
 
 
 def _n(value: int | float | None) -> int:
@@ -166,6 +170,11 @@ def _agent_tools(b: _Builder) -> None:
     )
 
 
+def _agent_loop(b: _Builder) -> None:
+    # Scripted calls (see tools/workloads/agent.py): the live loop is bench serve's.
+    b.out.extend(agent_loop_requests(b.spec, cast("Tokenizer", b.tok)))
+
+
 _BUILDERS: dict[str, Callable[[_Builder], None]] = {
     "random": _random,
     "shared-prefix": _shared_prefix,
@@ -173,6 +182,7 @@ _BUILDERS: dict[str, Callable[[_Builder], None]] = {
     "few-shot": _few_shot,
     "rag-qa": _rag_qa,
     "agent-tools": _agent_tools,
+    "agent-loop": _agent_loop,
 }
 
 
@@ -181,6 +191,17 @@ def build_workload(spec: WorkloadSpec, tokenizer: TokenizerLike) -> list[Workloa
     builder = _Builder(spec.resolved(), tokenizer)
     _BUILDERS[builder.spec.name](builder)
     return builder.out
+
+
+def make_spec(
+    name: str, num_requests: int, seed: int = 0, max_tokens: int = 64, **overrides: Any
+) -> WorkloadSpec:
+    """The resolved spec of workload ``name``; ``overrides`` set WorkloadSpec knobs
+    (``ConfigError`` for an unknown knob or a bad value)."""
+    knobs = [f.name for f in dataclasses.fields(WorkloadSpec)[4:]]
+    if unknown := sorted(set(overrides) - set(knobs)):
+        raise ConfigError(f"unknown knob(s) {', '.join(unknown)}; valid: {', '.join(knobs)}")
+    return WorkloadSpec(name, num_requests, seed, max_tokens, **overrides).resolved()
 
 
 def make_workload(
@@ -192,9 +213,4 @@ def make_workload(
     **overrides: Any,
 ) -> list[WorkloadRequest]:
     """``num_requests`` requests of workload ``name``; ``overrides`` set WorkloadSpec knobs."""
-    knobs = {f.name for f in dataclasses.fields(WorkloadSpec)[4:]}
-    if unknown := sorted(set(overrides) - knobs):
-        raise ConfigError(f"unknown knob(s) {', '.join(unknown)}; valid: {', '.join(knobs)}")
-    return build_workload(
-        WorkloadSpec(name, num_requests, seed, max_tokens, **overrides), tokenizer
-    )
+    return build_workload(make_spec(name, num_requests, seed, max_tokens, **overrides), tokenizer)

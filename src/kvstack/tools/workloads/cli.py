@@ -59,8 +59,9 @@ def run_workloads(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Build a workload from ``argv``; exit code 2 (one error line) for a bad knob."""
+    unset = {"num_groups": "ceil(n/32)", "num_sessions": "from n", "num_tool_sets": "sessions"}
     knobs = "\n".join(
-        f"  {name}: " + ", ".join(f"{k}={'ceil(n/32)' if v is None else v}" for k, v in d.items())
+        f"  {name}: " + ", ".join(f"{k}={unset[k] if v is None else v}" for k, v in d.items())
         for name, d in DEFAULTS.items()
     )
     return run_tool(

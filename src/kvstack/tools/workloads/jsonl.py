@@ -15,13 +15,17 @@ def _to_json(req: WorkloadRequest) -> dict[str, Any]:
     body: dict[str, Any]
     body = {"prompt": req.prompt} if req.messages is None else {"messages": req.messages}
     row = {k: v for k, v in dataclasses.asdict(req).items() if k not in ("messages", "prompt")}
-    return {**row, **body, "prompt": req.prompt, "body": {**body, "max_tokens": req.max_tokens}}
+    if req.body_extra is None:
+        del row["body_extra"]  # files of the other workloads stay as they were
+    full = {**body, "max_tokens": req.max_tokens, **(req.body_extra or {})}
+    return {**row, **body, "prompt": req.prompt, "body": full}
 
 
 def write_jsonl(requests: Sequence[WorkloadRequest], path: str | Path) -> None:
     """One JSON object per request and line: the fields, ``messages`` for chat requests,
     ``prompt`` (always, so that :func:`read_jsonl` round-trips exactly) and ``body``, the
-    OpenAI-style request body (``{"messages" | "prompt", "max_tokens"}``)."""
+    OpenAI-style request body (``{"messages" | "prompt", "max_tokens"}``, plus
+    ``body_extra``: agent-loop's ``tools`` and ``tool_choice``, also kept as a field)."""
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(_to_json(r), ensure_ascii=False) + "\n" for r in requests)
 

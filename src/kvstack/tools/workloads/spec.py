@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstack.errors import ConfigError
+from kvstack.tools.workloads.agent_pool import POOL_SIZE
 
 # Per-workload defaults of the knobs that apply to it; other knobs are rejected.
 DEFAULTS: dict[str, dict[str, int | float | None]] = {
@@ -26,11 +27,26 @@ DEFAULTS: dict[str, dict[str, int | float | None]] = {
     "agent-tools": dict(
         system_len=60, tool_schema_len=1500, num_turns=1, user_len=40, assistant_len=40
     ),
+    "agent-loop": dict(
+        num_sessions=None,
+        num_turns=3,
+        system_len=150,
+        user_len=0,
+        num_tools=POOL_SIZE,
+        tools_per_request=8,
+        num_tool_sets=None,
+        tool_result_len=60,
+        answer_len=32,
+        named_tool_choice=0,
+    ),
 }
 WORKLOADS: tuple[str, ...] = tuple(DEFAULTS)
 GROUP_SIZE = 32  # shared-prefix: default num_groups = ceil(num_requests / 32)
 # Knobs that must be >= 1 (all others must be >= 0).
-_AT_LEAST_ONE = "num_requests max_tokens num_groups num_turns num_docs shots docs_per_request"
+_AT_LEAST_ONE = (
+    "num_requests max_tokens num_groups num_turns num_docs shots docs_per_request "
+    "num_sessions num_tools tools_per_request num_tool_sets"
+)
 
 
 @dataclass(frozen=True)
@@ -39,12 +55,13 @@ class WorkloadRequest:
 
     request_id: str
     prompt_token_ids: list[int]  # exact tokens sent to the engine (chat template applied)
-    messages: list[dict[str, str]] | None  # chat messages (OpenAI shape), None for raw prompts
+    messages: list[dict[str, Any]] | None  # chat messages (OpenAI shape), None for raw prompts
     prompt: str  # text form: the rendered template (decodes to about the same)
     max_tokens: int
     session_id: str | None  # conversation id (multi-turn, agent-tools), group id otherwise
     round: int  # may depend on requests of earlier rounds; benchmarks run rounds in order
     arrival_index: int  # global order
+    body_extra: dict[str, Any] | None = None  # more body fields (agent-loop: tools, tool_choice)
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,13 @@ class WorkloadSpec:
       documents of 1000 tokens), documents per request (1, or 2), and the skew: document
       ``d`` is drawn with weight ``1 / (d + 1) ** zipf_s`` (1.0).
     - ``tool_schema_len``: the ``<tools>`` block of JSON function schemas (1500).
+    - agent-loop (:mod:`.agent`; ``system_len`` 150, ``num_turns`` 3, ``user_len`` 0 = the
+      task text alone): ``num_sessions`` (default: whole sessions for ``num_requests``),
+      ``num_tools`` (first tools of the pool used, 16 = all), ``tools_per_request`` (8),
+      ``num_tool_sets`` (distinct seeded tool subsets, default one per session),
+      ``tool_result_len`` (filler tokens in each tool result, 60), ``answer_len`` (max
+      tokens of the answer after each result, 32; 0 = no answer requests) and
+      ``named_tool_choice`` (0: ``tool_choice`` "required"; 1: the turn's tool by name).
     """
 
     name: str
@@ -92,6 +116,13 @@ class WorkloadSpec:
     docs_per_request: int | None = None
     zipf_s: float | None = None
     tool_schema_len: int | None = None
+    num_sessions: int | None = None
+    num_tools: int | None = None
+    tools_per_request: int | None = None
+    num_tool_sets: int | None = None
+    tool_result_len: int | None = None
+    answer_len: int | None = None
+    named_tool_choice: int | None = None
 
     def resolved(self) -> WorkloadSpec:
         """Validated copy with every knob of this workload set (``ConfigError`` if bad)."""
@@ -122,7 +153,20 @@ class WorkloadSpec:
                 raise ConfigError(f"{key} must be >= {low}, got {value!r}")
         if self.name == "rag-qa" and values["docs_per_request"] > values["num_docs"]:
             raise ConfigError("docs_per_request must be <= num_docs")
+        if self.name == "agent-loop":
+            _check_agent_loop(values)
         return dataclasses.replace(self, **values)
+
+
+def _check_agent_loop(values: dict[str, Any]) -> None:
+    if values["num_tools"] > POOL_SIZE:
+        raise ConfigError(
+            f"num_tools must be <= {POOL_SIZE} (the tool pool), got {values['num_tools']}"
+        )
+    if values["tools_per_request"] > values["num_tools"]:
+        raise ConfigError("tools_per_request must be <= num_tools")
+    if values["named_tool_choice"] not in (0, 1):
+        raise ConfigError(f"named_tool_choice must be 0 or 1, got {values['named_tool_choice']}")
 
 
 def parse_knob(text: str) -> tuple[str, float | int]:
