@@ -15,25 +15,28 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvstack.errors import ConfigError
+from kvstack.tools.bench.agent import AgentRun, run_agent_loop
+from kvstack.tools.bench.agent_report import format_agent_report
 from kvstack.tools.bench.client import BenchConfig, normalize_base_url, run_benchmark
 from kvstack.tools.bench.report import (
     SLO_KEYS,
     BenchResult,
+    RequestResult,
     calculate_metrics,
     format_report,
     plot_latencies,
 )
 from kvstack.tools.bench.traffic import arrival_offsets, order_requests
 from kvstack.tools.command import run_tool
-from kvstack.tools.workloads.builders import make_workload
+from kvstack.tools.workloads.builders import make_spec, make_workload
 from kvstack.tools.workloads.jsonl import read_jsonl
-from kvstack.tools.workloads.spec import WORKLOADS, WorkloadRequest, parse_knob
+from kvstack.tools.workloads.spec import WORKLOADS, WorkloadRequest, WorkloadSpec, parse_knob
 
 PROG = "python -m kvstack.tools.bench"
 
@@ -255,6 +258,43 @@ def load_requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
     return reqs, args.workload
 
 
+def agent_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The resolved agent-loop spec of the options (sessions from --num-prompts unless
+    ``--set num_sessions=N``, not both)."""
+    knobs = dict(args.workload_knobs or [])
+    if args.num_prompts is not None and "num_sessions" in knobs:
+        raise ConfigError("give --num-prompts or --set num_sessions, not both")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    n, max_tokens = args.num_prompts or 32, args.max_tokens or 64
+    return make_spec("agent-loop", n, args.seed, max_tokens, **knobs)
+
+
+def _send(
+    args: argparse.Namespace, cfg: BenchConfig, label: str, rate_text: str
+) -> tuple[list[RequestResult], float, str, str, AgentRun | None]:
+    """Send the workload: (results, duration, model, workload name, the agent run)."""
+    where = (
+        f"to {label} ({cfg.endpoint} endpoint), request rate {rate_text}/s, burstiness "
+        f"{cfg.burstiness:g}, max concurrency {cfg.max_concurrency or 'unlimited'}"
+    )
+    if args.workload == "agent-loop" and not args.dataset:
+        from kvstack.model.registry import load_tokenizer
+
+        spec = agent_spec(args)
+        tok = load_tokenizer(args.tokenizer or "default")
+        turns = f"{spec.num_turns} turns of {'named' if spec.named_tool_choice else 'required'}"
+        print(f"Benchmark: agent-loop sessions ({turns} tool calls) {where}", flush=True)
+        run = asyncio.run(run_agent_loop(spec, cfg, tok))
+        return run.results, run.duration, run.model, "agent-loop", run
+    requests, workload = load_requests(args)
+    print(f"Benchmark: {len(requests)} requests of {workload!r} {where}", flush=True)
+    results, duration, model = asyncio.run(run_benchmark(requests, cfg))
+    return results, duration, model, workload, None
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The options as JSON values (no API key, no callables)."""
     out: dict[str, Any] = {}
@@ -296,17 +336,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         disable_tqdm=args.disable_tqdm,
     )
     arrival_offsets(0, rate, cfg.burstiness)  # validate before building the workload
-    requests, workload = load_requests(args)
     label = args.label or cfg.base_url
     rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
-    print(
-        f"Benchmark: {len(requests)} requests of {workload!r} to {label} "
-        f"({cfg.endpoint} endpoint), request rate {rate_text}/s, burstiness "
-        f"{cfg.burstiness:g}, max concurrency {cfg.max_concurrency or 'unlimited'}",
-        flush=True,
-    )
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    results, duration, model = asyncio.run(run_benchmark(requests, cfg))
+    results, duration, model, workload, agent = _send(args, cfg, label, rate_text)
     slos = dict(args.goodput or [])
     metrics: BenchResult = calculate_metrics(results, duration, args.percentiles, slos)
     configured: list[tuple[str, object]] = [("Server:", label), ("Model:", model)]
@@ -314,6 +347,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if cfg.max_concurrency:
         configured.append(("Maximum request concurrency:", cfg.max_concurrency))
     print(format_report(metrics, configured), flush=True)
+    if agent is not None:
+        print(format_agent_report(agent.summary), flush=True)
 
     if args.save_result:
         result = {
@@ -325,13 +360,17 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             "tokenizer_id": args.tokenizer or ("default" if not args.dataset else None),
             "workload": workload,
             "dataset": args.dataset,
-            "num_prompts": len(requests),
+            "num_prompts": len(results),
             "request_rate": rate_text if math.isinf(rate) else rate,
             "burstiness": cfg.burstiness,
             "max_concurrency": cfg.max_concurrency,
             "settings": _settings(args),
             **metrics.to_json(),
         }
+        if agent is not None:
+            result["agent"] = agent.summary.to_json()
+            result["agent_steps"] = [asdict(s) for s in agent.steps]
+            result["tool_calls"] = [r.tool_calls for r in results]
         name = args.result_filename or f"bench-serve-{workload}-{rate_text}-{date}.json"
         path = Path(args.result_dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)

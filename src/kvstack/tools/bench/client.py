@@ -6,7 +6,7 @@ and records a failure (HTTP status and message, an ``error`` event in the stream
 cut before ``[DONE]``/``finish_reason``, a timeout, a refused connection) instead of
 raising. :func:`run_benchmark` (the API for scripts) sends a workload on the schedule of
 :mod:`.traffic`. Multi-turn prompts are the workload's (synthetic assistant turns), not
-the server's replies.
+the server's replies (but agent-loop's live sessions, :mod:`.agent`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def build_payload(
     extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The streaming request body: ``messages`` for chat (a raw prompt becomes one user
-    message), the prompt *text* for completions; ``ignore_eos`` only when set."""
+    message), the prompt *text* for completions; ``ignore_eos`` only when set; then the
+    request's ``body_extra`` (agent-loop: ``tools``, ``tool_choice``), then ``extra_body``."""
     body: dict[str, Any] = {"model": model}
     if endpoint == "chat":
         body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
@@ -51,6 +52,7 @@ def build_payload(
     )
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(req.body_extra or {})
     body.update(extra_body or {})
     return body
 
@@ -63,7 +65,8 @@ async def send_request(
     req: WorkloadRequest,
     timeout: float,
 ) -> RequestResult:
-    """Send one streaming request; never raises (except cancellation)."""
+    """Send one streaming request; never raises (except cancellation). A request with
+    ``tools`` times TTFT and ITLs on every chunk (:meth:`StreamAccumulator.fill`)."""
     res = RequestResult(req.request_id, req.session_id, req.round, len(req.prompt_token_ids))
     acc = StreamAccumulator()
     start = time.perf_counter()
@@ -97,7 +100,7 @@ async def send_request(
     except Exception as e:  # a benchmark client must survive anything a server does
         res.error = f"{type(e).__name__}: {e}"
     res.latency = time.perf_counter() - start
-    acc.fill(res, start)
+    acc.fill(res, start, every_chunk=bool(payload.get("tools")))
     return res
 
 
@@ -128,7 +131,7 @@ def normalize_base_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -137,7 +140,7 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str, cfg: BenchC
     url = f"{base_url}/v1/models"
     try:
         timeout = aiohttp.ClientTimeout(total=min(cfg.timeout, 30.0))
-        async with session.get(url, headers=_headers(cfg.api_key), timeout=timeout) as r:
+        async with session.get(url, headers=auth_headers(cfg.api_key), timeout=timeout) as r:
             body = await r.text()
             if r.status != 200:
                 raise ConfigError(f"GET {url}: HTTP {r.status}: {body.strip()[:300]}")
@@ -165,7 +168,7 @@ async def run_benchmark(
         connector=connector, timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
         model = cfg.model or await fetch_model(session, base, cfg)
-        headers = _headers(cfg.api_key)
+        headers = auth_headers(cfg.api_key)
 
         def send(req: WorkloadRequest) -> Awaitable[RequestResult]:
             payload = build_payload(

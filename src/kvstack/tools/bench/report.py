@@ -63,6 +63,8 @@ class RequestResult:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     status: int | None = None  # HTTP status, None if no response
     error: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # streamed tool_calls
+    finish_reason: str | None = None
 
     @property
     def output_len(self) -> int:

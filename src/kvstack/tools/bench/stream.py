@@ -52,11 +52,18 @@ class StreamAccumulator:
     time they arrived; each ``data:`` line with non-empty ``choices[0].delta.content``
     (chat; also ``reasoning_content``/``reasoning``) or ``choices[0].text`` (completions)
     adds a chunk time. The last ``usage`` object seen wins. Malformed lines are counted
-    and skipped.
+    and skipped. ``delta.tool_calls`` pieces are joined per call ``index`` (OpenAI's
+    streaming format: the id and name come once, the arguments in pieces) into
+    :attr:`tool_calls`; a chunk with such a piece counts as a chunk with text.
+    ``choice_times`` has the time of *every* chunk of choice 0, even one with an empty
+    delta: the TTFT of a tool request (see :meth:`fill`).
     """
 
     texts: list[str] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
+    choice_times: list[float] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: str = ""
     done: bool = False  # data: [DONE] seen
@@ -96,24 +103,62 @@ class StreamAccumulator:
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
+            self.choice_times.append(now)
             delta = choice.get("delta")
+            pieces = False
             if isinstance(delta, dict):
                 text = (
                     delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
                 )
+                pieces = self._tool_pieces(delta.get("tool_calls"))
             else:
                 text = choice.get("text")
             if isinstance(text, str) and text:
                 self.texts.append(text)
+            if (isinstance(text, str) and text) or pieces:
                 self.chunk_times.append(now)
             if choice.get("finish_reason"):
                 self.finished = True
+                self.finish_reason = str(choice["finish_reason"])
 
-    def fill(self, result: RequestResult, start: float) -> None:
-        """Set ``result``'s text, TTFT, ITLs and usage fields (times relative to ``start``)."""
-        times = self.chunk_times
+    def _tool_pieces(self, pieces: Any) -> bool:
+        """Fold ``delta.tool_calls`` into :attr:`calls`; whether there was one."""
+        if not isinstance(pieces, list):
+            return False
+        for piece in pieces:
+            if not isinstance(piece, dict):
+                continue
+            index = piece.get("index", 0)
+            call = self.calls.setdefault(
+                index if isinstance(index, int) else 0,
+                {"id": None, "type": "function", "function": {"name": None, "arguments": ""}},
+            )
+            if piece.get("id"):
+                call["id"] = piece["id"]
+            function = piece.get("function")
+            if isinstance(function, dict):
+                if function.get("name"):
+                    call["function"]["name"] = function["name"]
+                if isinstance(function.get("arguments"), str):
+                    call["function"]["arguments"] += function["arguments"]
+        return bool(pieces)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The streamed calls in index order (OpenAI ``tool_calls`` of a message)."""
+        return [self.calls[i] for i in sorted(self.calls)]
+
+    def fill(self, result: RequestResult, start: float, every_chunk: bool = False) -> None:
+        """Set ``result``'s text, tool calls, finish reason, TTFT, ITLs and usage fields
+        (times relative to ``start``). With ``every_chunk`` (requests with tools) TTFT and
+        ITLs come from every chunk: a forced call's JSON arrives in one delta at the end
+        (kvstack holds it until it parses), while kvstack and vLLM send the first chunk
+        (the role) with the first sampled token and one chunk per token after it."""
+        times = self.choice_times if every_chunk else self.chunk_times
         result.generated_text = "".join(self.texts)
-        result.num_chunks = len(times)
+        result.tool_calls = self.tool_calls
+        result.finish_reason = self.finish_reason
+        result.num_chunks = len(self.chunk_times)
         result.ttft = times[0] - start if times else None
         result.itl = [b - a for a, b in itertools.pairwise(times)]
         usage = self.usage or {}
