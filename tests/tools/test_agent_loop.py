@@ -357,6 +357,15 @@ def test_agent_loop_against_kvstack_serve(tiny_gguf: Path, tmp_path: Path) -> No
         argv += ["--max-tokens", "96", "--temperature", "1", "--extra-body", '{"seed": 2}']
         argv += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
         assert main(argv) == 0
+        # The scripted JSONL form replays through the generic path (--dataset).
+        jsonl = tmp_path / "agent.jsonl"
+        write_jsonl(make_workload("agent-loop", load_tokenizer(tiny_gguf), 4, **SMALL), jsonl)
+        replay = ["--base-url", srv.url, "--dataset", str(jsonl), "--max-tokens", "8"]
+        replay += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "d.json"]
+        assert main(replay) == 0
+    rep = json.loads((tmp_path / "d.json").read_text())
+    assert rep["completed"] == 4 and all(t is not None for t in rep["ttfts"])
+    assert rep["cached_tokens"][-1] > 0
     res = json.loads((tmp_path / "r.json").read_text())
     agent, steps = res["agent"], res["agent_steps"]
     assert res["failed"] == 0 and res["completed"] == agent["requests_sent"] == len(steps)
