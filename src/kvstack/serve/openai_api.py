@@ -325,6 +325,8 @@ class OpenAIHandler:
             if first:
                 delta["role"] = "assistant"
             worth = delta.get("content") or delta.get("tool_calls") or first
+            if not (worth or lp or st.done):
+                return None  # a tool call's text is held back: nothing to send yet
             out["delta"] = delta if worth else {}
         else:
             out["text"] = prefix + text

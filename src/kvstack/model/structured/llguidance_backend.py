@@ -9,11 +9,13 @@ wheel, while xgrammar pulls in triton (hundreds of MB) on a CPU-only install.
 
 Mapping of constraints (vLLM's ``vllm/v1/structured_output/backend_guidance.py`` does the
 same): a schema through ``grammar_from_json_schema`` with flexible whitespace unless
-``disable_any_whitespace``; ``json_object`` as the schema ``{"type": "object"}``; a regex
-as a regex grammar (Rust ``regex`` syntax); a choice as the Lark rule
-``start: "a" | "b"`` (JSON-quoted literals); a grammar as Lark, or GBNF when it uses
-``::=``. Each grammar is checked with the tokenizer and bounded ``LLParserLimits`` at
-compile time, so an invalid or unsupported one is a 400 before anything is queued.
+``disable_any_whitespace``, objects closed where the schema leaves other keys open
+(``closed_objects``: xgrammar's strict default, which vLLM users get); ``json_object``
+as the schema ``{"type": "object"}``; a regex as a regex grammar (Rust ``regex``
+syntax); a choice as the Lark rule ``start: "a" | "b"`` (JSON-quoted literals); a
+grammar as Lark, or GBNF when it uses ``::=``. Each grammar is checked with the
+tokenizer and bounded ``LLParserLimits`` at compile time, so an invalid or unsupported
+one is a 400 before anything is queued.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None and not params.disable_any_whitespace:
                 options["whitespace_pattern"] = params.whitespace_pattern
+            schema = json.loads(params.spec_text())
             return llguidance.LLMatcher.grammar_from_json_schema(
-                params.spec_text(),
+                json.dumps(closed_objects(schema)) if kind == "json" else schema,
                 defaults=options,  # type: ignore[arg-type]  # JsonCompileOptions (TypedDict)
             )
         if kind == "regex":
@@ -86,6 +89,34 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("gbnf" if "::=" in text else "lark", text)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"invalid {kind}: {e}", param=params.param) from None
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing about other keys, as xgrammar's strict mode does (vLLM's
+    default backend; vLLM's guidance backend does it with ``disable_additional_properties``).
+    Without it a small model invents keys until ``max_tokens``. The input is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [closed_objects(sub) for sub in schema[key]]
+    for key in _SCHEMAS:
+        if key in schema:
+            out[key] = closed_objects(schema[key])
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 class LLGuidanceBackend:
