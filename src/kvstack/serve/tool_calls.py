@@ -13,9 +13,11 @@
                 becomes one call of that function
 
 The two forced modes use vLLM's schemas (``ChatCompletionRequest._get_json_schema_from_tool``
-in vLLM's protocol.py), so even a 135M model emits calls that match. Deviation: vLLM keeps
-``finish_reason`` "stop" for a named tool_choice (as OpenAI does); kvstack answers
-"tool_calls" whenever the message carries calls.
+in vLLM's protocol.py), so even a 135M model emits calls that match. Deviations: the
+forced JSON is compact (no whitespace between tokens: the arguments are re-serialized
+anyway, and a small model cannot pad until ``max_tokens``); vLLM keeps ``finish_reason``
+"stop" for a named tool_choice (as OpenAI does), kvstack answers "tool_calls" whenever
+the message carries calls.
 
 Prompt: a chat template that references ``tools`` gets them (and assistant tool calls
 with their arguments parsed into objects, as vLLM's chat_utils does); a template without
@@ -102,7 +104,9 @@ class ToolPlan:
         if self.mode == "named":
             tool = next(t for t in self.tools if t.function.name == self.name)
             return StructuredOutputsParams(
-                json=tool.function.parameters or EMPTY_PARAMETERS, param="tools"
+                json=tool.function.parameters or EMPTY_PARAMETERS,
+                disable_any_whitespace=True,
+                param="tools",
             )
         if self.mode != "required":
             return None
@@ -113,7 +117,7 @@ class ToolPlan:
         }
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, param="tools")
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True, param="tools")
 
     # ------------------------------------------------------------------ prompt
     def render(
