@@ -136,13 +136,12 @@ def test_langchain_bind_tools_and_structured_output(srv: ServerProcess, model: s
     msg = forced.invoke("What's the weather in Rome?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"  # type: ignore[attr-defined]
     jsonschema.validate(msg.tool_calls[0]["args"], WEATHER)  # type: ignore[attr-defined]
-    chunks = list(llm.bind_tools(TOOLS, tool_choice="required").stream("Time in Tokyo?"))
+    required = llm.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False)
+    chunks = list(required.stream("Time in Tokyo?"))
     merged = chunks[0]
     for ch in chunks[1:]:
         merged = merged + ch  # type: ignore[assignment]
     assert merged.tool_calls  # type: ignore[attr-defined]
     for method in ("json_schema", "function_calling"):
-        out = llm.with_structured_output(Customer, method=method).invoke(  # type: ignore[arg-type]
-            "Invent a customer profile for a baker."
-        )
-        assert isinstance(out, Customer)
+        structured = llm.with_structured_output(Customer, method=method)  # type: ignore[arg-type]
+        assert isinstance(structured.invoke("Invent a customer profile for a baker."), Customer)
