@@ -55,6 +55,9 @@ class _Sampling(_Strict):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = None
+    # vLLM: logprobs of every prompt token (null first), in the response's
+    # ``prompt_logprobs`` (completions: per choice; chat: top level).
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # kvstack extension (era 5): a KV press for this request (``kv/press/``).
     kv_press: str | None = None
     kv_press_ratio: float | None = None
@@ -74,7 +77,13 @@ class _Sampling(_Strict):
             raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
-    def _sampling_params(self, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        if self.stream and self.prompt_logprobs:  # vLLM: never streamed
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
+            )
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
             try:
@@ -102,6 +111,7 @@ class _Sampling(_Strict):
             min_tokens=self.min_tokens,
             logit_bias=bias,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             kv_press=self.kv_press,
             kv_press_ratio=self.kv_press_ratio,
@@ -134,8 +144,26 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (vLLM): answer the prompt, generate nothing."""
+        return self.echo and self._max_tokens() == 0
+
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.logprobs)
+        # vLLM: echo with logprobs scores the prompt too (at the same top-k).
+        pl = self.prompt_logprobs
+        if pl is None and self.echo:
+            pl = self.logprobs
+        if self._max_tokens() == 0 and not self.echo:
+            raise InvalidRequestError(
+                "max_tokens must be at least 1 (0 only with echo)", param="max_tokens"
+            )
+        if self.echo_only and self.min_tokens:
+            raise InvalidRequestError("min_tokens needs max_tokens > 0", param="min_tokens")
+        sp = self._sampling_params(self.logprobs, pl)
+        if self.echo_only:  # one token is computed (and not returned), as vLLM does
+            sp.max_tokens = 1
+        return sp
 
 
 class TextPart(_Strict):
@@ -161,6 +189,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: prepend the last message to the answer when it has the answer's role.
+    echo: StrictBool = False
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -172,6 +202,11 @@ class ChatCompletionRequest(_Sampling):
         return v
 
     def template_messages(self) -> list[dict[str, str]]:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "cannot set both continue_final_message and add_generation_prompt to true",
+                param="continue_final_message",
+            )
         out = []
         for i, m in enumerate(self.messages):
             text = m.text()
@@ -185,7 +220,20 @@ class ChatCompletionRequest(_Sampling):
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        return self._sampling_params((self.top_logprobs or 0) if self.logprobs else None)
+        pl = self.prompt_logprobs
+        if pl is None and self.echo and not self.stream:  # vLLM; a stream never shows them
+            pl = self.top_logprobs or 0
+        return self._sampling_params((self.top_logprobs or 0) if self.logprobs else None, pl)
+
+    @property
+    def response_role(self) -> str:
+        """vLLM: "assistant", or the last message's role without a generation prompt."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """What ``echo`` prepends: the last message if it has the answer's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role else ""
 
 
 class TokenizeRequest(_Strict):

@@ -69,12 +69,15 @@ class OpenAIRoutes:
         """The request's prompts as token ids (``InvalidRequestError`` if untokenizable)."""
         tok = self.ctx.tokenizer
         if isinstance(req, ChatCompletionRequest):
-            ids = tok.apply_chat_template(
-                req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-                tokenize=True, **(req.chat_template_kwargs or {}),
+            msgs = req.template_messages()
+            text = tok.apply_chat_template(
+                msgs, add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
             )  # fmt: skip
-            assert isinstance(ids, list)
-            return [(ids, None)]
+            assert isinstance(text, str)
+            if req.continue_final_message:
+                text = open_final_message(text, msgs[-1]["content"])
+            return [(tok.encode(text, add_special_tokens=False), None)]
         return [
             (tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in req.prompts()
         ]
@@ -144,3 +147,20 @@ class OpenAIRoutes:
         wait = self.ctx.config.prefill_flush_timeout_s
         if not await self.ctx.engine.flush_offload(wait):
             logger.warning("prefill: KV stores still queued after %.0fs", wait)
+
+
+def open_final_message(rendered: str, final: str) -> str:
+    """``continue_final_message``: the rendered chat cut right after the last message's
+    text, so the model continues it (what transformers does: the template may strip the
+    message's surrounding whitespace)."""
+    core = final.strip()
+    at = rendered.rfind(core)
+    if not core or at < 0:
+        raise InvalidRequestError(
+            "continue_final_message: the final message does not appear in the rendered chat",
+            param="continue_final_message",
+        )
+    keep = len(final.lstrip())
+    if rendered[at : at + keep] != final.lstrip():
+        keep = len(core)
+    return rendered[: at + keep]
