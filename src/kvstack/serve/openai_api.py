@@ -14,8 +14,10 @@ reason, an optional usage chunk (``stream_options.include_usage``) and ``[DONE]`
 ``echo`` (vLLM's semantics): a completion's text and ``logprobs`` start with the
 prompt's (its logprobs are computed as ``prompt_logprobs`` at the ``logprobs`` top-k, the
 first entry ``null``; streamed in each choice's first chunk; ``max_tokens: 0`` answers
-the prompt alone); a chat answer starts with the last message when that message has the
-answer's role (``add_generation_prompt: false``). vLLM's ``prompt_logprobs`` come back
+the prompt alone; streamed ``text_offset`` values run on across chunks, so the chunks add
+up to the unstreamed answer, where vLLM restarts them at the generated text's length); a
+chat answer starts with the last message when that message has the answer's role
+(``add_generation_prompt: false``). vLLM's ``prompt_logprobs`` come back
 per choice (completions) or at the top level (chat), formatted by ``logprob_format``.
 """
 
