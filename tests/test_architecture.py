@@ -18,7 +18,7 @@ PACKAGE = SRC / "kvstack"
 
 # Module name prefixes by layer, lowest first; the longest matching prefix decides.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "registry", "options", "model_config", "request"),  # 0 base
+    ("errors", "units", "registry", "options", "model_config", "structured_outputs", "request"),
     ("kv", "sched", "stats"),  # 1 bookkeeping and KV memory
     ("model",),  # 2 the model, its runner and sampler
     ("config",),  # 3 engine options, validated against the registries below

@@ -256,7 +256,27 @@ class EngineConfig:
         group=ENGINE, choices=lambda: ("bfloat16", "float32"),
     )  # fmt: skip
     tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
+    chat_template: str | None = option(
+        None,
+        "chat template to use instead of the model's: a file, or the Jinja text itself "
+        "(vLLM's --chat-template)",
+        group=ENGINE, metavar="FILE_OR_TEMPLATE",
+    )  # fmt: skip
+    generation_config: str = option(
+        "auto",
+        "default sampling parameters (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens) for requests that do not set them: 'auto' = "
+        "the model's generation_config.json (a GGUF has none), 'vllm' = none (vLLM's "
+        "defaults), or a folder holding a generation_config.json",
+        group=ENGINE, metavar="auto|vllm|FOLDER",
+    )  # fmt: skip
     seed: int = option(0, "global random seed", group=ENGINE)
+    structured_outputs_backend: str = option(
+        "auto",
+        "grammar engine for structured outputs (response_format, guided_*, forced tool "
+        "calls); auto = llguidance",
+        group=ENGINE, choices=lambda: ("auto", *_structured_backends()),
+    )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -290,3 +310,9 @@ class EngineConfig:
     def describe(cls, indent: str = "    ") -> str:
         """One line per option (name, default, choices, help): the ``LLM`` docstring's list."""
         return describe(cls, indent)
+
+
+def _structured_backends() -> tuple[str, ...]:
+    from kvstack.model.structured.backends import STRUCTURED_BACKENDS
+
+    return STRUCTURED_BACKENDS.names()

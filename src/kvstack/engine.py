@@ -25,9 +25,11 @@ from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.fingerprint import model_fingerprint
+from kvstack.model.generation_config import load_generation_defaults
 from kvstack.model.kernels import fallback_counts
-from kvstack.model.registry import build_model, load_tokenizer
+from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
+from kvstack.model.structured import StructuredOutputManager
 from kvstack.output_processor import OutputProcessor, ParentState
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
@@ -43,7 +45,11 @@ class LLMEngine:
         self.config = config
         self.model = build_model(config.model, config.dtype, config.seed)
         self.model_config = self.model.config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
+        # Sampling defaults of requests that leave a field unset (``--generation-config``).
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, resolve_model_path(config.model)
+        )
         self.dtype = self.model.dtype
 
         mc = self.model_config
@@ -103,7 +109,9 @@ class LLMEngine:
             self.model.scale,
         )
         self.scheduler.press = self.press
-        self.runner = ModelRunner(self.model, self.kv_storage, self.press)
+        so_backend = config.structured_outputs_backend
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
+        self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
@@ -153,6 +161,11 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ requests
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the generation config's defaults (vLLM's
+        ``get_default_sampling_params``)."""
+        return SamplingParams(**self.generation_defaults)
+
     def new_request_id(self) -> str:
         self._next_id += 1
         return f"req-{self._next_id}"
@@ -170,7 +183,7 @@ class LLMEngine:
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
         salt share cached KV.
         """
-        sp = replace(sampling_params) if sampling_params is not None else SamplingParams()
+        sp = replace(sampling_params or self.default_sampling_params())
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.outputs.parents:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -190,11 +203,17 @@ class LLMEngine:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         sp.validate(vocab)
-        if sp.max_tokens is None:
-            sp.max_tokens = max(1, self.max_model_len - len(ids))
+        if len(trimmed := sp.truncate_prompt(ids, self.max_model_len)) < len(ids):
+            ids, text = trimmed, self.tokenizer.decode(trimmed, skip_special_tokens=False)
+        sp.resolve_bad_words(lambda w: self.tokenizer.encode(w, add_special_tokens=False), vocab)
+        if sp.max_tokens is None:  # the rest of the context, or the generation config's
+            room = max(1, self.max_model_len - len(ids))
+            sp.max_tokens = min(room, self.generation_defaults.get("max_tokens", room))
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         press = self.press.resolve(sp)
+        so = sp.structured_outputs
+        grammar = None if so is None else self.structured.compile(so)
         eos = frozenset(self.tokenizer.eos_token_ids)
         children = []
         for i in range(sp.n):
@@ -210,6 +229,8 @@ class LLMEngine:
         for child in children:
             if child.sampling_params.prompt_logprobs is not None:
                 child.prompt_logprobs = [None]
+            if grammar is not None:
+                self.structured.add(child.request_id, grammar)
             self.scheduler.add_request(child)
             self.press.on_request_added(child, press)
             if self.connector is not None:
@@ -223,6 +244,7 @@ class LLMEngine:
         for cid in children:
             self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
         self.outputs.release_finished(children)
+        self.structured.release(children)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -262,12 +284,23 @@ class LLMEngine:
         for req in changed:
             if req.first_token_time is None:
                 req.first_token_time = now
+            if (verdict := result.grammar_stops.get(req.request_id)) and not req.is_finished():
+                self._grammar_stop(req, verdict)
             if self.outputs.on_new_token(req, stream=not final_only):
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             touched.add(req.request_id)
+        self.structured.release(r.request_id for r in changed if r.is_finished())
         outputs = self.outputs.outputs_for(touched, final_only)
         self.outputs.release_finished(touched)
         return outputs
+
+    def _grammar_stop(self, req: Request, verdict: str) -> None:
+        """Finish a request whose grammar is complete (stop) or rejected a token (error)."""
+        status = RequestStatus.FINISHED_STOPPED
+        if verdict != "done":
+            logger.warning("%s: structured output failed: %s", req.request_id, verdict)
+            req.error, status = f"structured output failed: {verdict}", RequestStatus.FINISHED_ERROR
+        self.scheduler.finish_request(req.request_id, status)
 
     def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         for rid, lp in result.logprobs.items():
@@ -294,6 +327,7 @@ class LLMEngine:
             s.request.error = message
             self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
             ids.add(s.request.request_id)
+        self.structured.release(ids)
         outputs = self.outputs.outputs_for(ids)
         self.outputs.release_finished(ids)
         return outputs
@@ -372,6 +406,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         self.press.check_integrity(self.scheduler.requests)
+        self.structured.check_integrity(self.scheduler.requests)
         self.kv_storage.codec.check_integrity()
         if self.connector is not None:
             self.connector.check_integrity()

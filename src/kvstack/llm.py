@@ -10,6 +10,7 @@ import torch
 from kvstack.config import EngineConfig
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
+from kvstack.model.chat_template import load_chat_template
 from kvstack.options import build
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.stats import EngineStats
@@ -69,7 +70,7 @@ class LLM:
                 raise InvalidRequestError("one SamplingParams per prompt, or a single one")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(items)
+            params = [sampling_params or self.get_default_sampling_params()] * len(items)
 
         ids: list[str] = []
         try:
@@ -146,23 +147,41 @@ class LLM:
         """Engine counters: prefix hits, evictions, preemptions, KV usage and waste."""
         return self.engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no ``SamplingParams``: vLLM's defaults
+        overridden by the model's generation config (option ``generation_config``)."""
+        return self.engine.default_sampling_params()
+
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one or several conversations and generate."""
+        """Apply the chat template to one or several conversations and generate.
+
+        Rendered as the server renders a chat (``kvstack.model.chat_template``):
+        ``developer`` messages as ``system``, text parts joined with newlines.
+        ``chat_template`` (a file or the Jinja text) replaces the engine's for this call;
+        ``continue_final_message`` continues a final assistant message (with
+        ``add_generation_prompt=False``).
+        """
         convs: list[Any] = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
+        template = load_chat_template(chat_template) if chat_template is not None else None
         token_ids = []
         for conv in convs:
             ids = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                continue_final_message=continue_final_message, chat_template=template,
+                **(chat_template_kwargs or {}),
+            )  # fmt: skip
             assert isinstance(ids, list)
             token_ids.append(ids)
         return self.generate(

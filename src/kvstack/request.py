@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
+from kvstack.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvstack.kv.press.state import PressState
+
+
+MAX_BAD_WORDS = 128  # vLLM's limit per request
 
 
 @dataclass
@@ -61,10 +66,23 @@ class SamplingParams:
     kv_press_after: int | None = None
     # Press again every this many generated tokens, back to the first press's budget.
     kv_press_every: int | None = None
+    # vLLM's: words that must not be generated (see ``resolve_bad_words``), the only
+    # token ids that may be sampled (None: all), and how many prompt tokens to keep (the
+    # last k; -1: max_model_len; None: all).
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    # ``bad_words`` as token sequences: filled by the engine (``resolve_bad_words``).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # Structured outputs (vLLM's field): the output must match this schema / regex /
+    # choice / grammar (``structured_outputs.py``; compiled in ``model/structured/``).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.top_k == -1:
             self.top_k = 0
 
@@ -119,10 +137,81 @@ class SamplingParams:
                 raise bad(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})")
             if not -100.0 <= float(bias) <= 100.0:
                 raise bad(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
                     raise bad(f"stop token id {tok} is outside the vocabulary [0, {vocab_size})")
+        self._validate_vllm_extras(vocab_size)
+
+    def _validate_vllm_extras(self, vocab_size: int | None) -> None:
+        """``bad_words``, ``allowed_token_ids`` and ``truncate_prompt_tokens`` (vLLM's rules)."""
+        if len(self.bad_words) > MAX_BAD_WORDS or any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise InvalidRequestError(
+                f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings", param="bad_words"
+            )
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise InvalidRequestError(
+                    "allowed_token_ids must not be empty", param="allowed_token_ids"
+                )
+            limit = vocab_size if vocab_size is not None else float("inf")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit
+                   for t in allowed):  # fmt: skip
+                raise InvalidRequestError(
+                    f"allowed_token_ids must be token ids in [0, {vocab_size})",
+                    param="allowed_token_ids",
+                )
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}",
+                param="truncate_prompt_tokens",
+            )
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: ``max_model_len``)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        self._validate_vllm_extras(None)
+        if k > max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len})",
+                param="truncate_prompt_tokens",
+            )
+        k = max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
+    def resolve_bad_words(self, encode: Callable[[str], list[int]], vocab_size: int) -> None:
+        """Fill ``bad_words_token_ids`` (vLLM's ``update_from_tokenizer``): each word is
+        tokenized as given (leading spaces stripped) and, when that gives a new first token
+        of the same length, once more after a space, so the word is banned at the start of
+        the text and in the middle of it. ``encode`` adds no special tokens."""
+        if not self.bad_words:
+            self.bad_words_token_ids = None
+            return
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            if not plain:
+                raise InvalidRequestError(
+                    f"bad word {word!r} encodes to no tokens", param="bad_words"
+                )
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        if any(not 0 <= t < vocab_size for seq in out for t in seq):
+            raise InvalidRequestError(
+                f"bad_words encode to ids outside the vocabulary [0, {vocab_size})",
+                param="bad_words",
+            )
+        self.bad_words_token_ids = out
 
 
 class RequestStatus(enum.Enum):

@@ -119,6 +119,8 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "model": (["/models/m.gguf"], "/models/m.gguf"),
         "dtype": (["float32"], "float32"),
         "tokenizer": (["/models/tok"], "/models/tok"),
+        "chat_template": (["/models/chat.jinja"], "/models/chat.jinja"),
+        "generation_config": (["vllm"], "vllm"),
         "seed": (["7"], 7),
         "block_size": (["32"], 32),
         "num_blocks": (["100"], 100),

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvstack.errors import InvalidRequestError
 from kvstack.model.sampler import (
     Sampler,
     SamplerOutput,
@@ -16,7 +17,7 @@ from kvstack.model.sampler import (
     compute_prompt_logprobs,
     top_p_threshold,
 )
-from kvstack.model.sampling_metadata import SamplingBatch, step_seed
+from kvstack.model.sampling_metadata import SamplingBatch, bad_word_bans, step_seed
 from kvstack.request import Request, SamplingParams
 
 V = 64
@@ -436,3 +437,85 @@ def test_shape_mismatch_is_an_error() -> None:
         Sampler()(torch.zeros(2, V), batch)
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(1, V + 1), batch)
+
+
+# ------------------------------------------------------- allowed_token_ids, bad_words
+
+
+def test_allowed_token_ids_restrict_every_row_that_sets_them() -> None:
+    logits = rand_logits(3, seed=11)
+    allowed = [7, 3, 60]
+    reqs = [
+        mk(0, temperature=0.0, allowed_token_ids=allowed),
+        mk(1, temperature=0.0),
+        mk(2, temperature=1.0, allowed_token_ids=[9], seed=3, logprobs=2),
+    ]
+    batch = SamplingBatch.build(reqs, V)
+    assert batch.needs_logits_processing and batch.allowed_tokens is not None
+    x = apply_logits_processors(logits, batch)
+    assert torch.isfinite(x[0, allowed]).all() and torch.isneginf(x[0]).sum() == V - 3
+    assert torch.equal(x[1], logits[1])
+    out = sample(logits, reqs)
+    assert out.sampled_token_ids[0] == max(allowed, key=lambda t: float(logits[0, t]))
+    assert out.sampled_token_ids[1] == int(logits[1].argmax())
+    assert out.sampled_token_ids[2] == 9
+    lp = out.logprobs[2]
+    assert lp is not None and lp[9].logprob == pytest.approx(0.0)
+    for _ in range(20):  # random rows never leave the allowed set
+        ids = sample(rand_logits(1, seed=_), [mk(0, temperature=2.0, allowed_token_ids=allowed)])
+        assert ids.sampled_token_ids[0] in allowed
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [V]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
+        ({"bad_words": ["x"] * 129}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ],
+)
+def test_vllm_extras_are_validated_with_their_param(bad: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        SamplingParams(**bad).validate(vocab_size=V)
+    assert e.value.param == match
+
+
+def test_bad_words_ban_the_last_token_only_after_the_others() -> None:
+    assert bad_word_bans([[5], [1, 2, 9], [3, 4]], []) == [5]
+    assert bad_word_bans([[5], [1, 2, 9], [3, 4]], [7, 1, 2]) == [5, 9]
+    assert bad_word_bans([[5], [1, 2, 9], [3, 4]], [1, 2, 3]) == [5, 4]
+    assert bad_word_bans([[1, 2, 9]], [2]) == []
+    logits = rand_logits(2, seed=5)
+    logits[:, 9] = 100.0
+    reqs = [mk(0, output=[1, 2], temperature=0.0), mk(1, output=[1, 2], temperature=0.0)]
+    reqs[0].sampling_params.bad_words_token_ids = [[1, 2, 9]]
+    out = sample(logits, reqs)
+    assert out.sampled_token_ids[0] != 9 and out.sampled_token_ids[1] == 9
+    reqs[0].output_token_ids = [2, 1]  # the prefix no longer matches: 9 is fine again
+    assert sample(logits, reqs).sampled_token_ids[0] == 9
+
+
+def test_resolve_bad_words_adds_the_leading_space_variant() -> None:
+    vocab = {"hello": [10, 11], " hello": [12, 11], "x": [20], " x": [21, 20], "y": [30]}
+    sp = SamplingParams(bad_words=["hello", " x", "y"])
+    sp.resolve_bad_words(lambda w: vocab.get(w, [30]), vocab_size=V)
+    # " x" encodes to 2 tokens, "x" to one: vLLM keeps only the plain form.
+    assert sp.bad_words_token_ids == [[10, 11], [12, 11], [20], [30]]
+    with pytest.raises(InvalidRequestError, match="no tokens"):
+        SamplingParams(bad_words=["z"]).resolve_bad_words(lambda w: [], vocab_size=V)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        SamplingParams(bad_words=["z"]).resolve_bad_words(lambda w: [V + 1], vocab_size=V)
+
+
+def test_truncate_prompt_keeps_the_last_tokens() -> None:
+    ids = list(range(10))
+    assert SamplingParams(truncate_prompt_tokens=3).truncate_prompt(ids, 100) == [7, 8, 9]
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(ids, 4) == [6, 7, 8, 9]
+    assert SamplingParams().truncate_prompt(ids, 4) == ids
+    with pytest.raises(InvalidRequestError, match="max_model_len") as e:
+        SamplingParams(truncate_prompt_tokens=50).truncate_prompt(ids, 20)
+    assert e.value.param == "truncate_prompt_tokens"

@@ -200,7 +200,7 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", b"\xff\xfe{}", 400, "UTF-8"),
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ("/v1/completions", {"prompt": "hi", "bogus_field": 1, "max_tokens": "x"}, 400, "max_tokens"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_model_len"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
@@ -246,6 +246,24 @@ def test_bad_input_gets_openai_errors(
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle.lower() in err["message"].lower() and {"type", "param", "code"} <= set(err)
+
+
+def test_unknown_fields_are_ignored_and_reported(srv: ServerProcess) -> None:
+    """As vLLM: an unknown field is accepted, ignored, logged and named in a header."""
+    body = {
+        "messages": [{"role": "user", "content": "Hi", "foo": 1}],
+        "max_tokens": 2,
+        "bogus_field": True,
+        "stream_options": {"include_usage": True, "bar": 0},
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    got = set(r.headers["kvstack-ignored-fields"].split(","))
+    assert got == {"bogus_field", "messages.0.foo", "stream_options.bar"}
+    assert "ignoring unknown fields" in srv.log() and "bogus_field" in srv.log()
+    plain = httpx.post(srv.url + "/tokenize", json={"prompt": "Hi"})
+    assert "kvstack-ignored-fields" not in plain.headers
 
 
 def test_auth_tokenize_pin_reset_and_request_log(srv: ServerProcess, client: openai.OpenAI) -> None:

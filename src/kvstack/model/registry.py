@@ -115,9 +115,17 @@ def build_model(model: str | Path, dtype: str, seed: int) -> LlamaModel:
     return LlamaModel(loaded.config, loaded.weights, DTYPES[dtype])
 
 
-def load_tokenizer(model: str | Path) -> Tokenizer:
-    """The tokenizer of ``model``: from GGUF metadata or the folder's ``tokenizer.json``."""
+def load_tokenizer(model: str | Path, chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer of ``model``: from GGUF metadata or the folder's ``tokenizer.json``;
+    ``chat_template`` (``--chat-template``: a file or inline Jinja) replaces its template."""
+    from kvstack.model.chat_template import load_chat_template
+
     path = resolve_model_path(model)
-    if model_format(path) == "gguf":
-        return Tokenizer.from_gguf(path)
-    return Tokenizer.from_hf_folder(path)
+    tok = (
+        Tokenizer.from_gguf(path)
+        if model_format(path) == "gguf"
+        else Tokenizer.from_hf_folder(path)
+    )
+    if chat_template is not None:
+        tok.set_chat_template(load_chat_template(chat_template))
+    return tok

@@ -22,6 +22,7 @@ from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvstack.kv.press.coordinator import PressCoordinator
+    from kvstack.model.structured.manager import StructuredOutputManager
 
 
 @dataclass
@@ -33,6 +34,9 @@ class RunnerOutput:
     # Era 5: per request whose prompt a press will compress after this step, the queries
     # of its last rows, per layer ``[w, heads, head_dim]`` float32.
     press_queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # Structured outputs: requests whose grammar ended with this step's token ("done")
+    # or rejected it (an error message); the engine finishes them.
+    grammar_stops: dict[str, str] = field(default_factory=dict)
 
 
 def _tokens(req: Request, start: int, n: int) -> list[int]:
@@ -109,7 +113,11 @@ def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, kv: KVStorage, press: PressCoordinator | None = None
+        self,
+        model: LlamaModel,
+        kv: KVStorage,
+        press: PressCoordinator | None = None,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -120,6 +128,7 @@ class ModelRunner:
         self.kernels = load_kernels()
         # Era 5: which rows' queries a press needs (``PressCoordinator.capture_rows``).
         self.press = press
+        self.structured = structured  # grammar masks of constrained requests
         # Request id -> where to keep the full next-token log-distributions of its prompt
         # (``kvstack eval`` teacher forcing; only requests with prompt_logprobs).
         self.capture_logits: dict[str, LogitCapture] = {}
@@ -295,12 +304,22 @@ class ModelRunner:
         if not plan.sample_reqs:
             return
         batch = SamplingBatch.build(plan.sample_reqs, self.vocab_size)
-        sampled = self.sampler(logits[plan.sample_pos], batch)
+        so = (
+            self.structured
+            if self.structured is not None and self.structured.num_requests
+            else None
+        )
+        mask = None if so is None else so.bitmask_for(plan.sample_reqs)
+        sampled = self.sampler(logits[plan.sample_pos], batch, mask)
         for i, req in enumerate(plan.sample_reqs):
-            result.sampled[req.request_id] = sampled.sampled_token_ids[i]
+            token = sampled.sampled_token_ids[i]
+            result.sampled[req.request_id] = token
             lp = sampled.logprobs[i]
             if lp is not None:
                 result.logprobs[req.request_id] = lp
+            verdict = None if mask is None or so is None else so.accept(req.request_id, token)
+            if verdict is not None:
+                result.grammar_stops[req.request_id] = verdict
 
     def _prompt_logprobs(
         self, s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput

@@ -3,20 +3,24 @@
 Order of operations (as vLLM v1)::
 
     logits [B, V] float32
+      → allowed_token_ids (every other token := -inf) → bad_words (the token that would
+        complete a bad word := -inf)
       → logit_bias (sparse add)  → min_tokens (stop tokens of short outputs := -inf)
       → penalties: repetition (divide positive / multiply negative logits of tokens seen in
         the prompt or output), then frequency and presence on output counts (OpenAI)
+      → structured outputs: tokens the row's grammar forbids := -inf
       → sanitize, only if some row max is not finite (NaN := -inf, +inf := float32 max,
-        a row with no finite logit := all 0)
+        a row with no finite logit := all 0, then the grammar's mask again)
       = "processed logits"  ──► logprobs = log_softmax(processed)   (before temperature)
       → greedy rows: argmax
       → random rows: z = (x - max) / temperature → top-k mask on z → probs = softmax(z)
                      → top-p and min-p as one per-row probability threshold
                      → argmax(probs / q), q ~ Exponential(1)
 
-Logprobs are those of the processed distribution: after bias, min_tokens and penalties,
-before temperature, top-k, top-p and min-p (clients see the model's view of each token,
-not the truncated sampling distribution). A token banned by min_tokens has logprob -inf.
+Logprobs are those of the processed distribution: after allowed_token_ids, bad_words,
+bias, min_tokens and penalties, before temperature, top-k, top-p and min-p (clients see
+the model's view of each token, not the truncated sampling distribution). A token banned
+by min_tokens, bad_words or allowed_token_ids has logprob -inf.
 
 The exponential race ``argmax(p / q)`` samples exactly from ``p`` (the Gumbel-max trick
 in the linear domain; ``p`` need not be normalized). q = -log(u), u uniform: one batched
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstack.model.sampling_metadata import SamplingBatch
+from kvstack.model.structured.bitmask import StepMask
 from kvstack.request import Logprob
 
 __all__ = [
@@ -83,8 +88,15 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row. ``logits`` is not modified."""
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, mask: StepMask | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row. ``logits`` is not modified.
+
+        ``mask`` (structured outputs) sets the logits of tokens a row's grammar forbids to
+        -inf after the logits processors; a row left with no finite logit samples
+        uniformly among the tokens its grammar allows.
+        """
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.num_rows}, V)")
         if logits.shape[1] != batch.vocab_size:
@@ -93,9 +105,15 @@ class Sampler:
             return SamplerOutput([], [])
 
         x = apply_logits_processors(logits.float(), batch)
+        if mask is not None:
+            if x is logits:
+                x = x.clone()
+            mask.apply(x)
         row_max = x.amax(dim=-1)  # vectorized, ~15x cheaper than argmax / max(dim)
         if not bool(torch.isfinite(row_max).all()):
             x = _sanitize(x)
+            if mask is not None:
+                mask.apply(x)
             row_max = x.amax(dim=-1)
 
         if batch.all_random:
@@ -161,11 +179,18 @@ def _pick(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, then min_tokens, then penalties. Returns ``logits`` itself if none apply,
-    else a new tensor (the input is never modified)."""
+    """allowed_token_ids, bad_words, logit_bias, min_tokens, then penalties (vLLM's order).
+    Returns ``logits`` itself if none apply, else a new tensor (the input is never
+    modified)."""
     if not batch.needs_logits_processing:
         return logits
     x = logits.clone()
+    if batch.allowed_tokens is not None:
+        rows, allowed = batch.allowed_tokens
+        x[rows] = x[rows].masked_fill_(~allowed, _NEG_INF)
+    if batch.bad_words_ban is not None:
+        rows, toks = batch.bad_words_ban
+        x.index_put_((rows, toks), torch.tensor(_NEG_INF))
     if batch.logit_bias is not None:
         rows, toks, vals = batch.logit_bias
         x.index_put_((rows, toks), vals, accumulate=True)

@@ -13,7 +13,10 @@ itself is a short sequence of batched tensor operations:
   for presence / frequency), built only for rows that use them: a few hundred entries
   instead of a ``[B, V]`` tensor, so applying them costs a gather and a scatter;
 - sparse ``(row, token, value)`` triples for ``logit_bias`` and ``(row, token)`` pairs for
-  the stop tokens that ``min_tokens`` bans;
+  the stop tokens that ``min_tokens`` bans and for the last token of each ``bad_words``
+  sequence whose other tokens end the output so far (vLLM's rule);
+- for the rows with ``allowed_token_ids``, their row indices and a ``[A, V]`` mask of the
+  tokens they may sample;
 - one ``torch.Generator`` per seeded random row, seeded from ``(seed, number of output
   tokens so far)``. The noise a seeded request sees at output position t therefore
   depends only on its seed and t: the same tokens come out whether it runs alone or in
@@ -97,6 +100,10 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (rows, token_ids), each [N]: stop tokens banned while len(output) < min_tokens.
     min_tokens_ban: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows [A], mask [A, V] bool, True = may be sampled) of rows with allowed_token_ids.
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token_ids), each [N]: tokens that would complete one of the row's bad_words.
+    bad_words_ban: tuple[torch.Tensor, torch.Tensor] | None = None
     # (position among random_rows, generator) for each seeded random row.
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
     # Per row: number of top logprobs requested (0 = only the sampled token) or None.
@@ -105,9 +112,14 @@ class SamplingBatch:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """True when logit_bias, min_tokens or a penalty changes some logit this step."""
+        """True when allowed_token_ids, bad_words, logit_bias, min_tokens or a penalty
+        changes some logit this step."""
         return (
-            self.logit_bias is not None or self.min_tokens_ban is not None or not self.no_penalties
+            self.allowed_tokens is not None
+            or self.bad_words_ban is not None
+            or self.logit_bias is not None
+            or self.min_tokens_ban is not None
+            or not self.no_penalties
         )
 
     @property
@@ -210,6 +222,7 @@ class SamplingBatch:
                 torch.tensor(ban_rows, dtype=torch.int64),
                 torch.tensor(ban_toks, dtype=torch.int64),
             )
+        batch.allowed_tokens, batch.bad_words_ban = _vocab_constraints(requests, v)
         if not no_pf:
             rows = [i for i in range(len(requests)) if presence[i] != 0.0 or frequency[i] != 0.0]
             keys, counts = torch.unique(
@@ -224,6 +237,50 @@ class SamplingBatch:
             keys = torch.unique(_token_keys(rows + rows, seqs, v))
             batch.seen_tokens = (keys // v, keys % v)
         return batch
+
+
+def _vocab_constraints(
+    requests: list[Request], vocab_size: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(allowed_tokens, bad_words_ban)`` of a batch (see ``SamplingBatch``)."""
+    allowed_rows: list[int] = []
+    allowed_ids: list[list[int]] = []
+    ban_rows: list[int] = []
+    ban_toks: list[int] = []
+    for row, req in enumerate(requests):
+        sp = req.sampling_params
+        if sp.allowed_token_ids is not None:
+            allowed_rows.append(row)
+            allowed_ids.append(sp.allowed_token_ids)
+        for tok in bad_word_bans(sp.bad_words_token_ids or [], req.output_token_ids):
+            ban_rows.append(row)
+            ban_toks.append(tok)
+    allowed = None
+    if allowed_rows:
+        mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
+        lengths = torch.tensor([len(ids) for ids in allowed_ids], dtype=torch.int64)
+        local = torch.repeat_interleave(torch.arange(len(allowed_rows)), lengths)
+        mask[local, torch.tensor([t for ids in allowed_ids for t in ids], dtype=torch.int64)] = True
+        allowed = (torch.tensor(allowed_rows, dtype=torch.int64), mask)
+    banned = None
+    if ban_rows:
+        banned = (
+            torch.tensor(ban_rows, dtype=torch.int64),
+            torch.tensor(ban_toks, dtype=torch.int64),
+        )
+    return allowed, banned
+
+
+def bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
+    """Tokens to ban after ``output``: the last token of each word (a token sequence)
+    whose other tokens are the end of ``output`` (a one-token word: always)."""
+    n = len(output)
+    out = []
+    for word in words:
+        k = len(word) - 1
+        if k <= n and (k == 0 or output[n - k :] == word[:-1]):
+            out.append(word[-1])
+    return out
 
 
 def _token_keys(rows: list[int], seqs: list[list[int]], vocab_size: int) -> torch.Tensor:

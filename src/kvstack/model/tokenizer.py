@@ -198,15 +198,22 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.unk_token_id = unk_token_id
         self.pad_token_id = pad_token_id
-        self.chat_template = chat_template
         self.source = source
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
         eos = set(extra_eos_token_ids)
         if eos_token_id is not None:
             eos.add(eos_token_id)
+        self._model_eos = frozenset(eos)
+        self.set_chat_template(chat_template)
+
+    def set_chat_template(self, chat_template: str | None) -> None:
+        """Use ``chat_template`` (``--chat-template``); the EOS set follows it: the model's
+        EOS ids plus the turn-end tokens (``<|im_end|>``...) the template writes."""
+        self.chat_template = chat_template
+        eos = set(self._model_eos)
         for piece in TURN_END_TOKENS:
-            tid = backend.token_to_id(piece)
+            tid = self.backend.token_to_id(piece)
             if tid is not None and chat_template and piece in chat_template:
                 eos.add(tid)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
@@ -359,6 +366,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         *,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
@@ -367,7 +375,8 @@ class Tokenizer:
         """Render ``messages`` with the model's chat template, like transformers does.
 
         With ``tokenize=True`` returns ids (encoded without adding BOS/EOS: the template
-        writes whatever special tokens it wants).
+        writes whatever special tokens it wants). ``continue_final_message``: see
+        ``render_chat_template``.
         """
         source = chat_template or self.chat_template
         if not source:
@@ -378,6 +387,7 @@ class Tokenizer:
             source,
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools,
             documents=documents,
             **{**self.special_tokens_map(), **kwargs},

@@ -11,8 +11,11 @@ Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with
 right status: 400 bad input, 401 wrong API key, 404 unknown model or route, 408 request
 timeout, 413 body too large, 429 waiting queue full (with ``Retry-After``), 503 engine
 down. Bodies are read and parsed (``ServerContext.parse``: size limit, UTF-8, JSON,
-nesting) before pydantic validates them, so no malformed input reaches the engine. The
-routes reach the engine only through ``AsyncEngine``'s public methods.
+nesting) before pydantic validates them, so no malformed input reaches the engine; fields
+no model declares are ignored and named in the ``kvstack-ignored-fields`` header
+(``serve/leniency.py``). ``/openapi.json`` documents every request body
+(``serve/openapi.py``). The routes reach the engine only through ``AsyncEngine``'s
+public methods.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import kvstack
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.context import ServerConfig, ServerContext
 from kvstack.serve.http_errors import install_error_handlers
+from kvstack.serve.leniency import IgnoredFieldsHeader
+from kvstack.serve.openapi import publish_models
+from kvstack.serve.protocol import REQUEST_MODELS
 from kvstack.serve.routes_cache import cache_router
 from kvstack.serve.routes_openai import OpenAIRoutes
 from kvstack.serve.routes_ops import ops_router
@@ -55,4 +61,6 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(OpenAIRoutes(ctx).router())
     app.include_router(ops_router(ctx))
     app.include_router(cache_router(ctx))
+    app.add_middleware(IgnoredFieldsHeader)
+    publish_models(app, REQUEST_MODELS)
     return app

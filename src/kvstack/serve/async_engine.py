@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
@@ -117,6 +117,8 @@ class AsyncEngine:
             llm_engine.config.model, llm_engine.max_model_len, llm_engine.model_config.vocab_size
         )
         self.routing_info: KVRoutingInfo = llm_engine.routing_info()  # hash parameters
+        # Sampling defaults of fields a request leaves unset (``--generation-config``).
+        self.generation_defaults: dict[str, Any] = dict(llm_engine.generation_defaults)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

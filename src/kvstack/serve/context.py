@@ -4,14 +4,16 @@
 requests into validated ones, raising ``ApiError`` (an OpenAI error object with its
 status) for anything wrong, so no malformed input reaches the engine: bodies are read
 under ``max_body_bytes``, decoded as UTF-8, parsed as JSON (nesting bounded by the
-recursion limit), required to be objects, and only then validated by pydantic.
+recursion limit), required to be objects, and only then validated by pydantic. Fields
+no model declares are ignored, logged and named in the response's
+``kvstack-ignored-fields`` header (``serve/leniency.py``).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -19,7 +21,8 @@ from pydantic import BaseModel, ValidationError
 from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
-from kvstack.serve.protocol import ChatMessage
+from kvstack.serve.leniency import note_ignored
+from kvstack.serve.protocol import ChatMessage, chat_prompt_ids, ignored_fields
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -35,6 +38,9 @@ class ServerConfig:
     # until its offload tiers hold it, and answers one token; "both" is a plain server.
     role: str = "both"
     prefill_flush_timeout_s: float = 30.0
+    # Tools (``tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
+    tool_call_parser: str = "hermes"
+    enable_auto_tool_choice: bool = True
 
 
 class ServerContext:
@@ -74,13 +80,15 @@ class ServerContext:
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         try:
-            return model.model_validate(data)
+            parsed = model.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
         except RecursionError:
             raise ApiError(400, "JSON nested too deeply") from None
+        note_ignored(raw, ignored_fields(parsed))
+        return parsed
 
     def ids_of(
         self,
@@ -88,22 +96,23 @@ class ServerContext:
         messages: list[ChatMessage] | None,
         add_generation_prompt: bool,
         add_special_tokens: bool,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated)."""
+        """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated
+        as a chat completion templates them: ``protocol.chat_prompt_ids``)."""
         if (prompt is None) == (messages is None):
             raise ApiError(400, "give exactly one of prompt or messages")
         tok = self.tokenizer
         try:
             if messages is not None:
-                msgs = [{"role": m.role, "content": m.text()} for m in messages]
-                ids = tok.apply_chat_template(
-                    msgs, add_generation_prompt=add_generation_prompt, tokenize=True
-                )
-            elif isinstance(prompt, str):
-                ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
-            else:
-                ids = list(prompt or [])
+                return chat_prompt_ids(
+                    tok, messages, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )  # fmt: skip
+            if isinstance(prompt, str):
+                return tok.encode(prompt, add_special_tokens=add_special_tokens)
+            return list(prompt or [])
         except InvalidRequestError as e:
-            raise ApiError(400, str(e)) from None
-        assert isinstance(ids, list)
-        return ids
+            raise ApiError(400, str(e), param=e.param) from None

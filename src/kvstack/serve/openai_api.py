@@ -3,7 +3,8 @@
 A completions request with several prompts becomes one engine request per prompt;
 choice ``i * n + j`` is completion ``j`` of prompt ``i`` (OpenAI's order). Streaming
 sends, per step, each choice's new text as an SSE ``data:`` chunk, then the finish
-reason, an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``::
+reason, an optional usage chunk (``stream_options.include_usage``; with vLLM's
+``continuous_usage_stats`` every chunk also carries the usage so far) and ``[DONE]``::
 
     data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     data: {"choices": [{"index": 0, "delta": {"content": " Paris"}}]}
@@ -17,8 +18,8 @@ first entry ``null``; streamed in each choice's first chunk; ``max_tokens: 0`` a
 the prompt alone; streamed ``text_offset`` values run on across chunks, so the chunks add
 up to the unstreamed answer, where vLLM restarts them at the generated text's length); a
 chat answer starts with the last message when that message has the answer's role
-(``add_generation_prompt: false``). vLLM's ``prompt_logprobs`` come back
-per choice (completions) or at the top level (chat), formatted by ``logprob_format``.
+(``add_generation_prompt: false``). vLLM's ``prompt_logprobs`` come back per choice
+(completions) or at the top level (chat), formatted by ``logprob_format``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvstack.serve.logprob_format import (
 )
 from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvstack.serve.tool_calls import ChoiceToolStream
 
 
 @dataclass
@@ -58,8 +60,14 @@ class _ChoiceState:
     lp_sent: int = 0
     role_sent: bool = False
     done: bool = False
+    tools: ChoiceToolStream | None = None  # chat requests with tools
     echoed: bool = False
     offset: int = 0  # text_offset of the next completions logprobs token
+
+
+def _new_state(req: CompletionRequest | ChatCompletionRequest) -> _ChoiceState:
+    plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
+    return _ChoiceState(tools=None if plan is None else plan.streamer())
 
 
 @dataclass
@@ -106,12 +114,18 @@ class OpenAIHandler:
         endpoint: str,
         session_id: str | None,
     ) -> tuple[str, list[Job]]:
-        """Queue every prompt; on any error abort those already queued and re-raise."""
-        sp = req.sampling_params()
+        """Queue every prompt; on any error abort those already queued and re-raise.
+
+        A prompt is cut to its last ``truncate_prompt_tokens`` here (not only in the
+        engine), so usage and ``echo`` see the prompt the engine ran."""
+        engine = self.ctx.engine
+        sp = req.sampling_params(engine.generation_defaults)
         base = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         try:
-            for i, (ids, text) in enumerate(prompts):
+            for i, (full, full_text) in enumerate(prompts):
+                ids = sp.truncate_prompt(full, engine.model_info.max_model_len)
+                text = full_text if len(ids) == len(full) else None
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 stream = await self.ctx.engine.add(
                     rid,
@@ -202,19 +216,27 @@ class OpenAIHandler:
         tok = self.ctx.tokenizer
         job = jobs[0]
         assert job.last is not None
-        echo, role = req.echo_text(), req.response_role
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": role, "content": echo + c.text},
-                "logprobs": chat_logprobs(tok, c, 0, req.top_logprobs or 0)
-                if req.logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in job.last.outputs
-        ]
+        plan = req.tool_plan()
+        echo = req.echo_text()
+        choices = []
+        for c in job.last.outputs:
+            content, calls = (c.text, []) if plan is None else plan.parse(c.text)
+            if echo:  # vLLM: the last message, then the answer
+                content = echo + (content or "")
+            message: dict[str, Any] = {"role": req.response_role, "content": content}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(tok, c, 0, req.top_logprobs or 0)
+                    if req.logprobs
+                    else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
@@ -255,8 +277,11 @@ class OpenAIHandler:
                 if item.error:
                     yield _sse(error_body(item.error, "server_error", code=500))
                 if choices:
-                    yield _sse({"id": rid, "object": obj, "created": created,
-                                "model": self.ctx.model_name, "choices": choices})  # fmt: skip
+                    chunk = {"id": rid, "object": obj, "created": created,
+                             "model": self.ctx.model_name, "choices": choices}  # fmt: skip
+                    if req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far
+                        chunk["usage"] = usage(jobs)
+                    yield _sse(chunk)
             if req.include_usage:
                 head = {"id": rid, "object": obj, "created": created, "model": self.ctx.model_name}
                 yield _sse({**head, "choices": [], "usage": usage(jobs)})
@@ -274,7 +299,7 @@ class OpenAIHandler:
         req: CompletionRequest | ChatCompletionRequest,
         chat: bool,
     ) -> dict | None:
-        st = job.choices.setdefault(c.index, _ChoiceState())
+        st = job.choices.get(c.index) or job.choices.setdefault(c.index, _new_state(req))
         if st.done:
             return None
         tok = self.ctx.tokenizer
@@ -286,7 +311,7 @@ class OpenAIHandler:
                 return None
             text, lp = piece
         else:
-            text = (req.echo_text() if first else "") + c.text[st.text_sent :]
+            text = c.text[st.text_sent :]
             n_lp = len(c.logprobs or [])
             if c.logprobs is not None and n_lp > st.lp_sent:
                 lp = chat_logprobs(tok, c, st.lp_sent, req.top_logprobs or 0)
@@ -300,9 +325,18 @@ class OpenAIHandler:
         out: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": c.finish_reason}
         if isinstance(req, ChatCompletionRequest):
             delta: dict[str, Any] = {"content": text}
+            if st.tools is not None:
+                delta = st.tools.delta(text, st.done)
+                if st.done and st.tools.num_calls:
+                    out["finish_reason"] = "tool_calls"
             if first:
                 delta["role"] = req.response_role
-            out["delta"] = delta if (text or first) else {}
+                if echo := req.echo_text():  # vLLM: the last message opens the answer
+                    delta["content"] = echo + (delta.get("content") or "")
+            worth = delta.get("content") or delta.get("tool_calls") or first
+            if not (worth or lp or st.done):
+                return None  # a tool call's text is held back: nothing to send yet
+            out["delta"] = delta if worth else {}
         else:
             out["text"] = text
         if st.done:

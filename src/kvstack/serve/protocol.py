@@ -1,19 +1,41 @@
 """OpenAI request bodies (and vLLM's extra sampling fields), validated with pydantic.
 
-Unknown fields are rejected (``extra="forbid"``) the way OpenAI's API rejects an
-unrecognized argument, so a typo never silently changes sampling. Ranges that the
-engine already checks (``SamplingParams.validate``) are left to it, so there is one
-source of truth for what a valid request is.
+Leniency as vLLM's: a field no model declares is accepted and ignored (kept aside in
+``model_extra``); ``ignored_fields`` lists them as dotted paths (``messages.0.foo``,
+``stream_options.bar``) so the server can log them and answer them in the
+``kvstack-ignored-fields`` header: a typo never silently passes unnoticed. Known fields
+stay strictly typed (a wrong type is a 400 naming the field). Ranges that the engine
+already checks (``SamplingParams.validate``) are left to it, so there is one source of
+truth for what a valid request is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
 from kvstack.errors import InvalidRequestError
+from kvstack.model.chat_template import join_text_parts, template_role
+from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import SamplingParams
+from kvstack.serve.protocol_tools import (
+    MAX_TOOLS,
+    StructuredFields,
+    ToolCallMessage,
+    ToolChoice,
+    ToolDef,
+)
+from kvstack.serve.tool_calls import ToolPlan
 
 MAX_N = 16
 MAX_STOP = 8
@@ -21,14 +43,35 @@ MAX_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Known fields strictly typed; unknown ones kept aside and reported (``ignored_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields of ``body`` (nested models and lists included) that no
+    model declares, in the order they appear."""
+    out = [f"{prefix}{name}" for name in body.model_extra or {}]
+    for name in type(body).model_fields:
+        out += _ignored_in(getattr(body, name), f"{prefix}{name}.")
+    return out
+
+
+def _ignored_in(value: Any, prefix: str) -> list[str]:
+    if isinstance(value, BaseModel):
+        return ignored_fields(value, prefix)
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _ignored_in(v, f"{prefix}{i}.")]
+    return []
 
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    # vLLM: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: StrictBool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(_Strict, StructuredFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -55,6 +98,9 @@ class _Sampling(_Strict):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     # vLLM: logprobs of every prompt token (null first), in the response's
     # ``prompt_logprobs`` (completions: per choice; chat: top level).
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -78,12 +124,23 @@ class _Sampling(_Strict):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def _sampling_params(
-        self, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        logprobs: int | None,
+        defaults: Mapping[str, Any] | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The request's ``SamplingParams``; a field it leaves unset takes the value of
+        ``defaults`` (the generation config's, ``--generation-config``) if any, but
+        ``max_tokens``, which the engine resolves (``LLMEngine.add_request``)."""
         if self.stream and self.prompt_logprobs:  # vLLM: never streamed
             raise InvalidRequestError(
                 "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
             )
+        d = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(name, fallback)
+
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
             try:
@@ -95,19 +152,19 @@ class _Sampling(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
-            max_tokens=self._max_tokens(),
+            max_tokens=self._max_tokens(),  # None: the engine's default (generation config)
             min_tokens=self.min_tokens,
             logit_bias=bias,
             logprobs=logprobs,
@@ -116,11 +173,23 @@ class _Sampling(_Strict):
             kv_press=self.kv_press,
             kv_press_ratio=self.kv_press_ratio,
             kv_press_every=self.kv_press_every,
+            bad_words=list(self.bad_words or []),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.structured_params(),
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: ``continuous_usage_stats`` with
+        ``include_usage``)."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 PromptType = str | list[StrictInt] | list[str] | list[list[StrictInt]]
@@ -149,7 +218,7 @@ class CompletionRequest(_Sampling):
         """``echo`` with ``max_tokens: 0`` (vLLM): answer the prompt, generate nothing."""
         return self.echo and self._max_tokens() == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         # vLLM: echo with logprobs scores the prompt too (at the same top-k).
         pl = self.prompt_logprobs
         if pl is None and self.echo:
@@ -160,7 +229,7 @@ class CompletionRequest(_Sampling):
             )
         if self.echo_only and self.min_tokens:
             raise InvalidRequestError("min_tokens needs max_tokens > 0", param="min_tokens")
-        sp = self._sampling_params(self.logprobs, pl)
+        sp = self._sampling_params(self.logprobs, defaults, pl)
         if self.echo_only:  # one token is computed (and not returned), as vLLM does
             sp.max_tokens = 1
         return sp
@@ -175,11 +244,79 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (``developer`` becomes ``system``)."""
+        out: dict[str, Any] = {"role": template_role(self.role), "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
+        """The content as one text: parts joined as ``LLM.chat`` joins them."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return join_text_parts([p.text for p in self.content])
         return self.content or ""
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them (``developer`` as ``system``, parts
+    joined): one function for chat completions, ``/tokenize`` and pins, so a pinned
+    prefix is exactly the tokens a chat computes. Empty content is a 400 but on an
+    assistant message."""
+    out = []
+    for i, m in enumerate(messages):
+        if not m.text() and m.role != "assistant":
+            raise InvalidRequestError(
+                f"messages[{i}] ({m.role}) has empty content", param=f"messages.{i}.content"
+            )
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequestError(
+                "only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls"
+            )
+        out.append(m.template_dict())
+    return out
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    plan: ToolPlan | None = None,
+) -> list[int]:
+    """Token ids of a conversation through the model's chat template (with its tools
+    rendered by ``plan``: the template's own tool section or the fallback)."""
+    msgs, tools = template_messages(messages), None
+    if plan is not None:
+        msgs, tools = plan.render(msgs, tokenizer.chat_template or "")
+    ids = tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, tokenize=True, tools=tools,
+        **(chat_template_kwargs or {}),
+    )  # fmt: skip
+    assert isinstance(ids, list)
+    return ids
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "tools", "documents", "chat_template",
+     "continue_final_message"}
+)  # fmt: skip
+
+
+def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v and _RESERVED_TEMPLATE_KWARGS & set(v):
+        raise ValueError(f"may not set {sorted(_RESERVED_TEMPLATE_KWARGS & set(v))}")
+    return v
 
 
 class ChatCompletionRequest(_Sampling):
@@ -189,41 +326,51 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     # vLLM: prepend the last message to the answer when it has the answer's role.
     echo: StrictBool = False
+    _plan: ToolPlan | None = PrivateAttr(default=None)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = {"messages", "add_generation_prompt", "tokenize", "tools", "documents",
-                    "chat_template", "continue_final_message"}  # fmt: skip
-        if v and reserved & set(v):
-            raise ValueError(f"may not set {sorted(reserved & set(v))}")
-        return v
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequestError(
-                "cannot set both continue_final_message and add_generation_prompt to true",
-                param="continue_final_message",
+    def tool_plan(self, parser: str = "hermes", auto_enabled: bool = True) -> ToolPlan | None:
+        """Build (once) what the request's tools mean (``tool_calls.py``); 400 if invalid."""
+        if self._plan is None and self.tools:
+            self._plan = ToolPlan.build(
+                self.tools, self.tool_choice, self.parallel_tool_calls, parser, auto_enabled
             )
-        out = []
-        for i, m in enumerate(self.messages):
-            text = m.text()
-            if not text and m.role != "assistant":
-                raise InvalidRequestError(
-                    f"messages[{i}] ({m.role}) has empty content", param=f"messages.{i}.content"
-                )
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-        return out
+        elif not self.tools:
+            ToolPlan.build(None, self.tool_choice, None, parser)  # tool_choice without tools
+        return self._plan
 
-    def sampling_params(self) -> SamplingParams:
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The conversation's token ids (``InvalidRequestError`` if it cannot be rendered);
+        call ``tool_plan`` first when the request has tools."""
+        return chat_prompt_ids(
+            tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs, plan=self._plan,
+        )  # fmt: skip
+
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        lp = (self.top_logprobs or 0) if self.logprobs else None
         pl = self.prompt_logprobs
         if pl is None and self.echo and not self.stream:  # vLLM; a stream never shows them
             pl = self.top_logprobs or 0
-        return self._sampling_params((self.top_logprobs or 0) if self.logprobs else None, pl)
+        sp = self._sampling_params(lp, defaults, pl)
+        forced = None if self._plan is None else self._plan.constraint()
+        if forced is not None:
+            if sp.structured_outputs is not None:
+                raise InvalidRequestError(
+                    "a forced tool_choice cannot be combined with another output constraint",
+                    param="tool_choice",
+                )
+            sp.structured_outputs = forced
+        return sp
 
     @property
     def response_role(self) -> str:
@@ -237,11 +384,17 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Strict):
+    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
 
 class DetokenizeRequest(_Strict):
@@ -256,6 +409,12 @@ class PinRequest(_Strict):
     prompt: str | list[StrictInt] | None = None
     messages: list[ChatMessage] | None = None
     cache_salt: str | None = None
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, PinRequest,
+)  # fmt: skip
+"""The request bodies ``/openapi.json`` documents (``serve/openapi.py``)."""
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:

@@ -16,6 +16,7 @@ from kvstack.errors import InvalidRequestError
 from kvstack.serve.context import ServerContext
 from kvstack.serve.http_errors import ApiError
 from kvstack.serve.kv_events_stream import KVEventBroadcaster
+from kvstack.serve.openapi import request_body
 from kvstack.serve.protocol import PinRequest
 
 
@@ -29,7 +30,7 @@ def cache_router(ctx: ServerContext) -> APIRouter:
         ctx.check_model(req.model)
         return ctx.ids_of(req.prompt, req.messages, False, False), req
 
-    @r.post("/v1/cache/pin")
+    @r.post("/v1/cache/pin", openapi_extra=request_body(PinRequest))
     async def pin(raw: Request) -> dict:
         """Compute a prefix (system prompt, tool schema) if needed and pin its blocks."""
         ctx.check_auth(raw)
@@ -40,7 +41,7 @@ def cache_router(ctx: ServerContext) -> APIRouter:
             raise ApiError(400, str(e), param=e.param) from None
         return {"pinned_tokens": done.pinned_tokens, "num_pinned_blocks": done.num_pinned_blocks}
 
-    @r.post("/v1/cache/unpin")
+    @r.post("/v1/cache/unpin", openapi_extra=request_body(PinRequest))
     async def unpin(raw: Request) -> dict:
         ctx.check_auth(raw)
         ids, req = await pin_ids(raw)

@@ -22,8 +22,10 @@ from kvstack.serve.async_engine import EngineDeadError, QueueFullError
 from kvstack.serve.context import ServerContext
 from kvstack.serve.http_errors import ApiError
 from kvstack.serve.openai_api import ApiContext, Job, OpenAIHandler
+from kvstack.serve.openapi import request_body
 from kvstack.serve.output_stream import RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvstack.structured_outputs import SpecTooLargeError
 
 logger = logging.getLogger("kvstack.serve")
 Prompts = list[tuple[list[int], str | None]]  # (token ids, the text they came from)
@@ -43,12 +45,12 @@ class OpenAIRoutes:
         r = APIRouter()
         ctx = self.ctx
 
-        @r.post("/v1/completions")
+        @r.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
         async def completions(raw: Request) -> Response:
             ctx.check_auth(raw)
             return await self.serve(raw, await ctx.parse(raw, CompletionRequest))
 
-        @r.post("/v1/chat/completions")
+        @r.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
         async def chat_completions(raw: Request) -> Response:
             ctx.check_auth(raw)
             return await self.serve(raw, await ctx.parse(raw, ChatCompletionRequest))
@@ -69,15 +71,9 @@ class OpenAIRoutes:
         """The request's prompts as token ids (``InvalidRequestError`` if untokenizable)."""
         tok = self.ctx.tokenizer
         if isinstance(req, ChatCompletionRequest):
-            msgs = req.template_messages()
-            text = tok.apply_chat_template(
-                msgs, add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )  # fmt: skip
-            assert isinstance(text, str)
-            if req.continue_final_message:
-                text = open_final_message(text, msgs[-1]["content"])
-            return [(tok.encode(text, add_special_tokens=False), None)]
+            cfg = self.ctx.config
+            req.tool_plan(cfg.tool_call_parser, cfg.enable_auto_tool_choice)
+            return [(req.prompt_ids(tok), None)]
         return [
             (tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in req.prompts()
         ]
@@ -93,6 +89,8 @@ class OpenAIRoutes:
             return await self.handler.start(
                 prompts, req, "chat" if chat else "completions", session
             )
+        except SpecTooLargeError as e:
+            raise ApiError(413, str(e), param=e.param) from None
         except InvalidRequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
         except QueueFullError as e:
@@ -147,20 +145,3 @@ class OpenAIRoutes:
         wait = self.ctx.config.prefill_flush_timeout_s
         if not await self.ctx.engine.flush_offload(wait):
             logger.warning("prefill: KV stores still queued after %.0fs", wait)
-
-
-def open_final_message(rendered: str, final: str) -> str:
-    """``continue_final_message``: the rendered chat cut right after the last message's
-    text, so the model continues it (what transformers does: the template may strip the
-    message's surrounding whitespace)."""
-    core = final.strip()
-    at = rendered.rfind(core)
-    if not core or at < 0:
-        raise InvalidRequestError(
-            "continue_final_message: the final message does not appear in the rendered chat",
-            param="continue_final_message",
-        )
-    keep = len(final.lstrip())
-    if rendered[at : at + keep] != final.lstrip():
-        keep = len(core)
-    return rendered[: at + keep]

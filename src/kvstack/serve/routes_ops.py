@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import kvstack
 from kvstack.serve.context import ServerContext
 from kvstack.serve.http_errors import ApiError
+from kvstack.serve.openapi import request_body
 from kvstack.serve.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -52,16 +53,17 @@ def ops_router(ctx: ServerContext) -> APIRouter:
         data = generate_latest(metrics.registry) if metrics is not None else b""
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
-    @r.post("/tokenize")
+    @r.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(raw: Request) -> dict:
         req = await ctx.parse(raw, TokenizeRequest)
         ctx.check_model(req.model)
         ids = ctx.ids_of(
-            req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens
-        )
+            req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens,
+            req.continue_final_message, req.chat_template_kwargs,
+        )  # fmt: skip
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.model_info.max_model_len}
 
-    @r.post("/detokenize")
+    @r.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> dict:
         req = await ctx.parse(raw, DetokenizeRequest)
         ctx.check_model(req.model)

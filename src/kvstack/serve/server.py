@@ -83,6 +83,19 @@ class ServerOptions:
         "on SIGTERM, seconds to let in-flight requests finish before aborting them",
         group=SERVER,
     )
+    tool_call_parser: str = option(
+        "hermes",
+        "how tool calls are read from the output under tool_choice auto (vLLM's flag); "
+        "the default model's prompt asks for hermes' <tool_call>{json}</tool_call>",
+        group=SERVER, choices=lambda: _tool_parsers(),
+    )  # fmt: skip
+    enable_auto_tool_choice: bool = option(
+        True,
+        "parse tool calls under tool_choice auto (on by default; vLLM needs "
+        "--enable-auto-tool-choice for it)",
+        group=SERVER, flag="--no-enable-auto-tool-choice",
+        flag_help="answer tool_choice auto with 400, as vLLM without --enable-auto-tool-choice",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -102,6 +115,12 @@ class ServerOptions:
                 f"--role {self.role} needs --kv-offload with a tier the replicas share "
                 "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
             )
+
+
+def _tool_parsers() -> tuple[str, ...]:
+    from kvstack.serve.tool_parsers import TOOL_PARSERS
+
+    return TOOL_PARSERS.names()
 
 
 def default_served_name(model: str) -> str:
@@ -138,6 +157,8 @@ def build_server(
             request_timeout_s=options.request_timeout,
             shutdown_grace_s=options.shutdown_grace,
             role=options.role,
+            tool_call_parser=options.tool_call_parser,
+            enable_auto_tool_choice=options.enable_auto_tool_choice,
         ),
     )
     return llm, engine, app, name

@@ -2,9 +2,10 @@
 
 A KV-aware router must hash exactly the tokens the engine will hash, so it tokenizes
 the same way ``serve/routes_openai.py`` does: a completion's (first) prompt with
-``tokenizer.encode`` or as given ids, a chat through the model's chat template with
-``add_generation_prompt``. A body the router cannot parse is not its business: it
-returns None and the request is routed by load; the replica answers the 400.
+``tokenizer.encode`` or as given ids, a chat with ``ChatCompletionRequest.prompt_ids``
+(the model's chat template, as the replica renders it). A body the router cannot parse
+is not its business: it returns None and the request is routed by load; the replica
+answers the 400.
 """
 
 from __future__ import annotations
@@ -34,11 +35,7 @@ def prompt_info(tokenizer: Any, path: str, body: bytes) -> PromptInfo | None:
             return None
         if path.endswith("/chat/completions"):
             chat = ChatCompletionRequest.model_validate(data)
-            ids = tokenizer.apply_chat_template(
-                chat.template_messages(), add_generation_prompt=chat.add_generation_prompt,
-                tokenize=True, **(chat.chat_template_kwargs or {}),
-            )  # fmt: skip
-            return PromptInfo(list(ids), chat.cache_salt, chat.stream)
+            return PromptInfo(chat.prompt_ids(tokenizer), chat.cache_salt, chat.stream)
         comp = CompletionRequest.model_validate(data)
         first = comp.prompts()[0]
         ids = tokenizer.encode(first) if isinstance(first, str) else list(first)

@@ -32,8 +32,9 @@ from kvstack.serve.protocol import error_body
 logger = logging.getLogger("kvstack.route")
 
 FORWARD_RESPONSE_HEADERS = frozenset(
-    {"content-type", "content-encoding", "retry-after", "x-request-id", "cache-control"}
-)
+    {"content-type", "content-encoding", "retry-after", "x-request-id", "cache-control",
+     "kvstack-ignored-fields"}  # serve/leniency.py: the body fields the replica ignored
+)  # fmt: skip
 
 
 def sse_error(message: str) -> bytes:
