@@ -19,8 +19,7 @@ import torch
 from kvstack import LLM, SamplingParams
 from kvstack.errors import InvalidRequestError
 from kvstack.model.structured.bitmask import StepMask, allocate_bitmask, apply_bitmask
-from kvstack.model.structured.llguidance_backend import closed_objects
-from kvstack.structured_outputs import MAX_SPEC_BYTES, SpecTooLargeError
+from kvstack.structured_outputs import MAX_SPEC_BYTES, SpecTooLargeError, closed_objects
 from kvstack.structured_outputs import StructuredOutputsParams as SO
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 

@@ -104,8 +104,10 @@ def test_required_and_named_tool_choice(client: TestClient, llm: LLM) -> None:
         assert len(c["message"]["tool_calls"]) == 1
         if choice == named:
             assert c["message"]["tool_calls"][0]["function"]["name"] == "get_time"
-        content, calls, finish = stream_chat(client, tools=TOOLS, tool_choice=choice)
-        assert finish == "tool_calls" and content == ""
+        content, calls, finish = stream_chat(
+            client, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False
+        )
+        assert finish == "tool_calls" and content == "" and len(calls) == 1
         valid_calls(calls)
     llm.engine.check_integrity()
 
