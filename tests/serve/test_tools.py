@@ -211,3 +211,44 @@ def test_bad_input_gets_an_openai_error_and_loses_nothing(
     eng = llm.engine
     assert not eng.has_unfinished_requests() and eng.structured.num_requests == 0
     assert eng.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_tokenize_documents_and_tool_history_render_like_chat(
+    client: TestClient, engine: AsyncEngine, llm: LLM
+) -> None:
+    seen: list[list[int]] = []
+    real = engine.add
+
+    async def spy(rid: str, ids: list[int], *a: Any, **kw: Any) -> Any:
+        seen.append(list(ids))
+        return await real(rid, ids, *a, **kw)
+
+    docs = [{"title": "Hours", "text": "Open 10 to 18."}, {"text": "Tickets cost 5 EUR."}]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "12:00"},
+    ]  # fmt: skip
+    engine.add = spy  # type: ignore[method-assign]
+    try:
+        chat(client, tools=TOOLS, max_tokens=1)
+        chat(client, documents=docs, max_tokens=1)
+        chat(client, messages=history, max_tokens=1)  # tools left out of a later turn
+    finally:
+        engine.add = real  # type: ignore[method-assign]
+    tok = client.post("/tokenize", json={"messages": ASK, "tools": TOOLS})
+    assert tok.status_code == 200 and tok.json()["tokens"] == seen[0]
+    decode = llm.engine.tokenizer.decode
+    with_docs = decode(seen[1], skip_special_tokens=False)
+    assert (
+        '# Documents\n\n<document index="1" title="Hours">\nOpen 10 to 18.\n</document>'
+        in with_docs
+    )
+    assert '<document index="2">\nTickets cost 5 EUR.\n</document>' in with_docs
+    later = decode(seen[2], skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>' in later
+    assert "<tool_response>\n12:00\n</tool_response>" in later and "<tools>" not in later
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "documents": [{}] * 65})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"

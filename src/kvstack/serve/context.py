@@ -22,7 +22,8 @@ from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
-from kvstack.serve.protocol import ChatMessage, chat_prompt_ids, ignored_fields
+from kvstack.serve.protocol import ChatMessage, TokenizeRequest, chat_prompt_ids, ignored_fields
+from kvstack.serve.tool_calls import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -98,6 +99,7 @@ class ServerContext:
         add_special_tokens: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: TokenizeRequest | None = None,  # its tools, tool_choice and documents
     ) -> list[int]:
         """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated
         as a chat completion templates them: ``protocol.chat_prompt_ids``)."""
@@ -106,10 +108,14 @@ class ServerContext:
         tok = self.tokenizer
         try:
             if messages is not None:
+                plan = None if tools is None else ToolPlan.build(
+                    tools.tools, tools.tool_choice, None, self.config.tool_call_parser
+                )  # fmt: skip
                 return chat_prompt_ids(
                     tok, messages, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
-                    chat_template_kwargs=chat_template_kwargs,
+                    chat_template_kwargs=chat_template_kwargs, plan=plan,
+                    documents=None if tools is None else tools.documents,
                 )  # fmt: skip
             if isinstance(prompt, str):
                 return tok.encode(prompt, add_special_tokens=add_special_tokens)

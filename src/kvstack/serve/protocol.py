@@ -28,6 +28,7 @@ from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import join_text_parts, template_role
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import SamplingParams
+from kvstack.serve.documents import MAX_DOCUMENTS, with_documents
 from kvstack.serve.protocol_tools import (
     MAX_TOOLS,
     StructuredFields,
@@ -36,6 +37,7 @@ from kvstack.serve.protocol_tools import (
     ToolDef,
 )
 from kvstack.serve.tool_calls import ToolPlan
+from kvstack.serve.tool_prompt import fallback_messages, template_supports_tools
 
 MAX_N = 16
 MAX_STOP = 8
@@ -292,16 +294,24 @@ def chat_prompt_ids(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     plan: ToolPlan | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation through the model's chat template (with its tools
-    rendered by ``plan``: the template's own tool section or the fallback)."""
+    """Token ids of a conversation through the model's chat template, with its tools
+    rendered by ``plan`` and its ``documents`` (the template's own sections, or the
+    fallbacks of ``tool_prompt.py`` and ``documents.py`` for a template without them)."""
+    template = tokenizer.chat_template or ""
     msgs, tools = template_messages(messages), None
     if plan is not None:
-        msgs, tools = plan.render(msgs, tokenizer.chat_template or "")
+        msgs, tools = plan.render(msgs, template)
+    elif not template_supports_tools(template) and any(
+        m.get("tool_calls") or m["role"] == "tool" for m in msgs
+    ):  # a tool conversation continued without tools: its calls still reach the prompt
+        msgs = fallback_messages(msgs, [])
+    msgs, docs = with_documents(msgs, documents, template)
     ids = tokenizer.apply_chat_template(
         msgs, add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message, tokenize=True, tools=tools,
-        **(chat_template_kwargs or {}),
+        documents=docs, **(chat_template_kwargs or {}),
     )  # fmt: skip
     assert isinstance(ids, list)
     return ids
@@ -329,6 +339,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_DOCUMENTS)] | None = None
     # vLLM: prepend the last message to the answer when it has the answer's role.
     echo: StrictBool = False
     _plan: ToolPlan | None = PrivateAttr(default=None)
@@ -352,6 +363,7 @@ class ChatCompletionRequest(_Sampling):
             tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs, plan=self._plan,
+            documents=self.documents,
         )  # fmt: skip
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -384,11 +396,15 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them."""
+    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them
+    (with the same ``tools`` and ``documents``)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_DOCUMENTS)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
