@@ -101,7 +101,10 @@ class OutputProcessor:
             if req.num_cached_tokens >= cached:
                 cached = req.num_cached_tokens
                 by_tier = req.cached_tokens_by_tier
-            if prompt_logprobs is None:
+            # n > 1: every child scores the prompt; report the one furthest along.
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) > len(
+                prompt_logprobs or []
+            ):
                 prompt_logprobs = req.prompt_logprobs
             outs.append(
                 CompletionOutput(

@@ -120,3 +120,31 @@ class StructuredOutputsParams:
             )
         if len(c) > MAX_CHOICES:
             raise InvalidRequestError(f"at most {MAX_CHOICES} choices", param=self.param)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing about other keys, as xgrammar's strict mode does (vLLM's
+    default backend; vLLM's guidance backend does it with ``disable_additional_properties``).
+    Without it a small model invents keys until ``max_tokens``. The input is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [closed_objects(sub) for sub in schema[key]]
+    for key in _SCHEMAS:
+        if key in schema:
+            out[key] = closed_objects(schema[key])
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+        out["additionalProperties"] = False
+    return out

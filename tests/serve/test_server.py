@@ -82,13 +82,25 @@ def test_completions_match_offline_engine(client: openai.OpenAI, srv: ServerProc
     want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
     assert got.choices[0].text == want.outputs[0].text
     assert got.usage is not None and got.usage.completion_tokens == 12
+    # echo + logprobs (lm-evaluation-harness's loglikelihood request): the prompt's
+    # logprobs, null first, are the offline engine's prompt_logprobs.
     echo = client.completions.create(
         model=srv_model(client), prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2
     )
+    ref = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2)
+    )[0]
+    assert ref.prompt_logprobs is not None and ref.outputs[0].logprobs is not None
     c = echo.choices[0]
-    assert c.text.startswith(prompt) and c.logprobs is not None
-    assert len(c.logprobs.tokens or []) == 3
-    assert all(len(t) <= 3 for t in c.logprobs.top_logprobs or [])
+    assert c.text == prompt + ref.outputs[0].text
+    assert c.logprobs is not None and c.logprobs.token_logprobs is not None
+    ids = ref.prompt_token_ids + ref.outputs[0].token_ids
+    assert len(c.logprobs.tokens or []) == len(ids) == len(ref.prompt_token_ids) + 3
+    entries = ref.prompt_logprobs + ref.outputs[0].logprobs
+    want_lps = [None if e is None else e[t].logprob for t, e in zip(ids, entries, strict=True)]
+    assert c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(want_lps[1:], abs=1e-3)
+    assert all(t is None or len(t) <= 3 for t in c.logprobs.top_logprobs or [])
 
 
 def srv_model(client: openai.OpenAI) -> str:

@@ -6,7 +6,8 @@
 * ``app``: ``create_app`` assembling the routes of ``routes_openai`` (completions,
   chat, models), ``routes_cache`` (pins, reset, KV events) and ``routes_ops`` (health,
   load, metrics, tokenize) over ``context.ServerContext`` (options, body parsing);
-* ``openai_api``: engine outputs to OpenAI bodies and SSE chunks; ``protocol``: the
+* ``openai_api``: engine outputs to OpenAI bodies and SSE chunks (``logprob_format``:
+  logprobs, ``echo``'s prompt logprobs, vLLM's ``prompt_logprobs``); ``protocol``: the
   pydantic request bodies; ``http_errors``: OpenAI error objects, auth, body limits
   (shared with ``kvstack router``); ``kv_events_stream``: ``GET /v1/kv_events``;
   ``metrics``: the Prometheus registry;

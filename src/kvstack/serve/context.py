@@ -12,7 +12,6 @@ no model declares are ignored, logged and named in the response's
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,7 +22,7 @@ from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
-from kvstack.serve.protocol import ChatMessage, chat_prompt_ids, ignored_fields
+from kvstack.serve.protocol import ChatMessage, TokenizeRequest, chat_prompt_ids, ignored_fields
 from kvstack.serve.tool_calls import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
@@ -100,21 +99,26 @@ class ServerContext:
         add_special_tokens: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-        tool_plan: Callable[[], ToolPlan | None] | None = None,
+        tools: TokenizeRequest | None = None,  # its tools, tool_choice and documents
     ) -> list[int]:
         """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated
         as a chat completion templates them: ``protocol.chat_prompt_ids``, with the tools
-        of ``tool_plan()``)."""
+        and documents of ``tools``)."""
         if (prompt is None) == (messages is None):
             raise ApiError(400, "give exactly one of prompt or messages")
         tok = self.tokenizer
         try:
-            plan = tool_plan() if tool_plan is not None else None
+            if tools is not None and (tools.tools or tools.documents) and messages is None:
+                raise InvalidRequestError("tools and documents need messages", param="tools")
             if messages is not None:
+                plan = None if tools is None else ToolPlan.build(
+                    tools.tools, tools.tool_choice, None, self.config.tool_call_parser
+                )  # fmt: skip
                 return chat_prompt_ids(
                     tok, messages, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template_kwargs=chat_template_kwargs, plan=plan,
+                    documents=None if tools is None else tools.documents,
                 )  # fmt: skip
             if isinstance(prompt, str):
                 return tok.encode(prompt, add_special_tokens=add_special_tokens)

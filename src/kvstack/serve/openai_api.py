@@ -11,6 +11,15 @@ reason, an optional usage chunk (``stream_options.include_usage``; with vLLM's
     data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
     data: {"choices": [], "usage": {...}}
     data: [DONE]
+
+``echo`` (vLLM's semantics): a completion's text and ``logprobs`` start with the
+prompt's (its logprobs are computed as ``prompt_logprobs`` at the ``logprobs`` top-k, the
+first entry ``null``; streamed in each choice's first chunk; ``max_tokens: 0`` answers
+the prompt alone; streamed ``text_offset`` values run on across chunks, so the chunks add
+up to the unstreamed answer, where vLLM restarts them at the generated text's length); a
+chat answer starts with the last message when that message has the answer's role
+(``add_generation_prompt: false``). vLLM's ``prompt_logprobs`` come back per choice
+(completions) or at the top level (chat), formatted by ``logprob_format``.
 """
 
 from __future__ import annotations
@@ -24,8 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.model.tokenizer import Tokenizer
-from kvstack.request import CompletionOutput, Logprob, RequestOutput
+from kvstack.request import CompletionOutput, RequestOutput
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.logprob_format import (
+    chat_logprobs,
+    completion_logprobs,
+    next_offset,
+    prompt_logprobs_json,
+)
 from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvstack.serve.tool_calls import ChoiceToolStream
@@ -46,6 +61,8 @@ class _ChoiceState:
     role_sent: bool = False
     done: bool = False
     tools: ChoiceToolStream | None = None  # chat requests with tools
+    echoed: bool = False
+    offset: int = 0  # text_offset of the next completions logprobs token
 
 
 def _new_state(req: CompletionRequest | ChatCompletionRequest) -> _ChoiceState:
@@ -63,50 +80,6 @@ class Job:
     prompt_text: str | None
     last: RequestOutput | None = None
     choices: dict[int, _ChoiceState] = field(default_factory=dict)
-
-
-def _token_str(tok: Tokenizer, tid: int) -> str:
-    return tok.decode([tid], skip_special_tokens=False)
-
-
-def completion_logprobs(
-    tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int
-) -> dict[str, Any]:
-    """OpenAI completions ``logprobs`` for tokens ``start..`` of ``c``."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    pos = text_offset
-    for tid, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
-        s = _token_str(tok, tid)
-        tokens.append(s)
-        token_lps.append(lps[tid].logprob if tid in lps else None)
-        tops.append({_token_str(tok, t): lp.logprob for t, lp in lps.items()})
-        offsets.append(pos)
-        pos += len(s)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_lps,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def _top_entry(tok: Tokenizer, tid: int, lp: Logprob) -> dict[str, Any]:
-    s = _token_str(tok, tid)
-    return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
-
-
-def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, k: int) -> dict[str, Any]:
-    """OpenAI chat ``logprobs.content`` for tokens ``start..`` of ``c``."""
-    content = []
-    for tid, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
-        chosen = lps.get(tid)
-        ranked = sorted(lps.items(), key=lambda kv: -kv[1].logprob)[:k]
-        entry: dict[str, Any] = (
-            _top_entry(tok, tid, chosen) if chosen else {"token": _token_str(tok, tid)}
-        )
-        entry["top_logprobs"] = [_top_entry(tok, i, lp) for i, lp in ranked]
-        content.append(entry)
-    return {"content": content}
 
 
 def usage(jobs: list[Job]) -> dict[str, Any]:
@@ -184,20 +157,19 @@ class OpenAIHandler:
         choices = []
         for job in jobs:
             assert job.last is not None
-            prefix = (job.prompt_text or tok.decode(job.prompt_ids)) if req.echo else ""
+            prompt_lps = prompt_logprobs_json(tok, job.last.prompt_logprobs)
             for c in job.last.outputs:
-                lp = (
-                    completion_logprobs(tok, c, 0, len(prefix))
-                    if req.logprobs is not None
-                    else None
-                )
+                piece = self.completion_piece(job, c, req, _ChoiceState(), final=True)
+                assert piece is not None
+                text, lp = piece
                 choices.append(
                     {
                         "index": job.index * n + c.index,
-                        "text": prefix + c.text,
+                        "text": text,
                         "logprobs": lp,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
+                        "prompt_logprobs": prompt_lps,
                     }
                 )
         return {
@@ -209,15 +181,49 @@ class OpenAIHandler:
             "usage": usage(jobs),
         }
 
+    def completion_piece(
+        self, job: Job, c: CompletionOutput, req: CompletionRequest, st: _ChoiceState, final: bool
+    ) -> tuple[str, dict | None] | None:
+        """Text and ``logprobs`` of choice ``c`` not sent yet (all of it for a fresh
+        ``st``). With ``echo`` the prompt goes first, once its logprobs are all there
+        (None until then); ``echo_only`` (``max_tokens: 0``) sends only the prompt.
+        ``final``: an empty ``logprobs`` object rather than None when nothing is new."""
+        tok = self.ctx.tokenizer
+        text, ids, entries = "", [], []
+        if req.echo and not st.echoed:
+            plp = list(job.last.prompt_logprobs or []) if job.last else []
+            n_prompt = len(job.prompt_ids)
+            if req.logprobs is not None and len(plp) < n_prompt and c.finish_reason is None:
+                return None
+            text = job.prompt_text or tok.decode(job.prompt_ids, skip_special_tokens=False)
+            ids = list(job.prompt_ids)
+            entries = (plp or [None]) + [None] * (n_prompt - max(len(plp), 1))
+            st.echoed = True
+        if not req.echo_only:
+            text += c.text[st.text_sent :]
+            out_lps = (c.logprobs or [])[st.lp_sent :]
+            ids += c.token_ids[st.lp_sent : st.lp_sent + len(out_lps)]
+            entries += out_lps
+        st.text_sent = len(c.text)
+        st.lp_sent = len(c.logprobs or [])
+        lp = None
+        if req.logprobs is not None and (ids or final):
+            lp = completion_logprobs(tok, ids, entries, req.logprobs, st.offset)
+            st.offset = next_offset(lp, st.offset)
+        return text, lp
+
     def chat_body(self, rid: str, req: ChatCompletionRequest, jobs: list[Job]) -> dict:
         tok = self.ctx.tokenizer
         job = jobs[0]
         assert job.last is not None
         plan = req.tool_plan()
+        echo = req.echo_text()
         choices = []
         for c in job.last.outputs:
             content, calls = (c.text, []) if plan is None else plan.parse(c.text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if echo:  # vLLM: the last message, then the answer
+                content = echo + (content or "")
+            message: dict[str, Any] = {"role": req.response_role, "content": content}
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
             choices.append(
@@ -238,6 +244,7 @@ class OpenAIHandler:
             "model": self.ctx.model_name,
             "choices": choices,
             "usage": usage(jobs),
+            "prompt_logprobs": prompt_logprobs_json(tok, job.last.prompt_logprobs),
         }
 
     # ------------------------------------------------------------------ streaming
@@ -296,38 +303,42 @@ class OpenAIHandler:
         if st.done:
             return None
         tok = self.ctx.tokenizer
-        text = c.text[st.text_sent :]
-        prefix = ""
-        if not chat and isinstance(req, CompletionRequest) and req.echo and not st.role_sent:
-            prefix = job.prompt_text or tok.decode(job.prompt_ids)
-        lp: dict | None = None
-        n_lp = len(c.logprobs or [])
-        if c.logprobs is not None and n_lp > st.lp_sent:
-            if chat and isinstance(req, ChatCompletionRequest):
-                lp = chat_logprobs(tok, c, st.lp_sent, req.top_logprobs or 0)
-            else:
-                lp = completion_logprobs(tok, c, st.lp_sent, st.text_sent + len(prefix))
         first = not st.role_sent
+        lp: dict | None = None
+        if isinstance(req, CompletionRequest):
+            piece = self.completion_piece(job, c, req, st, final=False)
+            if piece is None:  # echo waits for the prompt's logprobs
+                return None
+            text, lp = piece
+        else:
+            text = c.text[st.text_sent :]
+            n_lp = len(c.logprobs or [])
+            if c.logprobs is not None and n_lp > st.lp_sent:
+                lp = chat_logprobs(tok, c, st.lp_sent, req.top_logprobs or 0)
+            st.text_sent = len(c.text)
+            st.lp_sent = n_lp
         st.role_sent = True
-        st.text_sent = len(c.text)
-        st.lp_sent = n_lp
         st.done = c.finish_reason is not None
-        if not (text or prefix or lp or first or st.done):
+        if not (text or lp or first or st.done):
             return None
         index = c.index if chat else job.index * req.n + c.index
         out: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": c.finish_reason}
-        if chat:
+        if isinstance(req, ChatCompletionRequest):
             delta: dict[str, Any] = {"content": text}
             if st.tools is not None:
                 delta = st.tools.delta(text, st.done)
                 if st.done and st.tools.num_calls:
                     out["finish_reason"] = "tool_calls"
             if first:
-                delta["role"] = "assistant"
+                delta["role"] = req.response_role
+                if echo := req.echo_text():  # vLLM: the last message opens the answer
+                    delta["content"] = echo + (delta.get("content") or "")
             worth = delta.get("content") or delta.get("tool_calls") or first
+            if not (worth or lp or st.done):
+                return None  # a tool call's text is held back: nothing to send yet
             out["delta"] = delta if worth else {}
         else:
-            out["text"] = prefix + text
+            out["text"] = text
         if st.done:
             out["stop_reason"] = c.stop_reason
         return out

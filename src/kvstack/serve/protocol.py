@@ -28,6 +28,7 @@ from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import join_text_parts, template_role
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import SamplingParams
+from kvstack.serve.documents import MAX_DOCUMENTS, with_documents
 from kvstack.serve.protocol_tools import (
     MAX_TOOLS,
     StructuredFields,
@@ -36,6 +37,7 @@ from kvstack.serve.protocol_tools import (
     ToolDef,
 )
 from kvstack.serve.tool_calls import ToolPlan
+from kvstack.serve.tool_prompt import fallback_messages, template_supports_tools
 
 MAX_N = 16
 MAX_STOP = 8
@@ -101,6 +103,9 @@ class _Sampling(_Strict, StructuredFields):
     bad_words: list[str] | None = None
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = None
+    # vLLM: logprobs of every prompt token (null first), in the response's
+    # ``prompt_logprobs`` (completions: per choice; chat: top level).
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # kvstack extension (era 5): a KV press for this request (``kv/press/``).
     kv_press: str | None = None
     kv_press_ratio: float | None = None
@@ -121,11 +126,18 @@ class _Sampling(_Strict, StructuredFields):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def _sampling_params(
-        self, logprobs: int | None, defaults: Mapping[str, Any] | None
+        self,
+        logprobs: int | None,
+        defaults: Mapping[str, Any] | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's ``SamplingParams``; a field it leaves unset takes the value of
         ``defaults`` (the generation config's, ``--generation-config``) if any, but
         ``max_tokens``, which the engine resolves (``LLMEngine.add_request``)."""
+        if self.stream and self.prompt_logprobs:  # vLLM: never streamed
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
+            )
         d = defaults or {}
 
         def pick(value: Any, name: str, fallback: Any) -> Any:
@@ -158,6 +170,7 @@ class _Sampling(_Strict, StructuredFields):
             min_tokens=self.min_tokens,
             logit_bias=bias,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             kv_press=self.kv_press,
             kv_press_ratio=self.kv_press_ratio,
@@ -202,8 +215,26 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (vLLM): answer the prompt, generate nothing."""
+        return self.echo and self._max_tokens() == 0
+
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
-        return self._sampling_params(self.logprobs, defaults)
+        # vLLM: echo with logprobs scores the prompt too (at the same top-k).
+        pl = self.prompt_logprobs
+        if pl is None and self.echo:
+            pl = self.logprobs
+        if self._max_tokens() == 0 and not self.echo:
+            raise InvalidRequestError(
+                "max_tokens must be at least 1 (0 only with echo)", param="max_tokens"
+            )
+        if self.echo_only and self.min_tokens:
+            raise InvalidRequestError("min_tokens needs max_tokens > 0", param="min_tokens")
+        sp = self._sampling_params(self.logprobs, defaults, pl)
+        if self.echo_only:  # one token is computed (and not returned), as vLLM does
+            sp.max_tokens = 1
+        return sp
 
 
 class TextPart(_Strict):
@@ -263,16 +294,24 @@ def chat_prompt_ids(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     plan: ToolPlan | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation through the model's chat template (with its tools
-    rendered by ``plan``: the template's own tool section or the fallback)."""
+    """Token ids of a conversation through the model's chat template, with its tools
+    rendered by ``plan`` and its ``documents`` (the template's own sections, or the
+    fallbacks of ``tool_prompt.py`` and ``documents.py`` for a template without them)."""
+    template = tokenizer.chat_template or ""
     msgs, tools = template_messages(messages), None
     if plan is not None:
-        msgs, tools = plan.render(msgs, tokenizer.chat_template or "")
+        msgs, tools = plan.render(msgs, template)
+    elif not template_supports_tools(template) and any(
+        m.get("tool_calls") or m["role"] == "tool" for m in msgs
+    ):  # a tool conversation continued without tools: its calls still reach the prompt
+        msgs = fallback_messages(msgs, [])
+    msgs, docs = with_documents(msgs, documents, template)
     ids = tokenizer.apply_chat_template(
         msgs, add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message, tokenize=True, tools=tools,
-        **(chat_template_kwargs or {}),
+        documents=docs, **(chat_template_kwargs or {}),
     )  # fmt: skip
     assert isinstance(ids, list)
     return ids
@@ -300,6 +339,9 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_DOCUMENTS)] | None = None
+    # vLLM: prepend the last message to the answer when it has the answer's role.
+    echo: StrictBool = False
     _plan: ToolPlan | None = PrivateAttr(default=None)
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
@@ -321,13 +363,17 @@ class ChatCompletionRequest(_Sampling):
             tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs, plan=self._plan,
+            documents=self.documents,
         )  # fmt: skip
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        sp = self._sampling_params(lp, defaults)
+        pl = self.prompt_logprobs
+        if pl is None and self.echo and not self.stream:  # vLLM; a stream never shows them
+            pl = self.top_logprobs or 0
+        sp = self._sampling_params(lp, defaults, pl)
         forced = None if self._plan is None else self._plan.constraint()
         if forced is not None:
             if sp.structured_outputs is not None:
@@ -338,29 +384,33 @@ class ChatCompletionRequest(_Sampling):
             sp.structured_outputs = forced
         return sp
 
+    @property
+    def response_role(self) -> str:
+        """vLLM: "assistant", or the last message's role without a generation prompt."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """What ``echo`` prepends: the last message if it has the answer's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role else ""
+
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them,
-    with ``tools`` (vLLM's field) and ``tool_choice`` (kvstack's: the fallback prompt
-    names a forced choice) rendered as a chat completion renders them."""
+    """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them
+    (with the same ``tools`` and ``documents``)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_DOCUMENTS)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: ToolChoice | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
-
-    def tool_plan(self) -> ToolPlan | None:
-        """The tools' plan for rendering (400 if invalid); None without tools."""
-        if self.tools and self.messages is None:
-            raise InvalidRequestError("tools need messages", param="tools")
-        return ToolPlan.build(self.tools, self.tool_choice, None, "hermes")
 
 
 class DetokenizeRequest(_Strict):

@@ -96,7 +96,8 @@ class StructuredFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    guided_decoding_backend: str | None = None
+    # vLLM's per-request guided_decoding_backend is not a field: the engine has one
+    # backend (--structured-outputs-backend), so the field is reported as ignored.
 
     def structured_params(self) -> StructuredOutputsParams | None:
         """The request's one constraint (validated), or None; 400 naming the field."""

@@ -59,7 +59,7 @@ def ops_router(ctx: ServerContext) -> APIRouter:
         ctx.check_model(req.model)
         ids = ctx.ids_of(
             req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens,
-            req.continue_final_message, req.chat_template_kwargs, req.tool_plan,
+            req.continue_final_message, req.chat_template_kwargs, tools=req,
         )  # fmt: skip
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.model_info.max_model_len}
 

@@ -6,15 +6,21 @@
     auto        the output is parsed by --tool-call-parser (hermes by default): calls it
                 finds become ``tool_calls``, finish_reason "tool_calls"; text that is not
                 a valid call stays content (finish_reason "stop"), never an error
-    required    the output is constrained (structured outputs) to a JSON array of
-                ``{"name": <one of the tools>, "parameters": <its schema>}``, at least
-                one item (exactly one when parallel_tool_calls is false)
-    {function}  the output is constrained to that function's parameter schema; it
-                becomes one call of that function
+    required    the output is constrained (structured outputs) to calls of the tools, at
+                least one (exactly one when parallel_tool_calls is false)
+    {function}  the output is constrained to one call of that function
 
-The two forced modes use vLLM's schemas (``ChatCompletionRequest._get_json_schema_from_tool``
-in vLLM's protocol.py), so even a 135M model emits calls that match. Deviation: vLLM keeps
-``finish_reason`` "stop" for a named tool_choice (as OpenAI does); kvstack answers
+How a forced call is spelled depends on --tool-call-parser. With hermes (the default,
+and the format the fallback prompt teaches) it is the prompt's own format: a Lark
+grammar of ``<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>`` blocks whose JSON
+is the tools' schemas (llguidance's ``%json``), parsed back by the hermes parser. With the
+other parsers it is vLLM's (``ChatCompletionRequest._get_json_schema_from_tool`` in vLLM's
+protocol.py): a JSON array of ``{"name", "parameters"}`` for required, the parameters
+object for a named function. Either way even a 135M model emits calls that validate.
+Deviations from vLLM: hermes calls follow the prompt's format rather than vLLM's array
+(on SmolLM2-135M the array made it pick wrong tools and ramble in strings); the forced
+JSON has no free whitespace (a small model cannot pad until ``max_tokens``); vLLM keeps
+``finish_reason`` "stop" for a named tool_choice (as OpenAI does), kvstack answers
 "tool_calls" whenever the message carries calls.
 
 Prompt: a chat template that references ``tools`` gets them (and assistant tool calls
@@ -45,7 +51,7 @@ from kvstack.serve.tool_prompt import (
     template_messages_with_tools,
     template_supports_tools,
 )
-from kvstack.structured_outputs import StructuredOutputsParams
+from kvstack.structured_outputs import StructuredOutputsParams, closed_objects
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -99,21 +105,31 @@ class ToolPlan:
     # ------------------------------------------------------------------ constraint
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured-outputs constraint of a forced choice (None: none/auto)."""
-        if self.mode == "named":
-            tool = next(t for t in self.tools if t.function.name == self.name)
-            return StructuredOutputsParams(
-                json=tool.function.parameters or EMPTY_PARAMETERS, param="tools"
-            )
-        if self.mode != "required":
+        if self.mode not in ("named", "required"):
             return None
+        tools = [t for t in self.tools if self.mode == "required" or t.function.name == self.name]
+        if self.parser_name == "hermes":
+            return StructuredOutputsParams(grammar=self._hermes_grammar(tools), param="tools")
+        if self.mode == "named":
+            params = tools[0].function.parameters or EMPTY_PARAMETERS
+            return StructuredOutputsParams(json=params, disable_any_whitespace=True, param="tools")
         schema: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
-            "items": {"type": "object", "anyOf": [_call_schema(t) for t in self.tools]},
+            "items": {"type": "object", "anyOf": [_call_schema(t, "parameters") for t in tools]},
         }
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, param="tools")
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True, param="tools")
+
+    def _hermes_grammar(self, tools: list[ToolDef]) -> str:
+        """Lark: one or more ``<tool_call>`` blocks, each a call of one of ``tools``
+        (llguidance's ``%json`` embeds the schema), spaced like the prompt's example."""
+        calls = [closed_objects(_call_schema(t, "arguments")) for t in tools]
+        body = json.dumps({"anyOf": calls, "x-guidance": _SPACING})
+        many = self.mode == "required" and self.parallel
+        start = 'start: call ("\\n" call)*' if many else "start: call"
+        return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
 
     # ------------------------------------------------------------------ prompt
     def render(
@@ -141,7 +157,7 @@ class ToolPlan:
         """(content, calls) of a finished output."""
         if self.mode == "none":
             return text, []
-        if self.mode in ("named", "required"):
+        if self.mode in ("named", "required") and self.parser_name != "hermes":
             calls = self.forced_calls(text)
             return (None, calls) if calls else (text, [])
         parsed = self.parser.extract(text, self.names)
@@ -172,14 +188,20 @@ class ToolPlan:
         return calls
 
 
-def _call_schema(tool: ToolDef) -> dict[str, Any]:
+# JSON spacing of forced hermes calls: that of the prompt's example, no other whitespace.
+_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _call_schema(tool: ToolDef, key: str) -> dict[str, Any]:
+    """``{"name": <the tool>, key: <its parameters>}`` (vLLM's, with key "parameters")."""
     fn = tool.function
     return {
+        "type": "object",
         "properties": {
             "name": {"type": "string", "enum": [fn.name]},
-            "parameters": fn.parameters or EMPTY_PARAMETERS,
+            key: fn.parameters or EMPTY_PARAMETERS,
         },
-        "required": ["name", "parameters"],
+        "required": ["name", key],
     }
 
 
@@ -190,14 +212,16 @@ def _dumps(value: Any) -> str:
 class ChoiceToolStream:
     """One streamed choice of a tool request: content deltas and ``tool_calls`` deltas.
 
-    ``auto`` runs the parser's ``ToolStreamer`` (content flows until a call may begin);
-    a forced choice holds its JSON and sends the calls when the output ends (or the text,
-    as content, when it was cut short).
+    ``auto`` and forced hermes calls run the parser's ``ToolStreamer`` (content flows
+    until a call may begin; each call is sent once complete); a forced JSON choice (other
+    parsers) holds its JSON and sends the calls when the output ends (or the text, as
+    content, when it was cut short).
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.auto = ToolStreamer(plan.parser, plan.names) if plan.mode == "auto" else None
+        parsed = plan.mode == "auto" or plan.parser_name == "hermes"  # forced hermes too
+        self.auto = ToolStreamer(plan.parser, plan.names) if parsed else None
         self.text = ""
         self.num_calls = 0
 

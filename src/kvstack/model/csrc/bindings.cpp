@@ -17,4 +17,6 @@ TORCH_LIBRARY(kvstack, m) {
         "Tensor(b!)? k_cache, Tensor(c!)? v_cache, Tensor? slots, int num_heads, "
         "int num_kv_heads, int head_dim) -> ()",
         &rope_and_cache);
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
+        &apply_token_bitmask);
 }

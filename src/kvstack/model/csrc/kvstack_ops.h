@@ -14,3 +14,4 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
                     torch::Tensor sin, std::optional<torch::Tensor> k_cache,
                     std::optional<torch::Tensor> v_cache, std::optional<torch::Tensor> slots,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);

@@ -3,7 +3,9 @@
 ``bitmask[r, w]`` (int32) holds tokens ``32 w .. 32 w + 31`` of row r, bit ``t % 32`` for
 token t (the layout llguidance and xgrammar write). A vocabulary of V tokens needs
 ``ceil(V / 32)`` words; bits past V are ignored. Applying a mask sets every disallowed
-logit to -inf in one vectorized pass over the constrained rows.
+logit to -inf: ``apply_bitmask`` is the PyTorch reference (one vectorized pass that
+unpacks a bool mask), ``csrc/token_mask.cpp`` the kernel ``StepMask.apply`` uses (it
+skips all-allowed words and never builds the ``[R, V]`` mask).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvstack.model.kernels import load_kernels
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -42,4 +46,9 @@ class StepMask:
     bitmask: torch.Tensor  # int32 [R, ceil(V / 32)]
 
     def apply(self, logits: torch.Tensor) -> None:
-        apply_bitmask(logits, self.rows, self.bitmask)
+        """The mask on ``logits`` (in place): the C++ kernel when built, else PyTorch."""
+        kernels = load_kernels()
+        if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            kernels.apply_token_bitmask(logits, self.rows, self.bitmask)
+        else:
+            apply_bitmask(logits, self.rows, self.bitmask)
