@@ -28,6 +28,7 @@ from kvstack.errors import InvalidRequestError
 
 MAX_SPEC_BYTES = 64 * 1024
 MAX_CHOICES = 1024
+MAX_SCHEMA_DEPTH = 128  # nesting of a JSON schema (objects and arrays)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -97,17 +98,29 @@ class StructuredOutputsParams:
         if kind == "json" and isinstance(self.json, str):
             try:
                 parsed = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise InvalidRequestError(
                     f"the JSON schema is not valid JSON: {e}", param=self.param
                 ) from None
             if not isinstance(parsed, dict | bool):
                 raise InvalidRequestError("a JSON schema must be an object", param=self.param)
+        if kind == "json" and _depth(self.json if isinstance(self.json, dict) else parsed) > (
+            MAX_SCHEMA_DEPTH
+        ):
+            raise InvalidRequestError(
+                f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=self.param
+            )
         if kind == "choice":
             self._check_choices()
         if kind in ("regex", "grammar") and not str(self.regex or self.grammar or "").strip():
             raise InvalidRequestError(f"the {kind} is empty", param=self.param)
-        if len(self.spec_text().encode()) > MAX_SPEC_BYTES:
+        try:
+            size = len(self.spec_text().encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequestError(
+                f"the {kind} is not valid Unicode (a lone surrogate)", param=self.param
+            ) from None
+        if size > MAX_SPEC_BYTES:
             raise SpecTooLargeError(
                 f"the {kind} constraint is larger than {MAX_SPEC_BYTES} bytes", param=self.param
             )
@@ -120,6 +133,17 @@ class StructuredOutputsParams:
             )
         if len(c) > MAX_CHOICES:
             raise InvalidRequestError(f"at most {MAX_CHOICES} choices", param=self.param)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value (iterative: never recurses)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

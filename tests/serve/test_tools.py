@@ -87,6 +87,13 @@ def stream_chat(client: TestClient, **body: Any) -> tuple[str, list[dict[str, An
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+def _nest(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def valid_calls(calls: list[dict[str, Any]]) -> None:
     assert calls
     for call in calls:
@@ -198,12 +205,17 @@ def test_response_formats_and_guided_fields(client: TestClient) -> None:
         ({"guided_regex": "a" * (MAX_SPEC_BYTES + 1)}, 413, "guided_regex"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400,
          "tools.0.function.name"),
+        ({"guided_regex": "\ud800"}, 400, "guided_regex"),
+        ({"guided_json": '{"a":' + "[" * 3000 + "]" * 3000 + "}"}, 400, "guided_json"),
+        ({"guided_json": {"type": "array", "items": {"type": "array", "items": {}}} | {
+            "$comment": "x"} | {"items": _nest(200)}}, 400, "guided_json"),
     ],
 )  # fmt: skip
 def test_bad_input_gets_an_openai_error_and_loses_nothing(
     client: TestClient, llm: LLM, body: dict[str, Any], status: int, param: str
 ) -> None:
-    r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    payload = json.dumps({"messages": ASK, "max_tokens": 4, **body})  # ASCII: \ud800 escaped
+    r = client.post("/v1/chat/completions", content=payload)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
@@ -252,3 +264,27 @@ def test_tokenize_documents_and_tool_history_render_like_chat(
     assert "<tool_response>\n12:00\n</tool_response>" in later and "<tools>" not in later
     r = client.post("/v1/chat/completions", json={"messages": ASK, "documents": [{}] * 65})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
+def test_tool_schemas_with_defs_and_lenient_history(client: TestClient, llm: LLM) -> None:
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}}}  # fmt: skip
+    for choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
+        c = chat(client, tools=[unit, TOOLS[1]], tool_choice=choice, parallel_tool_calls=False)
+        calls = c["message"]["tool_calls"]
+        assert c["finish_reason"] == "tool_calls" and len(calls) == 1
+        if calls[0]["function"]["name"] == "set_unit":
+            assert json.loads(calls[0]["function"]["arguments"])["unit"] in ("c", "f")
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"Unit": {"enum": ["k"]}}, "properties": {}}}}  # fmt: skip
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [unit, other],
+                                                  "tool_choice": "required"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"index": 0, "id": "c1", "type": "function",
+         "function": {"name": "get_time", "arguments": "[" * 3000 + "]" * 3000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]  # fmt: skip
+    r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.headers["kvstack-ignored-fields"] == "messages.1.tool_calls.0.index"

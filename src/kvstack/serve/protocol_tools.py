@@ -22,7 +22,9 @@ MAX_TOOLS = 128
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # Unknown fields are kept aside and reported (``protocol.ignored_fields``), as vLLM
+    # accepts them: e.g. the ``index`` clients keep on streamed tool_calls.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
 class JsonSchemaFormat(_Body):

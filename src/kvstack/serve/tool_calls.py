@@ -113,10 +113,12 @@ class ToolPlan:
         if self.mode == "named":
             params = tools[0].function.parameters or EMPTY_PARAMETERS
             return StructuredOutputsParams(json=params, disable_any_whitespace=True, param="tools")
+        items = [_call_schema(t, "parameters") for t in tools]
         schema: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
-            "items": {"type": "object", "anyOf": [_call_schema(t, "parameters") for t in tools]},
+            "items": {"type": "object", "anyOf": items},
+            **_hoisted_defs(items),
         }
         if not self.parallel:
             schema["maxItems"] = 1
@@ -126,7 +128,7 @@ class ToolPlan:
         """Lark: one or more ``<tool_call>`` blocks, each a call of one of ``tools``
         (llguidance's ``%json`` embeds the schema), spaced like the prompt's example."""
         calls = [closed_objects(_call_schema(t, "arguments")) for t in tools]
-        body = json.dumps({"anyOf": calls, "x-guidance": _SPACING})
+        body = json.dumps({"anyOf": calls, **_hoisted_defs(calls), "x-guidance": _SPACING})
         many = self.mode == "required" and self.parallel
         start = 'start: call ("\\n" call)*' if many else "start: call"
         return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
@@ -171,7 +173,7 @@ class ToolPlan:
         """The calls of a constrained output; [] if it is incomplete (cut by max_tokens)."""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         if self.mode == "named":
             if not isinstance(value, dict):
@@ -192,6 +194,29 @@ class ToolPlan:
 _SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _hoisted_defs(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``$defs`` / ``definitions`` of the tools' parameters, moved (in place) to the
+    root of the schema that nests them, so ``#/$defs/..`` references still resolve (vLLM's
+    ``get_tool_schema_defs``). Two tools defining one name differently: 400."""
+    roots: dict[str, dict[str, Any]] = {}
+    for call in calls:
+        params = next(v for k, v in call["properties"].items() if k != "name")
+        if not isinstance(params, dict):
+            continue
+        for key in ("$defs", "definitions"):
+            defs = params.pop(key, None)
+            if not isinstance(defs, dict):
+                continue
+            root = roots.setdefault(key, {})
+            for name, sub in defs.items():
+                if name in root and root[name] != sub:
+                    raise InvalidRequestError(
+                        f"tools define {key}/{name} differently", param="tools"
+                    )
+                root[name] = sub
+    return roots
+
+
 def _call_schema(tool: ToolDef, key: str) -> dict[str, Any]:
     """``{"name": <the tool>, key: <its parameters>}`` (vLLM's, with key "parameters")."""
     fn = tool.function
@@ -199,7 +224,7 @@ def _call_schema(tool: ToolDef, key: str) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "name": {"type": "string", "enum": [fn.name]},
-            key: fn.parameters or EMPTY_PARAMETERS,
+            key: dict(fn.parameters or EMPTY_PARAMETERS),  # a copy: $defs move out of it
         },
         "required": ["name", key],
     }

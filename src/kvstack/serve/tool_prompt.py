@@ -85,7 +85,7 @@ def _arguments(function: dict[str, Any]) -> dict[str, Any]:
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             logger.warning(
                 "tool call %r: arguments are not valid JSON (%d chars); using {}",
                 function.get("name"),

@@ -14,6 +14,7 @@
 #include "kvstack_ops.h"
 
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.is_cpu() && rows.is_cpu() && bitmask.is_cpu(), "CPU tensors only");
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 &&
                   logits.is_contiguous(),
               "logits must be a contiguous float32 [B, V] tensor");

@@ -55,7 +55,7 @@ class LLGuidanceMatcher:
         return bool(self.matcher.is_stopped())
 
     def error(self) -> str | None:
-        return self.matcher.get_error() or None if self.matcher.is_error() else None
+        return _short(self.matcher.get_error()) or None if self.matcher.is_error() else None
 
 
 class LLGuidanceGrammar:
@@ -103,6 +103,7 @@ class LLGuidanceBackend:
             max_grammar_size=_MAX_GRAMMAR_SIZE,
             initial_lexer_fuel=_INITIAL_LEXER_FUEL,
             step_lexer_fuel=_STEP_LEXER_FUEL,
+            verbose_errors=False,  # errors never quote the parser state or whole grammar
         )
         self.executor = llguidance.LLExecutor()
 

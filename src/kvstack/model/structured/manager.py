@@ -7,7 +7,7 @@ and feeds each sampled token back::
 
     add_request ─► compile(params) (cache by params.key()) ─► add(child_id, grammar)
     each step   ─► bitmask_for(requests) ─► Sampler(mask) ─► accept(rid, token)
-    finished    ─► release(ids)     (SchedulerOutput.finished_request_ids, aborts)
+    finished    ─► release(ids)     (engine.step: requests that finished, aborts, failed steps)
 
 Invariants (``check_integrity``): a matcher exists only for a live request and has
 consumed exactly that request's output tokens. Preemption keeps the output tokens (the

@@ -35,6 +35,7 @@ def prompt_info(tokenizer: Any, path: str, body: bytes) -> PromptInfo | None:
             return None
         if path.endswith("/chat/completions"):
             chat = ChatCompletionRequest.model_validate(data)
+            chat.tool_plan()  # tools are rendered as the replica renders them (hermes)
             return PromptInfo(chat.prompt_ids(tokenizer), chat.cache_salt, chat.stream)
         comp = CompletionRequest.model_validate(data)
         first = comp.prompts()[0]
