@@ -91,10 +91,11 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, mask: StepMask | None = None
     ) -> SamplerOutput:
-        """Sample one token per row. ``logits`` is not modified.
+        """Sample one token per row. ``logits`` is not modified, except by a ``mask``.
 
         ``mask`` (structured outputs) sets the logits of tokens a row's grammar forbids to
-        -inf after the logits processors; a row left with no finite logit samples
+        -inf after the logits processors (in place: the caller passes logits it owns, as
+        the runner's gathered rows are); a row left with no finite logit samples
         uniformly among the tokens its grammar allows.
         """
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
@@ -106,8 +107,6 @@ class Sampler:
 
         x = apply_logits_processors(logits.float(), batch)
         if mask is not None:
-            if x is logits:
-                x = x.clone()
             mask.apply(x)
         row_max = x.amax(dim=-1)  # vectorized, ~15x cheaper than argmax / max(dim)
         if not bool(torch.isfinite(row_max).all()):
