@@ -1,12 +1,13 @@
 """Structured outputs with llguidance (guidance-ai/llguidance), as vLLM's ``guidance`` backend.
 
 Why llguidance (``benchmarks/grammar_backends.py`` on the default model's 49,152-token
-vocabulary, 2026-12-01, 2-core Xeon): it compiles the schemas there in 0.5-0.8 ms where
-xgrammar takes 6-10 ms (xgrammar's masks are faster, 2-4 us a token against 11-26 us:
-both well under 0.1 % of a decode step), so a new schema per request costs nothing; it
-covers JSON schema, regex, Lark with embedded JSON schemas (``%json``, used for forced
-tool calls) and GBNF natively, rolls back (speculation), and ships as one small wheel,
-while xgrammar pulls in triton (hundreds of MB) on a CPU-only install.
+vocabulary; the README has the table): it compiles the test schemas in about a
+millisecond where xgrammar takes up to ten times as long, so a new schema per request
+costs nothing; xgrammar's masks are faster (a few us a token against tens of us), but
+both stay far below a decode step. llguidance covers JSON schema, regex, Lark with
+embedded JSON schemas (``%json``, used for forced tool calls) and GBNF natively, rolls
+back (speculation), and ships as one small wheel, while xgrammar pulls in triton
+(hundreds of MB) on a CPU-only install.
 
 Mapping of constraints (vLLM's ``vllm/v1/structured_output/backend_guidance.py`` does the
 same): a schema through ``grammar_from_json_schema`` with flexible whitespace unless
