@@ -11,7 +11,8 @@ back (speculation), and ships as one small wheel, while xgrammar pulls in triton
 
 Mapping of constraints (vLLM's ``vllm/v1/structured_output/backend_guidance.py`` does the
 same): a schema through ``grammar_from_json_schema`` with flexible whitespace unless
-``disable_any_whitespace``, objects closed where the schema leaves other keys open
+``disable_any_whitespace`` (bounded by ``JSON_WHITESPACE`` unless the request gives a
+``whitespace_pattern``), objects closed where the schema leaves other keys open
 (``closed_objects``: xgrammar's strict default, which vLLM users get); ``json_object``
 as the schema ``{"type": "object"}``; a regex as a regex grammar (Rust ``regex``
 syntax); a choice as the Lark rule ``start: "a" | "b"`` (JSON-quoted literals); a
@@ -38,6 +39,13 @@ from kvstack.structured_outputs import StructuredOutputsParams, closed_objects
 _MAX_GRAMMAR_SIZE = 200_000
 _INITIAL_LEXER_FUEL = 1_000_000
 _STEP_LEXER_FUEL = 200_000
+
+
+# Whitespace allowed between JSON tokens unless a request sets its own: enough for
+# pretty-printed JSON (a line break, then an indent), never an endless run. llguidance's
+# and xgrammar's default (vLLM's) is any run of whitespace, which a small model sampling
+# at temperature 1 can fill until max_tokens.
+JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"
 
 
 class LLGuidanceMatcher:
@@ -75,8 +83,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     try:
         if kind in ("json", "json_object"):
             options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-            if params.whitespace_pattern is not None and not params.disable_any_whitespace:
-                options["whitespace_pattern"] = params.whitespace_pattern
+            if not params.disable_any_whitespace:
+                options["whitespace_pattern"] = params.whitespace_pattern or JSON_WHITESPACE
             schema = json.loads(params.spec_text())
             return llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(closed_objects(schema)) if kind == "json" else schema,
