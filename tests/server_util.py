@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -64,3 +67,31 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def serve_aiohttp(app: Any) -> Iterator[str]:
+    """An aiohttp ``app`` on a free 127.0.0.1 port, served by its own loop in a thread;
+    yields its base URL."""
+    import asyncio
+    import socket
+    import threading
+
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield url
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

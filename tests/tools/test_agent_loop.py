@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ from kvstack.tools.workloads import main as workloads_main
 from kvstack.tools.workloads import make_spec, make_workload, read_jsonl, write_jsonl
 from kvstack.tools.workloads.agent import render_ids
 from kvstack.tools.workloads.agent_pool import TOOL_POOL
-from server_util import ServerProcess
+from server_util import ServerProcess, serve_aiohttp
 
 SMALL = dict(num_turns=2, num_tools=1, tools_per_request=1, system_len=60, tool_result_len=20)
 
@@ -248,22 +246,9 @@ def fake_app(state: Fake) -> web.Application:
 
 @contextmanager
 def fake_server(state: Fake) -> Iterator[Fake]:
-    loop = asyncio.new_event_loop()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    state.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    runner = web.AppRunner(fake_app(state), shutdown_timeout=1.0)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_aiohttp(fake_app(state)) as url:
+        state.url = url
         yield state
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 @pytest.mark.parametrize("ignore_tools", [False, True])

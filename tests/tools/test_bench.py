@@ -11,7 +11,6 @@ import math
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +45,7 @@ from kvstack.tools.bench.report import (
     plot_latencies,
 )
 from kvstack.tools.workloads import WorkloadRequest, write_jsonl
+from server_util import serve_aiohttp
 
 
 def wreq(
@@ -424,22 +424,9 @@ def make_app(state: ServerState, chunk_delay: float = 0.002) -> web.Application:
 def fake_server() -> Iterator[ServerState]:
     """An aiohttp app on a free 127.0.0.1 port, served by its own loop in a thread."""
     state = ServerState()
-    loop = asyncio.new_event_loop()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    state.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    runner = web.AppRunner(make_app(state), shutdown_timeout=1.0)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_aiohttp(make_app(state)) as url:
+        state.url = url
         yield state
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 def free_port() -> int:

@@ -123,12 +123,22 @@ class ScanningToolParser:
     name: ClassVar[str] = ""
     # Characters whose arrival may complete a call or reveal a malformed one; "" = any.
     closers: ClassVar[str] = ""
+    # The text that opens the calls, for parsers whose calls begin at a marker ("" =
+    # the parser overrides find_start / content_end).
+    start_marker: ClassVar[str] = ""
 
     def find_start(self, text: str) -> int | None:
-        raise NotImplementedError
+        """Where the first marker begins (parsers without one override this)."""
+        if not self.start_marker:
+            raise NotImplementedError
+        i = text.find(self.start_marker)
+        return None if i < 0 else i
 
     def content_end(self, text: str) -> int:
-        raise NotImplementedError
+        """Content that can be sent now: all but a tail that may begin the marker."""
+        if not self.start_marker:
+            raise NotImplementedError
+        return len(text) - marker_overlap(text, self.start_marker)
 
     def scan(
         self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None

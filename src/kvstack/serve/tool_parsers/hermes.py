@@ -41,13 +41,7 @@ class HermesToolParser(ScanningToolParser):
 
     name: ClassVar[str] = "hermes"
     closers: ClassVar[str] = ">"
-
-    def find_start(self, text: str) -> int | None:
-        i = text.find(START)
-        return None if i < 0 else i
-
-    def content_end(self, text: str) -> int:
-        return len(text) - marker_overlap(text, START)
+    start_marker: ClassVar[str] = START
 
     def scan(
         self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None

@@ -28,7 +28,6 @@ from kvstack.serve.tool_parsers.base import (
     call_from_object,
     decode_json_at,
     dump_arguments,
-    marker_overlap,
 )
 
 START = "[TOOL_CALLS]"
@@ -84,13 +83,7 @@ class MistralToolParser(ScanningToolParser):
 
     name: ClassVar[str] = "mistral"
     closers: ClassVar[str] = "}]"
-
-    def find_start(self, text: str) -> int | None:
-        i = text.find(START)
-        return None if i < 0 else i
-
-    def content_end(self, text: str) -> int:
-        return len(text) - marker_overlap(text, START)
+    start_marker: ClassVar[str] = START
 
     def scan(
         self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
