@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 from kvstack.model.detokenizer import IncrementalDetokenizer
 from kvstack.model.tokenizer import Tokenizer
-from kvstack.request import CompletionOutput, Request, RequestMetrics, RequestOutput
+from kvstack.request import (
+    CompletionOutput,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
 
 
 @dataclass
@@ -71,7 +77,10 @@ class OutputProcessor:
         if not (stream or req.sampling_params.stop or req.is_finished()):
             return False
         fed = len(seq.detok.token_ids)
-        seq.detok.add_tokens(req.output_token_ids[fed:])
+        new = req.output_token_ids[fed:]
+        if new and _ended_by_stop_token(req):
+            new = new[:-1]  # vLLM: the EOS or stop token's text is not part of the output
+        seq.detok.add_tokens(new)
         if seq.detok.stopped:
             req.stop_reason = seq.detok.stop_reason
             return True
@@ -155,3 +164,16 @@ class OutputProcessor:
     def children_of(self, parent_id: str) -> list[str]:
         st = self.parents.get(parent_id)
         return list(st.children) if st else []
+
+
+def _ended_by_stop_token(req: Request) -> bool:
+    """True if ``req`` just stopped on EOS or a ``stop_token_ids`` token (its last one),
+    whose text vLLM leaves out unless ``include_stop_str_in_output``. Matters only with
+    ``skip_special_tokens=False`` or a stop token that is not special."""
+    sp = req.sampling_params
+    if req.status is not RequestStatus.FINISHED_STOPPED or sp.include_stop_str_in_output:
+        return False
+    last = req.output_token_ids[-1]
+    if req.stop_reason is None:
+        return last in req.eos_token_ids and not sp.ignore_eos
+    return isinstance(req.stop_reason, int) and req.stop_reason == last

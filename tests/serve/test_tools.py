@@ -288,3 +288,26 @@ def test_tool_schemas_with_defs_and_lenient_history(client: TestClient, llm: LLM
     r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert r.headers["kvstack-ignored-fields"] == "messages.1.tool_calls.0.index"
+
+
+def test_stop_token_text_is_left_out_as_in_vllm(client: TestClient, llm: LLM) -> None:
+    z = llm.engine.tokenizer.encode("z", add_special_tokens=False)
+    assert len(z) == 1
+    body = {"prompt": "Say:", "max_tokens": 8, "guided_regex": "xyz", "stop_token_ids": z}
+    for extra, want in (({}, "xy"), ({"include_stop_str_in_output": True}, "xyz")):
+        r = client.post("/v1/completions", json={**body, **extra})
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+            want,
+            "stop",
+            z[0],
+        )
+    eos = sorted(llm.engine.tokenizer.eos_token_ids)[0]
+    forced_eos = {"prompt": "Say:", "max_tokens": 4, "logit_bias": {str(eos): 100},
+                  "skip_special_tokens": False}  # fmt: skip
+    choice = client.post("/v1/completions", json=forced_eos).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    # Tool requests keep special tokens in the text the parser reads (vLLM), and the EOS
+    # that ends the output is still left out of it.
+    c = chat(client, tools=TOOLS, guided_choice=[CALL], max_tokens=120)
+    assert c["finish_reason"] == "tool_calls"

@@ -374,6 +374,8 @@ class ChatCompletionRequest(_Sampling):
         if pl is None and self.echo and not self.stream:  # vLLM; a stream never shows them
             pl = self.top_logprobs or 0
         sp = self._sampling_params(lp, defaults, pl)
+        if self._plan is not None and self._plan.mode != "none":
+            sp.skip_special_tokens = False  # vLLM: a call marker may be a special token
         forced = None if self._plan is None else self._plan.constraint()
         if forced is not None:
             if sp.structured_outputs is not None:
