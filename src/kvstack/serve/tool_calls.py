@@ -96,11 +96,10 @@ class ToolPlan:
             mode, name = (choice or "auto"), None
         if mode == "auto" and not auto_enabled:
             raise InvalidRequestError(
-                '"auto" tool choice needs the server started with --enable-auto-tool-choice',
+                '"auto" tool choice is off on this server (--no-enable-auto-tool-choice)',
                 param="tool_choice",
             )
-        plan = cls(list(tools), mode, name, parallel is not False, parser_name, set(names))
-        return plan
+        return cls(list(tools), mode, name, parallel is not False, parser_name, set(names))
 
     # ------------------------------------------------------------------ constraint
     def constraint(self) -> StructuredOutputsParams | None:
