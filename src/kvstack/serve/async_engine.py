@@ -98,6 +98,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._request_log = RequestLog(request_log) if request_log else None
+        self.num_log_errors = 0  # metrics / request-log writes that failed (engine thread)
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, StreamQueue] = {}
@@ -379,11 +380,19 @@ class AsyncEngine:
         return stream, out
 
     def _finish(self, out: RequestOutput, info: RequestInfo, now: float) -> None:
+        """Metrics and the request log of a finished request. Never raises: a failing
+        log write (a full disk) must not stop the engine loop or lose the output."""
         reason = out.outputs[0].finish_reason if out.outputs else None
-        if self.metrics is not None:
-            self.metrics.on_finished(out, now - info.arrival, reason or "error")
-        if self._request_log is not None:
-            self._request_log.write(out, info, now, reason)
+        try:
+            if self.metrics is not None:
+                self.metrics.on_finished(out, now - info.arrival, reason or "error")
+            if self._request_log is not None:
+                self._request_log.write(out, info, now, reason)
+        except Exception as e:
+            self.num_log_errors += 1
+            log = logger.exception if self.num_log_errors == 1 else logger.warning
+            log("recording finished request %s failed (%d so far): %s", out.request_id,
+                self.num_log_errors, e)  # fmt: skip
 
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):

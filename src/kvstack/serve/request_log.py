@@ -7,10 +7,13 @@ appended and flushed as each request finishes, from the engine thread only.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from kvstack.request import RequestOutput
 from kvstack.serve.output_stream import RequestInfo
+
+logger = logging.getLogger("kvstack.serve")
 
 
 class RequestLog:
@@ -35,4 +38,8 @@ class RequestLog:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file; a final flush that fails (a full disk) is logged, not raised."""
+        try:
+            self._file.close()
+        except OSError as e:
+            logger.warning("request log: closing failed: %s", e)
