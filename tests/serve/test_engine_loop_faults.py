@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import io
 from pathlib import Path
 
-import pytest
 from fastapi.testclient import TestClient
 
 from kvstack import LLM
@@ -13,14 +14,29 @@ from kvstack.serve.async_engine import AsyncEngine
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+class FullDisk(io.StringIO):
+    """A log file on a full disk: every write, flush and close fails with ENOSPC."""
+
+    def write(self, s: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def test_a_failing_request_log_loses_no_output(tmp_path: Path) -> None:
     cfg = tiny_llama_config()
     write_gguf(tmp_path / "t.gguf", cfg, random_llama_weights(cfg))
     llm = LLM(str(tmp_path / "t.gguf"), dtype="float32", num_blocks=32)
-    engine = AsyncEngine(llm.engine, request_log="/dev/full")
+    engine = AsyncEngine(llm.engine, request_log=str(tmp_path / "requests.jsonl"))
+    assert engine._request_log is not None
+    engine._request_log._file.close()
+    engine._request_log._file = FullDisk()
     with TestClient(create_app(engine, ServerConfig(model_name="tiny"))) as client:
-        for _ in range(3):  # each write fails (ENOSPC); every request still completes
+        for _ in range(3):  # each write fails; every request still completes
             r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
         body = {"prompt": "hi", "max_tokens": 3, "stream": True}

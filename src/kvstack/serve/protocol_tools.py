@@ -102,7 +102,8 @@ class StructuredFields(BaseModel):
     # backend (--structured-outputs-backend), so the field is reported as ignored.
 
     def structured_params(self) -> StructuredOutputsParams | None:
-        """The request's one constraint (validated), or None; 400 naming the field."""
+        """The request's one constraint, or None; 400 naming the fields if several. The
+        constraint itself is validated once, by the engine (``SamplingParams.validate``)."""
         found = [p for p in self._constraints() if p is not None]
         if len(found) > 1:
             names = ", ".join(p.param for p in found)
@@ -111,7 +112,6 @@ class StructuredFields(BaseModel):
             return None
         params = found[0]
         params.whitespace_pattern = params.whitespace_pattern or self.guided_whitespace_pattern
-        params.validate()
         return params
 
     def _constraints(self) -> list[StructuredOutputsParams | None]:

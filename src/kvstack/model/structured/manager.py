@@ -72,8 +72,8 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ requests
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of ``params``; ``InvalidRequestError`` if invalid."""
-        params.validate()
+        """The compiled grammar of ``params`` (validated by ``SamplingParams.validate``);
+        ``InvalidRequestError`` if the backend cannot compile it."""
         key = params.key()
         hit = self._cache.get(key)
         if hit is not None:

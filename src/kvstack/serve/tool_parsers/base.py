@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -117,33 +118,26 @@ class ToolParser(Protocol):
         ...
 
 
-class ScanningToolParser:
+class ScanningToolParser(ABC):
     """``extract`` built from ``find_start`` / ``content_end`` / ``scan`` (see the module)."""
 
     name: ClassVar[str] = ""
     # Characters whose arrival may complete a call or reveal a malformed one; "" = any.
     closers: ClassVar[str] = ""
-    # The text that opens the calls, for parsers whose calls begin at a marker ("" =
-    # the parser overrides find_start / content_end).
-    start_marker: ClassVar[str] = ""
 
+    @abstractmethod
     def find_start(self, text: str) -> int | None:
-        """Where the first marker begins (parsers without one override this)."""
-        if not self.start_marker:
-            raise NotImplementedError
-        i = text.find(self.start_marker)
-        return None if i < 0 else i
+        """Where the calls begin in ``text``, or None."""
 
+    @abstractmethod
     def content_end(self, text: str) -> int:
-        """Content that can be sent now: all but a tail that may begin the marker."""
-        if not self.start_marker:
-            raise NotImplementedError
-        return len(text) - marker_overlap(text, self.start_marker)
+        """How much of ``text`` (no call begun) can be sent as content now."""
 
+    @abstractmethod
     def scan(
         self, region: str, pos: int, final: bool, memo: dict[int, Any] | None = None
     ) -> ScanResult:
-        raise NotImplementedError
+        """Calls complete in ``region`` after ``pos``."""
 
     def worth_scanning(self, delta: str) -> bool:
         return not self.closers or any(c in delta for c in self.closers)
@@ -164,6 +158,20 @@ class ScanningToolParser:
             if known_names is None or c.name in known_names
         ]
         return ParsedOutput(blank_to_none(text[:start]), calls)
+
+
+class MarkerToolParser(ScanningToolParser):
+    """A parser whose calls begin at a fixed text, ``start_marker`` (hermes, mistral)."""
+
+    start_marker: ClassVar[str]
+
+    def find_start(self, text: str) -> int | None:
+        i = text.find(self.start_marker)
+        return None if i < 0 else i
+
+    def content_end(self, text: str) -> int:
+        """All but a tail that may be the start of the marker."""
+        return len(text) - marker_overlap(text, self.start_marker)
 
 
 def make_tool_call_id() -> str:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from kvstack.serve.tool_parsers.base import (
+    MarkerToolParser,
     RawCall,
-    ScanningToolParser,
     ScanResult,
     call_from_object,
     loads_json,
@@ -36,7 +36,7 @@ def _block_call(body: str, end: int) -> RawCall | None:
     return call_from_object(obj, end, ("arguments",), missing_ok=True)
 
 
-class HermesToolParser(ScanningToolParser):
+class HermesToolParser(MarkerToolParser):
     """``<tool_call>`` JSON blocks (Hermes 2 Pro, Qwen 2.5 / 3, kvstack's fallback)."""
 
     name: ClassVar[str] = "hermes"

@@ -22,8 +22,8 @@ import re
 from typing import Any, ClassVar
 
 from kvstack.serve.tool_parsers.base import (
+    MarkerToolParser,
     RawCall,
-    ScanningToolParser,
     ScanResult,
     call_from_object,
     decode_json_at,
@@ -78,7 +78,7 @@ def _named_call(region: str, i: int, final: bool) -> tuple[list[RawCall], int] |
     return [RawCall(name, dump_arguments(args), end)], end
 
 
-class MistralToolParser(ScanningToolParser):
+class MistralToolParser(MarkerToolParser):
     """Mistral's ``[TOOL_CALLS]`` calls, both the list and the per-call form."""
 
     name: ClassVar[str] = "mistral"

@@ -38,7 +38,7 @@ _SPACE = " \t\r\n"
 
 
 class _NotLiteral(Exception):
-    pass
+    """A node that is not a literal (the output is then content, not a call)."""
 
 
 def _literal(node: ast.expr) -> Any:
