@@ -14,6 +14,13 @@ Rows of one step are ordered decodes first, then prefill chunks::
   The PyTorch fallback gathers the keys of all D requests once per layer into
   ``[D, L]`` and runs two grouped-query matmuls with a length mask (DESIGN.md: CPU
   SDPA is 12x slower at q_len 1).
+* With the C++ kernels and an unencoded cache every row of the step, decode or prefill,
+  goes to one ``paged_attention`` call per layer (``KernelRows``): a prefill row at KV
+  position ``p`` is scored like a decode whose context is ``p + 1`` tokens, through its
+  sequence's block table, K/V read in place (its own K/V were just written), so no mask
+  is built, nothing is gathered, and a prompt token gets the same attention output
+  whether it was computed fresh, in chunks of any size, after a prefix hit or as a
+  decode. The PyTorch path below is the reference, and serves codecs and uneven presses.
 * A prefill chunk that starts a sequence (no earlier KV) attends to its own fresh K/V
   with causal SDPA; a chunk that continues one (chunked prefill, recompute after
   preemption, or a prefix hit) gathers the earlier KV from its blocks. Query ``i`` of a
@@ -54,6 +61,17 @@ class PrefillSeq:
 
 
 @dataclass
+class KernelRows:
+    """All rows of a step for the C++ ``paged_attention``: row ``r`` reads block table
+    ``table_index[r]`` up to ``context_lens[r]`` tokens (``table_index`` None: one table
+    per row, a decode-only step). Tables are padded with block 0 past their length."""
+
+    block_tables: torch.Tensor  # [S, max_blocks] long
+    table_index: torch.Tensor | None  # [R] long
+    context_lens: torch.Tensor  # [R] long
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long, where each new token's K/V goes
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
@@ -69,6 +87,8 @@ class AttentionMetadata:
     # captured for them (per layer [rows, heads, head_dim] float32).
     capture_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # Set when every row goes to the C++ kernel (then ``prefills`` is empty).
+    kernel_rows: KernelRows | None = None
 
 
 def decode_attention(
@@ -126,6 +146,11 @@ def paged_attention(
     an encoded one (era 5 codecs) is read through ``cache.gather``, which dequantizes
     just the blocks a row needs. Returns ``[T, H, d]``.
     """
+    every = meta.kernel_rows
+    if every is not None and meta.kernels is not None and cache.k is not None:
+        return meta.kernels.paged_attention(
+            q, cache.k, cache.v, every.block_tables, every.table_index, every.context_lens, scale
+        )
     out = torch.empty_like(q)
     nd = meta.num_decodes
     kvh, hd = k.shape[1], k.shape[2]

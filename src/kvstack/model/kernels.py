@@ -26,7 +26,13 @@ from typing import Any
 logger = logging.getLogger("kvstack.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "token_mask.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "paged_attention.cpp",
+    "fused_ops.cpp",
+    "token_mask.cpp",
+    "argmax.cpp",
+)
 _lock = threading.Lock()
 _module: Any = None  # torch.ops.kvstack once loaded
 _failed = False

@@ -105,8 +105,11 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv: KVStorage,
         logits_indices: torch.Tensor | None,
+        float_logits: bool = True,
     ) -> torch.Tensor:
-        """Return float32 logits ``[len(logits_indices), vocab]`` (all rows if None)."""
+        """Return logits ``[len(logits_indices), vocab]`` (all rows if None): float32, or
+        with ``float_logits=False`` in the model dtype (the runner's consumers convert
+        what they need; greedy sampling reads bf16 logits directly)."""
         eps, ops, heads = self.config.rms_norm_eps, self.ops, self.heads
         t = input_ids.shape[0]
         residual = self.embed[input_ids]
@@ -131,4 +134,5 @@ class LlamaModel:
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         x, _ = ops.add_rms_norm(h, residual, self.norm, eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return logits.float() if float_logits else logits

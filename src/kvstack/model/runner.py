@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstack.kv.storage import KVStorage
-from kvstack.model.attention import AttentionMetadata, PrefillSeq
+from kvstack.model.attention import AttentionMetadata, KernelRows, PrefillSeq
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -82,6 +82,8 @@ class StepInputs:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # KV slot of each row's token
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # C++ attention path: each prefill chunk's (block table, KV tokens before it, length).
+    kernel_seqs: list[tuple[list[int], int, int]] | None = None
 
 
 @dataclass
@@ -124,8 +126,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.vocab_size = model.config.vocab_size
         self.num_layers = model.config.num_layers
-        self.sampler = Sampler()
         self.kernels = load_kernels()
+        self.sampler = Sampler(kernels=self.kernels)
         # Era 5: which rows' queries a press needs (``PressCoordinator.capture_rows``).
         self.press = press
         self.structured = structured  # grammar masks of constrained requests
@@ -145,6 +147,8 @@ class ModelRunner:
         )
         ordered = decodes + prefills
         inputs = StepInputs()
+        if self._kernel_attention(ordered):
+            inputs.kernel_seqs = []
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))
@@ -184,10 +188,16 @@ class ModelRunner:
             c, n = s.num_computed_tokens, s.num_new_tokens
             kc = c - s.request.num_dropped
             inputs.ids.extend(_tokens(s.request, c, n))
-            p = torch.arange(kc, kc + n)  # KV slots (= positions unless pressed)
-            table = torch.tensor(s.block_ids[: -(-(kc + n) // bs)], dtype=torch.long)
-            inputs.slots.extend((table[p // bs] * bs + p % bs).tolist())
             inputs.positions.extend(range(c, c + n))
+            blocks = s.block_ids[: -(-(kc + n) // bs)]
+            if inputs.kernel_seqs is not None:  # C++ attention: the table is all it needs
+                inputs.slots.extend(blocks[t // bs] * bs + t % bs for t in range(kc, kc + n))
+                inputs.kernel_seqs.append((blocks, kc, n))
+                row += n
+                continue
+            p = torch.arange(kc, kc + n)  # KV slots (= positions unless pressed)
+            table = torch.tensor(blocks, dtype=torch.long)
+            inputs.slots.extend((table[p // bs] * bs + p % bs).tolist())
             if kc == 0 and self.kv.codec.identity:
                 last = metas[-1] if metas else None
                 if last is not None and last.block_ids is None and last.q_len == n:
@@ -218,7 +228,7 @@ class ModelRunner:
         bs = self.block_size
         dec_tables = dec_bias = dec_lens = None
         layer_bias = None
-        if decodes:
+        if decodes and inputs.kernel_seqs is None:  # else KernelRows covers them
             ctx = [s.num_computed_tokens - s.request.num_dropped + 1 for s in decodes]
             max_blocks = -(-max(ctx) // bs)
             table_rows = [
@@ -251,6 +261,41 @@ class ModelRunner:
             kernels=self.kernels,
             decode_layer_bias=layer_bias,
             capture_rows=capture_rows,
+            kernel_rows=None if inputs.kernel_seqs is None else self._kernel_rows(decodes, inputs),
+        )
+
+    def _kernel_attention(self, ordered: list[ScheduledRequest]) -> bool:
+        """True when every row can go to the C++ ``paged_attention``: kernels built, an
+        unencoded cache, and no press that gave layers different budgets."""
+        return (
+            self.kernels is not None
+            and self.kv.codec.identity
+            and all(_layer_lens(s.request) is None for s in ordered)
+        )
+
+    def _kernel_rows(self, decodes: list[ScheduledRequest], inputs: StepInputs) -> KernelRows:
+        """Block tables and per-row context lengths of every row: decode ``i`` reads table
+        ``i``; row ``j`` of a prefill chunk after ``kc`` KV tokens attends ``kc + j + 1``."""
+        assert inputs.kernel_seqs is not None
+        bs = self.block_size
+        tables: list[list[int]] = []
+        index: list[int] = []
+        lens: list[int] = []
+        for i, s in enumerate(decodes):
+            kc = s.num_computed_tokens - s.request.num_dropped + 1
+            tables.append(s.block_ids[: -(-kc // bs)])
+            index.append(i)
+            lens.append(kc)
+        for blocks, kc, n in inputs.kernel_seqs:
+            index.extend([len(tables)] * n)
+            tables.append(blocks)
+            lens.extend(range(kc + 1, kc + n + 1))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return KernelRows(
+            block_tables=torch.tensor(padded, dtype=torch.long),
+            table_index=None if not inputs.kernel_seqs else torch.tensor(index, dtype=torch.long),
+            context_lens=torch.tensor(lens, dtype=torch.long),
         )
 
     def _press_rows(self, ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
@@ -298,6 +343,7 @@ class ModelRunner:
             meta,
             self.kv,
             torch.tensor(logit_rows, dtype=torch.long),
+            float_logits=False,
         )
 
     def _sample(self, logits: torch.Tensor, plan: LogitPlan, result: RunnerOutput) -> None:
@@ -310,7 +356,8 @@ class ModelRunner:
             else None
         )
         mask = None if so is None else so.bitmask_for(plan.sample_reqs)
-        sampled = self.sampler(logits[plan.sample_pos], batch, mask)
+        every_row = len(plan.sample_pos) == logits.shape[0]  # sample_pos is then 0, 1, ...
+        sampled = self.sampler(logits if every_row else logits[plan.sample_pos], batch, mask)
         for i, req in enumerate(plan.sample_reqs):
             token = sampled.sampled_token_ids[i]
             result.sampled[req.request_id] = token

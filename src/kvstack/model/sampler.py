@@ -17,6 +17,12 @@ Order of operations (as vLLM v1)::
                      → top-p and min-p as one per-row probability threshold
                      → argmax(probs / q), q ~ Exponential(1)
 
+With the C++ kernels, a step whose rows are all greedy with nothing to process (no
+logits processor, grammar or logprobs) takes ``greedy_argmax`` on the logits as the
+lm_head left them (bf16 or float32): the same first-maximum index as ``argmax`` of the
+float32 logits, without the float32 copy; a row with a NaN or no finite maximum sends
+the step down the full path above.
+
 Logprobs are those of the processed distribution: after allowed_token_ids, bad_words,
 bias, min_tokens and penalties, before temperature, top-k, top-p and min-p (clients see
 the model's view of each token, not the truncated sampling distribution). A token banned
@@ -44,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstack.model.kernels import Kernels
 from kvstack.model.sampling_metadata import SamplingBatch
 from kvstack.model.structured.bitmask import StepMask
 from kvstack.request import Logprob
@@ -85,8 +92,12 @@ class Sampler:
     global generator does (so ``torch.manual_seed`` makes a run reproducible).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, kernels: Kernels | None = None
+    ) -> None:
         self.generator = generator
+        # torch.ops.kvstack: greedy_argmax picks greedy tokens straight from bf16 logits.
+        self.kernels = kernels
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, mask: StepMask | None = None
@@ -104,6 +115,16 @@ class Sampler:
             raise ValueError(f"logits vocab {logits.shape[1]} != batch vocab {batch.vocab_size}")
         if batch.num_rows == 0:
             return SamplerOutput([], [])
+        if (
+            self.kernels is not None
+            and mask is None
+            and batch.all_greedy
+            and batch.max_num_logprobs is None
+            and not batch.needs_logits_processing
+        ):  # the common greedy step: no float32 copy of the logits
+            ids = self.kernels.greedy_argmax(logits)
+            if bool((ids >= 0).all()):  # else a row needs sanitizing: the full path below
+                return SamplerOutput(ids.tolist(), [None] * batch.num_rows)
 
         x = apply_logits_processors(logits.float(), batch)
         if mask is not None:

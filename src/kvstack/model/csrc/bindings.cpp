@@ -9,6 +9,9 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor",
         &paged_decode_attention);
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor? table_index, Tensor context_lens, float scale) -> Tensor",
+        &paged_attention);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",
         &add_rms_norm);
@@ -17,6 +20,7 @@ TORCH_LIBRARY(kvstack, m) {
         "Tensor(b!)? k_cache, Tensor(c!)? v_cache, Tensor? slots, int num_heads, "
         "int num_kv_heads, int head_dim) -> ()",
         &rope_and_cache);
+  m.def("greedy_argmax(Tensor logits) -> Tensor", &greedy_argmax);
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
         &apply_token_bitmask);
 }

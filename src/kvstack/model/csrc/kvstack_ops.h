@@ -7,6 +7,9 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
+                              torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gu);
@@ -14,4 +17,5 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
                     torch::Tensor sin, std::optional<torch::Tensor> k_cache,
                     std::optional<torch::Tensor> v_cache, std::optional<torch::Tensor> slots,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+torch::Tensor greedy_argmax(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);

@@ -14,6 +14,10 @@
 #include "kvstack_ops.h"
 #include "simd.h"
 
+// Row d reads block table tidx[d] (prefill rows of one sequence share its table), or
+// table d when tidx is null (decode: one table per row).
+static inline int64_t table_row(const int64_t* tidx, int64_t d) { return tidx ? tidx[d] : d; }
+
 // Converts one K/V row of HD elements to float.
 template <typename T>
 static inline void row_to_float(const T* src, float* dst, int64_t HD) {
@@ -195,8 +199,8 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
 
 template <typename T, int G>
 static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                               const int64_t* lens, T* out, int64_t D, int64_t KVH, int64_t BS,
-                               int64_t MB, float scale) {
+                               const int64_t* tidx, const int64_t* lens, T* out, int64_t D,
+                               int64_t KVH, int64_t BS, int64_t MB, float scale) {
   constexpr int64_t HD = 64;
   const int64_t H = KVH * G;
   std::vector<int64_t> first(D + 1, 0);  // first partition index of each request
@@ -209,7 +213,7 @@ static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64
       const int64_t pi = w / KVH, kh = w % KVH;
       const int64_t d = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
       const int64_t t0 = (pi - first[d]) * kPartTokens;
-      decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + d * MB, KVH, BS, kh, t0,
+      decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + table_row(tidx, d) * MB, KVH, BS, kh, t0,
                              std::min(lens[d], t0 + kPartTokens), scale,
                              parts.data() + pi * H + kh * G);
     }
@@ -237,13 +241,13 @@ static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64
 
 template <typename T>
 static bool decode_fast(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                        const int64_t* lens, T* out, int64_t D, int64_t H, int64_t KVH,
-                        int64_t HD, int64_t BS, int64_t MB, float scale) {
+                        const int64_t* tidx, const int64_t* lens, T* out, int64_t D, int64_t H,
+                        int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale) {
   if (HD != 64) return false;
   switch (H / KVH) {
 #define KVSTACK_G(g)                                                                  \
   case g:                                                                             \
-    decode_kernel_hd64<T, g>(q, kc, vc, tables, lens, out, D, KVH, BS, MB, scale); \
+    decode_kernel_hd64<T, g>(q, kc, vc, tables, tidx, lens, out, D, KVH, BS, MB, scale); \
     return true;
     KVSTACK_G(1) KVSTACK_G(2) KVSTACK_G(3) KVSTACK_G(4)
     KVSTACK_G(5) KVSTACK_G(6) KVSTACK_G(7) KVSTACK_G(8)
@@ -254,16 +258,17 @@ static bool decode_fast(const T* q, const T* kc, const T* vc, const int64_t* tab
 }
 #else
 template <typename T>
-static bool decode_fast(const T*, const T*, const T*, const int64_t*, const int64_t*, T*,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
+static bool decode_fast(const T*, const T*, const T*, const int64_t*, const int64_t*,
+                        const int64_t*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float) {
   return false;
 }
 #endif
 
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                          const int64_t* lens, T* out, int64_t D, int64_t H, int64_t KVH,
-                          int64_t HD, int64_t BS, int64_t MB, float scale) {
+                          const int64_t* tidx, const int64_t* lens, T* out, int64_t D, int64_t H,
+                          int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale) {
   const int64_t G = H / KVH;
   at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * HD), acc(G * HD), row(HD), scores;
@@ -275,7 +280,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
         row_to_float(q + (d * H + kh * G + g) * HD, qf.data() + g * HD, HD);
         for (int64_t i = 0; i < HD; ++i) qf[g * HD + i] *= scale;
       }
-      const int64_t* table = tables + d * MB;
+      const int64_t* table = tables + table_row(tidx, d) * MB;
       for (int64_t t = 0; t < L; ++t) {
         row_to_float(kc + ((table[t / BS] * BS + t % BS) * KVH + kh) * HD, row.data(), HD);
         for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qf.data() + g * HD, row.data(), HD);
@@ -304,51 +309,80 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
   });
 }
 
-// q [D, H, HD]; k_cache/v_cache [NB, BS, KVH, HD]; block_tables [D, MB] int64;
-// context_lens [D] int64. Returns [D, H, HD] in q's dtype.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "bad shapes");
+// q [R, H, HD]; k_cache/v_cache [NB, BS, KVH, HD]; block_tables [S, MB] int64;
+// table_index [R] int64 (row r reads table table_index[r]; None: S == R, row r table r);
+// context_lens [R] int64: row r attends tokens [0, context_lens[r]) of its table. A
+// prefill row at KV position p passes p + 1 (causal), so a prompt token is scored exactly
+// as a decode of that position would be: same partitions, same order, bit-identical.
+// Returns [R, H, HD] in q's dtype.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
+                              torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2, "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and cache dtypes differ");
   q = q.contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
-  const int64_t D = q.size(0), H = q.size(1), HD = q.size(2);
+  const int64_t R = q.size(0), H = q.size(1), HD = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = block_tables.size(1);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == HD, "head shapes do not match");
-  const int64_t NB = k_cache.size(0);
-  TORCH_CHECK(block_tables.size(0) == D && context_lens.numel() == D, "one row per request");
+  const int64_t S = block_tables.size(0), NB = k_cache.size(0);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0 && k_cache.size(3) == HD, "head shapes do not match");
+  TORCH_CHECK(context_lens.numel() == R, "one context length per row");
+  torch::Tensor tidx_t;
+  const int64_t* tidx = nullptr;
+  if (table_index.has_value()) {
+    tidx_t = table_index->to(torch::kInt64).contiguous();
+    TORCH_CHECK(tidx_t.numel() == R, "one table index per row");
+    tidx = tidx_t.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(S == R, "one block table per row");
+  }
+  // Checked before any read: no input reads out of bounds. Each table is checked once, up
+  // to the longest context that reads it.
   const int64_t* lens_p = context_lens.data_ptr<int64_t>();
   const int64_t* tab_p = block_tables.data_ptr<int64_t>();
-  for (int64_t d = 0; d < D; ++d) {  // checked before any read: no input reads out of bounds
-    TORCH_CHECK(lens_p[d] >= 1 && lens_p[d] <= MB * BS, "context length ", lens_p[d],
+  std::vector<int64_t> need(S, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = table_row(tidx, r);
+    TORCH_CHECK(t >= 0 && t < S, "table index ", t, " outside [0, ", S, ")");
+    TORCH_CHECK(lens_p[r] >= 1 && lens_p[r] <= MB * BS, "context length ", lens_p[r],
                 " outside [1, ", MB * BS, "]");
-    for (int64_t b = 0; b < (lens_p[d] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tab_p[d * MB + b] >= 0 && tab_p[d * MB + b] < NB, "block id ",
-                  tab_p[d * MB + b], " outside the cache");
+    need[t] = std::max(need[t], lens_p[r]);
   }
+  for (int64_t t = 0; t < S; ++t)
+    for (int64_t b = 0; b < (need[t] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tab_p[t * MB + b] >= 0 && tab_p[t * MB + b] < NB, "block id ",
+                  tab_p[t * MB + b], " outside the cache");
   auto out = torch::empty_like(q);
+  if (R == 0) return out;
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == torch::kBFloat16) {
     using T = c10::BFloat16;
-    if (!decode_fast<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                        block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                        out.data_ptr<T>(), D, H, KVH, HD, BS, MB, static_cast<float>(scale)))
-    decode_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                     block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                     out.data_ptr<T>(), D, H, KVH, HD, BS, MB, static_cast<float>(scale));
+    const T *qp = q.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+    if (!decode_fast<T>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, KVH, HD, BS,
+                        MB, sc))
+      decode_kernel<T>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, KVH, HD, BS,
+                       MB, sc);
   } else if (q.scalar_type() == torch::kFloat32) {
-    if (!decode_fast<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                            context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), D, H, KVH,
-                            HD, BS, MB, static_cast<float>(scale)))
-    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                         v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                         context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), D, H, KVH,
-                         HD, BS, MB, static_cast<float>(scale));
+    const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>();
+    const float* vp = v_cache.data_ptr<float>();
+    if (!decode_fast<float>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, KVH,
+                            HD, BS, MB, sc))
+      decode_kernel<float>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, KVH,
+                           HD, BS, MB, sc);
   } else {
-    TORCH_CHECK(false, "paged_decode_attention supports bfloat16 and float32");
+    TORCH_CHECK(false, "paged attention supports bfloat16 and float32");
   }
   return out;
+}
+
+// The decode case: one query row, one block table per request.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  return paged_attention(q, k_cache, v_cache, block_tables, std::nullopt, context_lens, scale);
 }
