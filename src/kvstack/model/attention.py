@@ -14,13 +14,15 @@ Rows of one step are ordered decodes first, then prefill chunks::
   The PyTorch fallback gathers the keys of all D requests once per layer into
   ``[D, L]`` and runs two grouped-query matmuls with a length mask (DESIGN.md: CPU
   SDPA is 12x slower at q_len 1).
-* With the C++ kernels and an unencoded cache every row of the step, decode or prefill,
-  goes to one ``paged_attention`` call per layer (``KernelRows``): a prefill row at KV
-  position ``p`` is scored like a decode whose context is ``p + 1`` tokens, through its
-  sequence's block table, K/V read in place (its own K/V were just written), so no mask
-  is built, nothing is gathered, and a prompt token gets the same attention output
-  whether it was computed fresh, in chunks of any size, after a prefix hit or as a
-  decode. The PyTorch path below is the reference, and serves codecs and uneven presses.
+* With the C++ kernels and an unencoded cache, the decodes and every prefill chunk of at
+  most ``KERNEL_CHUNK_ROWS`` rows (a short suffix after a prefix hit, the tail of a
+  chunked prompt, several tokens to verify) go to one ``paged_attention`` call per layer
+  (``KernelRows``): a chunk row at KV position ``p`` is scored exactly as a decode whose
+  context is ``p + 1`` tokens, through its sequence's block table, K/V read in place
+  (its own K/V were just written): no mask, no gather. That per-row scoring re-reads the
+  context for each row, so longer chunks stay with SDPA below, which is faster from
+  ~16 rows on (measured at 200 and 1,000-token contexts, bf16, one thread: 8 chunks of
+  4 rows 0.28 vs 1.09 ms, of 32 rows 2.05 vs 1.81 ms at 200 tokens).
 * A prefill chunk that starts a sequence (no earlier KV) attends to its own fresh K/V
   with causal SDPA; a chunk that continues one (chunked prefill, recompute after
   preemption, or a prefix hit) gathers the earlier KV from its blocks. Query ``i`` of a
@@ -60,12 +62,17 @@ class PrefillSeq:
     layer_masks: list[torch.Tensor] | None = None  # per layer, after an uneven press
 
 
+KERNEL_CHUNK_ROWS = 12  # prefill chunks up to this length take the C++ kernel
+
+
 @dataclass
 class KernelRows:
-    """All rows of a step for the C++ ``paged_attention``: row ``r`` reads block table
-    ``table_index[r]`` up to ``context_lens[r]`` tokens (``table_index`` None: one table
-    per row, a decode-only step). Tables are padded with block 0 past their length."""
+    """The first ``num_rows`` rows of a step (decodes, then prefill chunks of at most
+    ``KERNEL_CHUNK_ROWS`` rows) for the C++ ``paged_attention``: row ``r`` reads block
+    table ``table_index[r]`` up to ``context_lens[r]`` tokens (``table_index`` None: one
+    table per row, decodes only). Tables are padded with block 0 past their length."""
 
+    num_rows: int
     block_tables: torch.Tensor  # [S, max_blocks] long
     table_index: torch.Tensor | None  # [R] long
     context_lens: torch.Tensor  # [R] long
@@ -131,6 +138,30 @@ def prefill_attention(
     return out.transpose(1, 2).flatten(0, 1)
 
 
+def _decode_rows(
+    q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode rows without ``KernelRows``: the C++ decode kernel, or (encoded caches,
+    uneven presses, no kernels) the PyTorch gather path, counted as a fallback."""
+    nd = q.shape[0]
+    assert meta.decode_block_tables is not None
+    layer_bias = meta.decode_layer_bias
+    if meta.kernels is not None and cache.k is not None and layer_bias is None:
+        assert meta.decode_context_lens is not None
+        out: torch.Tensor = meta.kernels.paged_decode_attention(
+            q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+        return out
+    if meta.kernels is not None and cache.layer == 0:  # counted, once per step
+        reason = "encoded_cache" if cache.k is None else "uneven_press"
+        note_fallback("paged_decode_attention", reason)
+    bias = layer_bias[cache.layer] if layer_bias is not None else meta.decode_bias
+    assert bias is not None
+    keys, vals = cache.gather(meta.decode_block_tables)  # [D, blocks, bs, KVH, d]
+    kvh, hd = keys.shape[-2], keys.shape[-1]
+    return decode_attention(q, keys.view(nd, -1, kvh, hd), vals.view(nd, -1, kvh, hd), bias, scale)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,37 +178,20 @@ def paged_attention(
     just the blocks a row needs. Returns ``[T, H, d]``.
     """
     every = meta.kernel_rows
-    if every is not None and meta.kernels is not None and cache.k is not None:
-        return meta.kernels.paged_attention(
-            q, cache.k, cache.v, every.block_tables, every.table_index, every.context_lens, scale
-        )
-    out = torch.empty_like(q)
-    nd = meta.num_decodes
     kvh, hd = k.shape[1], k.shape[2]
-    if nd:
-        assert meta.decode_block_tables is not None
-        layer_bias = meta.decode_layer_bias
-        if (
-            meta.kernels is not None
-            and cache.k is not None
-            and cache.v is not None
-            and layer_bias is None
-        ):
-            assert meta.decode_context_lens is not None
-            out[:nd] = meta.kernels.paged_decode_attention(
-                q[:nd], cache.k, cache.v, meta.decode_block_tables,
-                meta.decode_context_lens, scale,
-            )  # fmt: skip
-        else:
-            if meta.kernels is not None and cache.layer == 0:  # counted, once per step
-                reason = "encoded_cache" if cache.k is None else "uneven_press"
-                note_fallback("paged_decode_attention", reason)
-            bias = layer_bias[cache.layer] if layer_bias is not None else meta.decode_bias
-            assert bias is not None
-            keys, vals = cache.gather(meta.decode_block_tables)  # [D, blocks, bs, KVH, d]
-            out[:nd] = decode_attention(
-                q[:nd], keys.view(nd, -1, kvh, hd), vals.view(nd, -1, kvh, hd), bias, scale
-            )
+    if every is not None and meta.kernels is not None and cache.k is not None:
+        head = meta.kernels.paged_attention(
+            q[: every.num_rows], cache.k, cache.v, every.block_tables, every.table_index,
+            every.context_lens, scale,
+        )  # fmt: skip
+        if not meta.prefills:
+            return head
+        out = torch.empty_like(q)
+        out[: every.num_rows] = head
+    else:
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = _decode_rows(q[: meta.num_decodes], cache, meta, scale)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
         if p.block_ids is None:

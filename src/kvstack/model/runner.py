@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstack.kv.storage import KVStorage
-from kvstack.model.attention import AttentionMetadata, KernelRows, PrefillSeq
+from kvstack.model.attention import KERNEL_CHUNK_ROWS, AttentionMetadata, KernelRows, PrefillSeq
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -82,7 +82,7 @@ class StepInputs:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # KV slot of each row's token
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # C++ attention path: each prefill chunk's (block table, KV tokens before it, length).
+    # C++ attention path: each short chunk's (block table, KV tokens before it, length).
     kernel_seqs: list[tuple[list[int], int, int]] | None = None
 
 
@@ -140,14 +140,20 @@ class ModelRunner:
         if out.is_empty:
             return RunnerOutput()
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        # Fresh prompts of equal length sit side by side so attention batches them.
+        kernel = self._kernel_attention(out.scheduled)
+        # Short chunks for the C++ kernel right after the decodes (KernelRows); fresh
+        # prompts of equal length side by side so SDPA batches them.
         prefills = sorted(
             (s for s in out.scheduled if s.num_new_tokens != 1),
-            key=lambda s: (s.num_computed_tokens > 0, s.num_new_tokens),
+            key=lambda s: (
+                not (kernel and s.num_new_tokens <= KERNEL_CHUNK_ROWS),
+                s.num_computed_tokens > 0,
+                s.num_new_tokens,
+            ),
         )
         ordered = decodes + prefills
         inputs = StepInputs()
-        if self._kernel_attention(ordered):
+        if kernel:
             inputs.kernel_seqs = []
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
@@ -190,7 +196,7 @@ class ModelRunner:
             inputs.ids.extend(_tokens(s.request, c, n))
             inputs.positions.extend(range(c, c + n))
             blocks = s.block_ids[: -(-(kc + n) // bs)]
-            if inputs.kernel_seqs is not None:  # C++ attention: the table is all it needs
+            if inputs.kernel_seqs is not None and n <= KERNEL_CHUNK_ROWS:  # C++ attention
                 inputs.slots.extend(blocks[t // bs] * bs + t % bs for t in range(kc, kc + n))
                 inputs.kernel_seqs.append((blocks, kc, n))
                 row += n
@@ -264,19 +270,24 @@ class ModelRunner:
             kernel_rows=None if inputs.kernel_seqs is None else self._kernel_rows(decodes, inputs),
         )
 
-    def _kernel_attention(self, ordered: list[ScheduledRequest]) -> bool:
-        """True when every row can go to the C++ ``paged_attention``: kernels built, an
-        unencoded cache, and no press that gave layers different budgets."""
+    def _kernel_attention(self, scheduled: list[ScheduledRequest]) -> bool:
+        """True when decodes and short chunks can go to the C++ ``paged_attention``:
+        kernels built, an unencoded cache, no press that gave layers different budgets."""
         return (
             self.kernels is not None
             and self.kv.codec.identity
-            and all(_layer_lens(s.request) is None for s in ordered)
+            and all(_layer_lens(s.request) is None for s in scheduled)
         )
 
-    def _kernel_rows(self, decodes: list[ScheduledRequest], inputs: StepInputs) -> KernelRows:
-        """Block tables and per-row context lengths of every row: decode ``i`` reads table
-        ``i``; row ``j`` of a prefill chunk after ``kc`` KV tokens attends ``kc + j + 1``."""
+    def _kernel_rows(
+        self, decodes: list[ScheduledRequest], inputs: StepInputs
+    ) -> KernelRows | None:
+        """Block tables and context lengths of the kernel's rows (None if there are
+        none): decode ``i`` reads table ``i``; row ``j`` of a short chunk after ``kc`` KV
+        tokens attends ``kc + j + 1``."""
         assert inputs.kernel_seqs is not None
+        if not decodes and not inputs.kernel_seqs:
+            return None
         bs = self.block_size
         tables: list[list[int]] = []
         index: list[int] = []
@@ -293,6 +304,7 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         return KernelRows(
+            num_rows=len(lens),
             block_tables=torch.tensor(padded, dtype=torch.long),
             table_index=None if not inputs.kernel_seqs else torch.tensor(index, dtype=torch.long),
             context_lens=torch.tensor(lens, dtype=torch.long),
