@@ -16,7 +16,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from kvstack.llm import LLM
     from kvstack.serve.async_engine import AsyncEngine
+    from kvstack.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("kvstack.serve")
 SERVER = "server"
@@ -97,7 +98,29 @@ class ServerOptions:
         flag_help="answer tool_choice auto with 400, as vLLM without --enable-auto-tool-choice",
     )  # fmt: skip
 
+    kv_events_config: str | None = option(
+        None,
+        "publish KV events as vLLM does, for llm-d's KV indexer, Dynamo or LMCache: "
+        'vLLM\'s KVEventsConfig JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": '
+        '"kv"}\' (msgpack KVEventBatch on a ZMQ PUB socket plus a ROUTER replay socket; '
+        "GET /v1/kv_events streams the same events as JSON either way)",
+        group=SERVER, metavar="JSON",
+    )  # fmt: skip
+    prefix_caching_hash_algo: str = option(
+        "sha256",
+        "block hashes the ZMQ KV events carry, computed as vLLM computes its prefix-cache "
+        "hashes so an external indexer can recompute them from token ids: sha256 (vLLM's "
+        "default, SHA-256 of a pickle), sha256_cbor (SHA-256 of canonical CBOR, "
+        "language-neutral) or builtin (kvstack's own BLAKE2b chain, what the router uses)",
+        group=SERVER, choices=lambda: _hash_algos(),
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            from kvstack.serve.kv_events_config import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)  # one clear line at startup
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if not 0 < self.port < 65536:
@@ -117,6 +140,12 @@ class ServerOptions:
             )
 
 
+def _hash_algos() -> tuple[str, ...]:
+    from kvstack.kv.vllm_hashing import HASH_ALGOS
+
+    return HASH_ALGOS
+
+
 def _tool_parsers() -> tuple[str, ...]:
     from kvstack.serve.tool_parsers import TOOL_PARSERS
 
@@ -131,6 +160,23 @@ def default_served_name(model: str) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
+    """Labels of ``vllm:cache_config_info``: vLLM's ``CacheConfig`` names where kvstack has
+    the setting (``num_gpu_blocks`` is the pool's blocks, in RAM here), then kvstack's."""
+    c = config.cache
+    return {
+        "block_size": str(c.block_size),
+        "cache_dtype": c.kv_cache_dtype,
+        "enable_prefix_caching": str(c.prefix_cache != "none"),
+        "num_gpu_blocks": str(num_blocks),
+        "prefix_cache": c.prefix_cache,
+        "eviction_policy": c.eviction_policy,
+        "kv_layout": c.kv_layout,
+        "kv_offload": str(c.kv_offload),
+        "kv_press": str(c.kv_press),
+    }
+
+
 def build_server(
     engine_config: EngineConfig, options: ServerOptions
 ) -> tuple[LLM, AsyncEngine, FastAPI, str]:
@@ -143,7 +189,10 @@ def build_server(
     options.check(engine_config)
     llm = LLM.from_config(engine_config)
     name = options.served_model_name or default_served_name(engine_config.model)
-    metrics = ServerMetrics(name)
+    eng = llm.engine
+    metrics = ServerMetrics(
+        name, eng.max_model_len, cache_config_info(engine_config, eng.kv_manager.num_blocks)
+    )
     engine = AsyncEngine(
         llm.engine, max_waiting=options.max_waiting, metrics=metrics,
         request_log=options.request_log,
@@ -161,7 +210,27 @@ def build_server(
             enable_auto_tool_choice=options.enable_auto_tool_choice,
         ),
     )
+    app.state.kv_events_publisher = _kv_events_publisher(options, llm, metrics)
     return llm, engine, app, name
+
+
+def _kv_events_publisher(options: ServerOptions, llm: LLM, metrics: ServerMetrics) -> Any:
+    """vLLM's ZMQ publisher of the engine's KV events, if ``--kv-events-config`` asks."""
+    from kvstack.serve.kv_events_config import KVEventsConfig
+
+    if options.kv_events_config is None:
+        return None
+    config = KVEventsConfig.parse(options.kv_events_config)
+    if not config.publishes:
+        return None
+    from kvstack.serve.kv_events_vllm import VllmEventTranslator
+    from kvstack.serve.kv_events_zmq import ZmqKVEventPublisher
+
+    kv = llm.engine.kv_manager
+    translator = VllmEventTranslator(options.prefix_caching_hash_algo, kv.routing_info().model_id)
+    pub = ZmqKVEventPublisher(config, translator, llm.engine.kv_events)
+    metrics.kv_events_dropped = lambda: pub.num_dropped
+    return pub
 
 
 def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
