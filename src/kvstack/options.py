@@ -67,6 +67,7 @@ class Option:
     flag_help: str | None = None
     aliases: tuple[str, ...] = ()
     switches: tuple[Switch, ...] = ()
+    nargs: str | None = None  # argparse's ("+": one or more values, a list)
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,8 @@ def _add_one(group: argparse._ArgumentGroup, s: OptionSpec) -> None:
         kw["default"] = default
         if s.option.metavar is not None:
             kw["metavar"] = s.option.metavar
+        if s.option.nargs is not None:
+            kw["nargs"] = s.option.nargs
         if s.option.convert is None and s.value_type in (int, float):
             kw["type"] = s.value_type
     action = group.add_argument(s.flag, *s.option.aliases, **kw)

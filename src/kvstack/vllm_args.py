@@ -169,7 +169,8 @@ def add_cli_flags(group: argparse._ArgumentGroup) -> None:
             group.add_argument(flag, dest="vllm_" + name, action="store_true", default=None,
                                help=text)  # fmt: skip
         else:
-            group.add_argument(flag, dest="vllm_" + name, type=kw.cli, default=None, help=text)
+            group.add_argument(flag, dest="vllm_" + name, type=kw.cli, default=None,
+                               metavar=name.split("_")[-1].upper(), help=text)  # fmt: skip
 
 
 def cli_values(ns: argparse.Namespace) -> dict[str, Any]:

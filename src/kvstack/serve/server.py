@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
-from kvstack.options import check_choices, from_namespace, option
+from kvstack.options import Switch, check_choices, from_namespace, option
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -40,16 +41,18 @@ class ServerOptions:
 
     host: str = option("127.0.0.1", "address to bind (default 127.0.0.1)", group=SERVER)
     port: int = option(8000, "port (default 8000)", group=SERVER)
-    served_model_name: str | None = option(
+    served_model_name: tuple[str, ...] | None = option(
         None,
-        "model id clients send and /v1/models lists (default: the model file's name)",
-        group=SERVER,
-    )
+        "model id(s) clients send and /v1/models lists, as vLLM's: the first is the name "
+        "in responses and metrics, the others are accepted aliases (default: the model "
+        "file's name)",
+        group=SERVER, nargs="+", metavar="NAME", convert=lambda v: _names(v),
+    )  # fmt: skip
     api_key: str | None = option(
         None,
         "require 'Authorization: Bearer KEY' on /v1/* and cache endpoints "
-        "(default: $KVSTACK_API_KEY; none = open)",
-        group=SERVER, env="KVSTACK_API_KEY",
+        "(default: $KVSTACK_API_KEY, else vLLM's $VLLM_API_KEY; none = open)",
+        group=SERVER, env=("KVSTACK_API_KEY", "VLLM_API_KEY"),
     )  # fmt: skip
     max_waiting: int = option(
         1024,
@@ -96,8 +99,21 @@ class ServerOptions:
         "--enable-auto-tool-choice for it)",
         group=SERVER, flag="--no-enable-auto-tool-choice",
         flag_help="answer tool_choice auto with 400, as vLLM without --enable-auto-tool-choice",
+        switches=(Switch("--enable-auto-tool-choice", True, "vLLM's flag: parse tool calls "
+                         "under tool_choice auto (kvstack's default)"),),
     )  # fmt: skip
 
+    allowed_origins: tuple[str, ...] | None = option(
+        None,
+        "CORS: origins browsers may call from, a JSON list as vLLM's ('[\"*\"]') or "
+        "comma-separated (default: none, no CORS headers; vLLM defaults to [\"*\"])",
+        group=SERVER, metavar="JSON_LIST", convert=lambda v: _origins(v),
+    )  # fmt: skip
+    root_path: str | None = option(
+        None,
+        "path prefix a reverse proxy serves the API under (vLLM's --root-path; ASGI root_path)",
+        group=SERVER,
+    )
     kv_events_config: str | None = option(
         None,
         "publish KV events as vLLM does, for llm-d's KV indexer, Dynamo or LMCache: "
@@ -138,6 +154,31 @@ class ServerOptions:
                 f"--role {self.role} needs --kv-offload with a tier the replicas share "
                 "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
             )
+
+
+def _names(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"--served-model-name needs non-empty names, got {value!r}")
+    return names
+
+
+def _origins(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``'["*"]'`` (vLLM's JSON) or ``a.com,b.com`` -> a tuple (idempotent)."""
+    if isinstance(value, list | tuple):
+        items: Any = list(value)
+    elif value.strip().startswith("["):
+        import json
+
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--allowed-origins is not a JSON list: {e}") from None
+    else:
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(items, list) or not all(isinstance(o, str) and o for o in items):
+        raise ConfigError(f"--allowed-origins must be a list of origins, got {value!r}")
+    return tuple(items)
 
 
 def _hash_algos() -> tuple[str, ...]:
@@ -188,7 +229,8 @@ def build_server(
 
     options.check(engine_config)
     llm = LLM.from_config(engine_config)
-    name = options.served_model_name or default_served_name(engine_config.model)
+    names = options.served_model_name or (default_served_name(engine_config.model),)
+    name = names[0]
     eng = llm.engine
     metrics = ServerMetrics(
         name, eng.max_model_len, cache_config_info(engine_config, eng.kv_manager.num_blocks)
@@ -201,6 +243,8 @@ def build_server(
         engine,
         ServerConfig(
             model_name=name,
+            model_aliases=names[1:],
+            allowed_origins=options.allowed_origins or (),
             api_key=options.api_key,
             max_body_bytes=options.max_body_bytes,
             request_timeout_s=options.request_timeout,
@@ -233,13 +277,34 @@ def _kv_events_publisher(options: ServerOptions, llm: LLM, metrics: ServerMetric
     return pub
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything slow happens (as vLLM does)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"cannot serve on {host}:{port}: {e.strerror or e} (another server there? "
+            "choose --port)"
+        ) from None
+    return sock
+
+
 def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGTERM/SIGINT: the engine loop in this thread, HTTP in another."""
     import uvicorn
 
     logging.getLogger("kvstack").setLevel(logging.INFO)
     o = options
-    llm, engine, app, name = build_server(engine_config, o)
+    sock = bind_http(o.host, o.port)  # a port in use fails now, not after the model loads
+    try:
+        llm, engine, app, name = build_server(engine_config, o)
+    except BaseException:
+        sock.close()
+        raise
     logger.info("kvstack serving %s on http://%s:%d (role %s)", name, o.host, o.port, o.role)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -247,6 +312,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
             host=o.host,
             port=o.port,
             log_level="info",
+            root_path=o.root_path or "",
             timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
         )
     )
@@ -263,13 +329,18 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     # The engine loop runs in the main thread and HTTP in a second one (see
     # AsyncEngine.run_forever); uvicorn skips installing signal handlers off the main thread.
     engine.mark_running()
-    http = threading.Thread(target=server.run, name="kvstack-http", daemon=True)
+    http = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="kvstack-http", daemon=True
+    )
     http.start()
     try:
         engine.run_forever(keep_going=http.is_alive)
         http.join(timeout=o.shutdown_grace + 10)
     finally:
         llm.shutdown()  # offload tiers: write queued stores so a restart finds them
+        if app.state.kv_events_publisher is not None:
+            app.state.kv_events_publisher.close()
+        sock.close()
     if not server.started:
         raise ConfigError(f"could not serve on {o.host}:{o.port} (see the log above)")
     return 0
