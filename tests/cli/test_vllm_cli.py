@@ -110,14 +110,17 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixtur
     assert f"cannot serve on 127.0.0.1:{port}" in err and "nonexistent" not in err
 
 
-def test_ping_aliases_and_cors(tmp_path: Path) -> None:
+def test_ping_aliases_cors_and_kv_events(tmp_path: Path) -> None:
     cfg = tiny_llama_config()
     d = write_hf_folder(tmp_path / "hf", cfg, random_llama_weights(cfg))
     engine = EngineConfig.from_options(model=str(d), dtype="float32", num_blocks=32)
     opts = ServerOptions(
-        served_model_name=("main", "alias"), allowed_origins=("https://a.example",)
-    )
+        served_model_name=("main", "alias"), allowed_origins=("https://a.example",),
+        kv_events_config='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*"}',
+    )  # fmt: skip
     _, _, app, _ = build_server(engine, opts)
+    pub = app.state.kv_events_publisher
+    assert pub is not None and pub.endpoint.startswith("tcp://127.0.0.1:")
     with TestClient(app) as c:
         assert c.get("/ping").status_code == 200 and c.post("/ping").status_code == 200
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["main", "alias"]
@@ -128,3 +131,8 @@ def test_ping_aliases_and_cors(tmp_path: Path) -> None:
         other = c.get("/v1/models", headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
         assert c.post("/v1/completions", json={**body, "model": "x"}).status_code == 404
+        long = {"model": "main", "prompt": list(range(3, 40)), "max_tokens": 1}
+        assert c.post("/v1/completions", json=long).status_code == 200
+        pub.close()  # sends what is queued: the stored blocks of the long prompt
+        assert pub.num_batches >= 1 and pub.num_dropped == 0
+        assert "kvstack:kv_events_dropped_total" in c.get("/metrics").text
