@@ -133,6 +133,11 @@ class ServerOptions:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
+        if self.served_model_name is not None:
+            object.__setattr__(self, "served_model_name", _names(self.served_model_name))
+        if self.allowed_origins is not None:
+            object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         if self.kv_events_config is not None:
             from kvstack.serve.kv_events_config import KVEventsConfig
 
