@@ -26,10 +26,12 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-# The shared KV tier's tests need redis-server: installed here (Debian package) when
-# missing; the tests start their own servers on free loopback ports.
+# The shared KV tier's tests need redis-server, the dashboard test prometheus: installed
+# here (Debian packages) when missing; the tests start their own servers on free loopback
+# ports, and no packaged daemon is left running.
 pytest: setup
 	bash scripts/redis.sh ensure
+	bash scripts/prometheus.sh ensure
 	$(BIN)/python -m pytest
 
 test: lint pytest

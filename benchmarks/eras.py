@@ -183,7 +183,9 @@ def run_era(era: str, rounds: list[list[Any]], args: argparse.Namespace, tag: st
     load_s = time.perf_counter() - t0
     kv = llm.engine.kv_manager
     warm = [r.prompt_token_ids[:64] for r in rounds[0][:2]]
-    llm.generate(prompt_token_ids=warm, sampling_params=SamplingParams(max_tokens=4))
+    llm.generate(
+        prompt_token_ids=warm, sampling_params=SamplingParams(max_tokens=4), use_tqdm=False
+    )
     runs: list[dict] = []
     discarded: list[dict] = []
     first_ids: list[list[int]] = []

@@ -221,7 +221,7 @@ def offline_scores(questions: list[dict[str, Any]], dtype: str) -> dict[str, Any
             items.append(ctx + cont)
             spans.append(len(ctx))
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate(sampling_params=sp, prompt_token_ids=items)
+    outs = llm.generate(sampling_params=sp, prompt_token_ids=items, use_tqdm=False)
     lls = []
     for out, start in zip(outs, spans, strict=True):
         assert out.prompt_logprobs is not None

@@ -111,7 +111,7 @@ def run_kvstack(
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.reset_prefix_cache()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     result = measure_scheduled(

@@ -91,12 +91,14 @@ class Bench:
         gc.collect()  # frees the previous LLM's KV pool first
         llm = LLM("default", dtype=self.args.dtype, kv_offload=offload)
         warm = self._text(random.Random(-1), 48)
-        llm.generate(prompt_token_ids=[warm], sampling_params=SamplingParams(max_tokens=2))
+        llm.generate(
+            prompt_token_ids=[warm], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False
+        )
         return llm
 
     def prime(self, llm: LLM, n: int) -> None:
         """Compute the prefix once, untimed, so the device cache and the tier hold it."""
-        llm.generate(prompt_token_ids=[self.prompt(n)], sampling_params=ONE_TOKEN)
+        llm.generate(prompt_token_ids=[self.prompt(n)], sampling_params=ONE_TOKEN, use_tqdm=False)
         if llm.engine.connector is not None:
             llm.engine.connector.offload.flush()
 
@@ -123,7 +125,7 @@ class Bench:
         ids = self.prompt(n)
         with LoadMeter() as meter:
             t0, server0 = time.perf_counter(), proc_cpu(self.server_pid)
-            out = llm.generate(prompt_token_ids=[ids], sampling_params=ONE_TOKEN)[0]
+            out = llm.generate(prompt_token_ids=[ids], sampling_params=ONE_TOKEN, use_tqdm=False)[0]
             wall, server = time.perf_counter() - t0, proc_cpu(self.server_pid) - server0
         if out.error or len(out.outputs[0].token_ids) != 1:
             raise RuntimeError(f"{mode} {n}: request failed: {out.error}")

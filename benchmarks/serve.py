@@ -235,7 +235,7 @@ def offline_worker(request_path: Path, out_path: Path) -> None:
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         llm.reset_prefix_cache()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     prompts = req["prompt_ids"]

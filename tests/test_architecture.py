@@ -18,10 +18,19 @@ PACKAGE = SRC / "kvstack"
 
 # Module name prefixes by layer, lowest first; the longest matching prefix decides.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "registry", "options", "model_config", "structured_outputs", "request"),
+    (
+        "errors",
+        "units",
+        "registry",
+        "options",
+        "model_config",
+        "structured_outputs",
+        "request",
+        "prompts",
+    ),
     ("kv", "sched", "stats"),  # 1 bookkeeping and KV memory
     ("model",),  # 2 the model, its runner and sampler
-    ("config",),  # 3 engine options, validated against the registries below
+    ("config", "vllm_args"),  # 3 engine options, validated against the registries below
     ("engine", "llm", "output_processor", "testing", ""),  # 4 the engine ("" = kvstack)
     ("serve",),  # 5 the OpenAI server
     ("route", "tools"),  # 6 applications on top of the server/engine

@@ -21,7 +21,15 @@ from typing import Any
 
 from kvstack.errors import ConfigError
 from kvstack.model_config import ModelConfig, RopeScaling
-from kvstack.options import build, check_choices, describe, flatten, from_namespace, option
+from kvstack.options import (
+    Switch,
+    build,
+    check_choices,
+    describe,
+    flatten,
+    option,
+    option_specs,
+)
 from kvstack.units import parse_size
 
 __all__ = [
@@ -65,6 +73,24 @@ def _codecs() -> Iterable[str]:
     return CODECS.names()
 
 
+# vLLM's spellings of kvstack's values (``--dtype auto``, ``--kv-cache-dtype fp8_e4m3``):
+# accepted as choices and converted to kvstack's name (idempotent, as ``convert`` must be).
+VLLM_DTYPES = {"auto": "bfloat16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+VLLM_KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "bfloat16": "bf16"}
+
+
+def _dtype(value: str) -> str:
+    return VLLM_DTYPES.get(value, value)
+
+
+def _kv_cache_dtype(value: str) -> str:
+    return VLLM_KV_CACHE_DTYPES.get(value, value)
+
+
+def _codecs_and_aliases() -> Iterable[str]:
+    return (*_codecs(), *VLLM_KV_CACHE_DTYPES)
+
+
 def _presses() -> Iterable[str]:
     from kvstack.kv.press import PRESSES
 
@@ -91,6 +117,11 @@ class CacheConfig:
         "reuse the KV of repeated prefixes: 'hash' = vLLM's block hash chain (default), "
         "'radix' = SGLang's token radix tree, 'none' = recompute every prompt",
         group=KV, choices=_prefix_caches,
+        switches=(
+            Switch("--no-enable-prefix-caching", "none", "vLLM's spelling of --prefix-cache none"),
+            Switch("--enable-prefix-caching", lambda cur: "hash" if cur == "none" else cur,
+                   "vLLM's: prefix caching on (the default; keeps --prefix-cache's choice)"),
+        ),
     )  # fmt: skip
     eviction_policy: str = option(
         "lru",
@@ -117,8 +148,9 @@ class CacheConfig:
         "(1.94x the tokens of bf16); 'int4' in groups of 32 channels (3.2x); 'kivi2' = KIVI "
         "2-bit, keys per channel, values per token, the filling block kept in bf16 (4.6x); "
         "'rotated4' = randomized Hadamard rotation then 4-bit (3.6x); 'bf16' for float32 "
-        "models. Measure what each costs with `kvstack eval`",
-        group=KV, choices=_codecs, label="--kv-cache-dtype",
+        "models; 'fp8_e5m2' = e5m2 (vLLM's; fp8 loses less). vLLM's 'fp8_e4m3' is 'fp8'. "
+        "Measure what each costs with `kvstack eval`",
+        group=KV, choices=_codecs_and_aliases, label="--kv-cache-dtype", convert=_kv_cache_dtype,
     )  # fmt: skip
     kv_press: str | None = option(
         None,
@@ -221,8 +253,10 @@ class SchedulerConfig:
         True,
         "split a prompt longer than the step's token budget over several steps (False: "
         "admit a prompt only when it fits the step's token budget whole)",
-        group=ENGINE, flag="--no-chunked-prefill",
+        group=ENGINE, flag="--no-chunked-prefill", aliases=("--no-enable-chunked-prefill",),
         flag_help="admit a prompt only when it fits the step's token budget whole",
+        switches=(Switch("--enable-chunked-prefill", True, "vLLM's: chunked prefill on "
+                         "(the default)"),),
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -252,8 +286,10 @@ class EngineConfig:
     )
     dtype: str = option(
         "bfloat16",
-        "weights, activations and KV cache dtype (float32 for exact comparisons)",
-        group=ENGINE, choices=lambda: ("bfloat16", "float32"),
+        "weights, activations and KV cache dtype (float32 for exact comparisons; vLLM's "
+        "'auto' is bfloat16 here; float16 is not supported on CPU)",
+        group=ENGINE, choices=lambda: ("bfloat16", "float32", *VLLM_DTYPES),
+        convert=_dtype,
     )  # fmt: skip
     tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
     chat_template: str | None = option(
@@ -295,8 +331,12 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        """The config from the engine flags ``kvstack`` parsed (other flags ignored)."""
-        return from_namespace(cls, args)
+        """The config from the engine flags ``kvstack`` parsed (other flags ignored),
+        vLLM's engine flags (``--gpu-memory-utilization``...) applied (``vllm_args``)."""
+        from kvstack.vllm_args import cli_values, translate
+
+        values = {s.name: getattr(args, s.name) for s in option_specs(cls)}
+        return build(cls, translate({**values, **cli_values(args)}))
 
     def options(self) -> dict[str, Any]:
         """Option name → value, flat (``from_options(**c.options()) == c``)."""

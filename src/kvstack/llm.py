@@ -12,8 +12,11 @@ from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import load_chat_template
 from kvstack.options import build
+from kvstack.prompts import PromptInput, parse_prompts
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.stats import EngineStats
+from kvstack.vllm_args import describe as describe_vllm_keywords
+from kvstack.vllm_args import translate
 
 
 class LLM:
@@ -22,12 +25,17 @@ class LLM:
     ``LLM(model, **options)`` takes exactly the engine options ``EngineConfig`` declares
     (the ``kvstack`` CLI flags, with underscores), flat: ``LLM("default", dtype="float32",
     num_blocks=256, kv_press="snapkv", kv_press_ratio=0.5)``; an unknown name raises
-    ``TypeError``. ``LLM.from_config(config)`` takes a ready ``EngineConfig``.
+    ``TypeError``. vLLM's common keywords are accepted as well (``kvstack.vllm_args``):
+    mapped where they mean something here (``enable_prefix_caching=False``,
+    ``gpu_memory_utilization=0.5``), accepted where they already hold
+    (``enforce_eager=True``), refused with a ``ConfigError`` naming them otherwise.
+    ``LLM.from_config(config)`` takes a ready ``EngineConfig``.
     Call ``shutdown()`` when done with offload tiers so queued stores are written.
     """
 
     def __init__(self, model: str = "default", **options: Any) -> None:
-        self._start(build(EngineConfig, {"model": model, **options}, "LLM()"))
+        values = translate({"model": model, **options})
+        self._start(build(EngineConfig, values, "LLM()"))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -43,26 +51,30 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: Any = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[list[int]] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
         check_integrity: bool = False,
         on_step: Callable[[], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of the prompts.
 
+        ``prompts`` as vLLM takes them (``kvstack.prompts``): a string, a ``TextPrompt``
+        or ``TokensPrompt`` dict (``{"prompt_token_ids": ids}``), or a list of these;
+        ``prompt_token_ids=`` (older vLLM's keyword) is kept. ``use_tqdm`` shows a
+        progress bar by default, as vLLM does (a callable: the ``tqdm`` class to use).
         All prompts are validated before any runs: one bad prompt raises
         ``InvalidRequestError`` and nothing is queued.
         """
-        items: list[Any]
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request: kvstack does not serve LoRA adapters")
         if prompt_token_ids is not None:
-            items = [list(p) for p in prompt_token_ids]
-        elif isinstance(prompts, str):
-            items = [prompts]
+            items = [PromptInput(None, list(p)) for p in prompt_token_ids]
         elif prompts is not None:
-            items = list(prompts)
+            items = parse_prompts(prompts)
         else:
             raise InvalidRequestError("generate() needs prompts or prompt_token_ids")
         if isinstance(sampling_params, Sequence):
@@ -76,10 +88,9 @@ class LLM:
         try:
             for item, sp in zip(items, params, strict=True):
                 rid = self.engine.new_request_id()
-                if isinstance(item, list):
-                    self.engine.add_request(rid, None, sp, prompt_token_ids=item)
-                else:
-                    self.engine.add_request(rid, item, sp)
+                self.engine.add_request(
+                    rid, item.text, sp, prompt_token_ids=item.token_ids, cache_salt=item.cache_salt
+                )
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -161,7 +172,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Apply the chat template to one or several conversations and generate.
 
@@ -191,7 +202,7 @@ class LLM:
     def _run(
         self,
         ids: list[str],
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
         check_integrity: bool,
         on_step: Callable[[], None] | None,
     ) -> list[RequestOutput]:
@@ -200,7 +211,8 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            bar_cls = use_tqdm if callable(use_tqdm) else tqdm
+            bar = bar_cls(total=len(ids), desc="Processed prompts", unit="req")
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(final_only=True):
@@ -225,4 +237,8 @@ LLM.__doc__ = f"""{LLM.__doc__}
     Options (declared in ``kvstack.config``; defaults as in the CLI):
 
 {EngineConfig.describe("    ")}
+
+    vLLM keywords (``kvstack.vllm_args``):
+
+{describe_vllm_keywords("    ")}
     """

@@ -48,9 +48,12 @@ class Option:
     needs a ``--no-...`` flag (it is stored False when given). ``convert`` turns CLI
     text or a keyword value into the field's value (``parse_size``); with it the flag
     takes text as is. ``label`` names the option in "unknown ..." errors (default: the
-    field name). ``env`` names an environment variable read for the flag's default.
+    field name). ``env`` names the environment variable(s) read for the flag's default (the first
+    set one wins).
     ``flag_help`` replaces ``help`` in ``--help`` where the flag says the opposite of the
-    option (``--no-chunked-prefill`` for ``enable_chunked_prefill``).
+    option (``--no-chunked-prefill`` for ``enable_chunked_prefill``). ``aliases`` are
+    other spellings of the flag (vLLM's, e.g. ``--no-enable-chunked-prefill``);
+    ``switches`` are argument-less flags that set the option (``Switch``).
     """
 
     help: str
@@ -60,8 +63,22 @@ class Option:
     metavar: str | None = None
     convert: Callable[[Any], Any] | None = None
     label: str | None = None
-    env: str | None = None
+    env: str | tuple[str, ...] | None = None
     flag_help: str | None = None
+    aliases: tuple[str, ...] = ()
+    switches: tuple[Switch, ...] = ()
+    nargs: str | None = None  # argparse's ("+": one or more values, a list)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A flag without argument that sets an option (vLLM's ``--no-enable-prefix-caching``
+    sets ``prefix_cache`` to "none"). ``value`` may be a function of the current value
+    (``--enable-prefix-caching`` keeps a chosen cache, restores the default from "none")."""
+
+    flag: str
+    value: Any
+    help: str
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
@@ -226,8 +243,9 @@ def _add_one(group: argparse._ArgumentGroup, s: OptionSpec) -> None:
     text = s.option.flag_help or s.option.help
     kw: dict[str, Any] = {"dest": s.name, "help": text.replace("%", "%%")}
     default = s.default
-    if s.option.env is not None:
-        default = os.environ.get(s.option.env, default)
+    envs = (s.option.env,) if isinstance(s.option.env, str) else s.option.env or ()
+    for name in reversed(envs):
+        default = os.environ.get(name, default)
     if s.value_type is bool:
         if default is True and not s.flag.startswith("--no-"):
             raise AssertionError(f"option {s.name} defaults to True: its flag must be --no-...")
@@ -236,12 +254,29 @@ def _add_one(group: argparse._ArgumentGroup, s: OptionSpec) -> None:
         kw["default"] = default
         if s.option.metavar is not None:
             kw["metavar"] = s.option.metavar
+        if s.option.nargs is not None:
+            kw["nargs"] = s.option.nargs
         if s.option.convert is None and s.value_type in (int, float):
             kw["type"] = s.value_type
-    action = group.add_argument(s.flag, **kw)
+    action = group.add_argument(s.flag, *s.option.aliases, **kw)
     if s.option.choices is not None:
         # Set after add_argument, which formats the metavar (and would read the names).
         action.choices = LazyChoices(s.option.choices)
+    for sw in s.option.switches:
+        group.add_argument(sw.flag, dest=s.name, action=_SwitchAction, const=sw.value,
+                           default=argparse.SUPPRESS, help=sw.help.replace("%", "%%"))  # fmt: skip
+
+
+class _SwitchAction(argparse.Action):
+    """Sets ``dest`` to ``const`` (or ``const(current)`` when it is a function)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        kw.pop("nargs", None)
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser: Any, ns: argparse.Namespace, values: Any, opt: Any = None) -> None:
+        value = self.const(getattr(ns, self.dest)) if callable(self.const) else self.const
+        setattr(ns, self.dest, value)
 
 
 def from_namespace(cls: type[C], ns: argparse.Namespace) -> C:

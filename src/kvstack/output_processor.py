@@ -136,6 +136,7 @@ class OutputProcessor:
             first_scheduled_time=min(scheds) if scheds else None,
             first_token_time=min(firsts) if firsts else None,
             finished_time=max(done) if len(done) == len(children) else None,
+            num_preemptions=sum(r.num_preemptions for r in children),
         )
         return RequestOutput(
             request_id=parent.request_id,

@@ -361,6 +361,7 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    num_preemptions: int = 0  # summed over the children
 
     @property
     def ttft(self) -> float | None:

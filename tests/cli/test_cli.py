@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,7 +152,9 @@ def test_every_engine_option_has_a_flag() -> None:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for command in ("generate", "chat", "serve"):
         parser = sub.choices[command]  # type: ignore[index]
-        by_dest = {a.dest: a for a in parser._actions}
+        by_dest: dict[str, Any] = {}
+        for a in parser._actions:  # the option's own flag first; vLLM switches share the dest
+            by_dest.setdefault(a.dest, a)
         for s in option_specs(EngineConfig):
             assert s.name in by_dest, (command, s.name)
             assert s.flag in by_dest[s.name].option_strings

@@ -309,10 +309,10 @@ def test_scaled_object_queries_engine_metrics() -> None:
     }
     kv, waiting = spec["triggers"]
     assert kv["metadata"]["query"] == (
-        'max(kvstack:kv_cache_usage_perc{namespace="ml",pod=~"kvstack-engine-.+"})'
+        'max(vllm:kv_cache_usage_perc{namespace="ml",pod=~"kvstack-engine-.+"})'
     )
     assert kv["metricType"] == "Value"
-    assert waiting["metadata"]["query"].startswith("sum(kvstack:num_requests_waiting{")
+    assert waiting["metadata"]["query"].startswith("sum(vllm:num_requests_waiting{")
     assert (waiting["metricType"], waiting["metadata"]["threshold"]) == ("AverageValue", "4")
     for t in spec["triggers"]:
         assert t["metadata"]["serverAddress"] == K8sOptions().prometheus_address

@@ -18,7 +18,7 @@ from kvstack.model.registry import default_model_path
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 SHAPE = CacheShape(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)
-CODECS = ["fp8", "int8", "int4", "rotated4"]
+CODECS = ["fp8", "fp8_e5m2", "int8", "int4", "rotated4"]
 
 
 def rows(n: int, seed: int = 0) -> torch.Tensor:
@@ -48,6 +48,8 @@ def test_round_trip_error_within_the_documented_bound(name: str) -> None:
     zero_rounding = 2**-8 * amax
     if name == "fp8":
         bound = 2**-4 * amax
+    elif name == "fp8_e5m2":  # 2 mantissa bits: half a step is 2^-3 of the value
+        bound = 2**-3 * amax
     elif name == "int8":
         bound = amax / 254 * 1.01
     elif name == "int4":

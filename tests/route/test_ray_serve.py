@@ -85,7 +85,7 @@ def test_multi_turn_on_two_replicas_matches_one_engine(ray_srv: ServerProcess, l
     hits = 0.0
     for r in reps:
         text = httpx.get(r["url"] + "/metrics", timeout=10).text
-        line = next(ln for ln in text.splitlines() if ln.startswith("kvstack:prefix_cache_hits"))
+        line = next(ln for ln in text.splitlines() if ln.startswith("vllm:prefix_cache_hits"))
         hits += float(line.rsplit(" ", 1)[1])
     assert hits > 0
 

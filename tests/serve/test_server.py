@@ -65,9 +65,9 @@ def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if (
-            metric(srv, "kvstack:num_requests_running") == 0
-            and metric(srv, "kvstack:num_requests_waiting") == 0
-            and metric(srv, "kvstack:kv_cache_usage_perc") == 0
+            metric(srv, "vllm:num_requests_running") == 0
+            and metric(srv, "vllm:num_requests_waiting") == 0
+            and metric(srv, "vllm:kv_cache_usage_perc") == 0
         ):
             return
         time.sleep(0.1)
@@ -191,7 +191,7 @@ def test_disconnect_frees_blocks(srv: ServerProcess) -> None:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
-        assert metric(srv, "kvstack:kv_cache_usage_perc") > 0
+        assert metric(srv, "vllm:kv_cache_usage_perc") > 0
     wait_idle(srv)  # closing the stream aborted the request and freed its blocks
 
 

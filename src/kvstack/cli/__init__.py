@@ -15,8 +15,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import kvstack
 from kvstack.cli import analyze, bench, chat, deploy, generate, plan, router, serve
 from kvstack.cli import eval as evaluate
+from kvstack.cli.config_file import expand_config_file
 from kvstack.errors import KvstackError
 
 COMMANDS = (generate, chat, serve, bench, plan, analyze, evaluate, router, deploy)
@@ -25,16 +27,28 @@ COMMANDS = (generate, chat, serve, bench, plan, analyze, evaluate, router, deplo
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvstack",
-        description="kvstack: an LLM inference engine on a paged KV cache.",
+        description="kvstack: an LLM inference engine on a paged KV cache. Any command "
+        "takes --config FILE.yaml (option names to values; flags given win).",
     )
+    p.add_argument("--version", action="version", version=f"kvstack {kvstack.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
+    # No abbreviations: with vLLM's spellings next to kvstack's, a prefix could pick
+    # either, and a misspelt flag must be an error, not another option.
+    p.allow_abbrev = False
+    for parser in sub.choices.values():
+        parser.allow_abbrev = False
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = expand_config_file(parser, list(sys.argv[1:] if argv is None else argv))
+    except KvstackError as e:
+        print(f"kvstack: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,

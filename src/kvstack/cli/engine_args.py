@@ -14,6 +14,7 @@ from typing import Any
 from kvstack.config import ENGINE, KV, EngineConfig
 from kvstack.options import add_arguments
 from kvstack.request import SamplingParams
+from kvstack.vllm_args import add_cli_flags
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     groups[ENGINE].add_argument(
         "-v", "--verbose", action="store_true", help="log what the engine does"
     )
+    add_cli_flags(p.add_argument_group("vLLM engine flags (kvstack.vllm_args)"))
 
 
 def build_llm(a: argparse.Namespace) -> Any:

@@ -12,6 +12,7 @@ import argparse
 
 from kvstack.cli.engine_args import add_engine_args
 from kvstack.config import EngineConfig
+from kvstack.errors import ConfigError
 from kvstack.options import add_arguments
 from kvstack.route.ray import RayOptions
 from kvstack.serve.server import ServerOptions
@@ -23,6 +24,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
         description="Serve the model over HTTP with the OpenAI API and Prometheus metrics.",
     )
+    s.add_argument(
+        "model_tag", nargs="?", metavar="MODEL",
+        help="the model, as vLLM's positional `vllm serve MODEL` (same as --model)",
+    )  # fmt: skip
     add_arguments(s, ServerOptions)
     add_arguments(s, RayOptions)
     add_engine_args(s)
@@ -30,6 +35,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    if a.model_tag is not None:
+        if a.model not in ("default", a.model_tag):
+            raise ConfigError(f"two models: {a.model_tag!r} and --model {a.model!r}")
+        a.model = a.model_tag
     server = ServerOptions.from_cli_args(a)
     engine = EngineConfig.from_cli_args(a)
     server.check(engine)

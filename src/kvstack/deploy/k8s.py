@@ -9,9 +9,9 @@ Components (one YAML file each under ``--output-dir``; ``deploy/k8s/`` is the de
   engine reads and writes (``--kv-offload redis://NAME-redis:6379``).
 * ``router.yaml``: ``kvstack router`` and its Service, the OpenAI entry point.
 * ``scaledobject.yaml``: KEDA scales the engine Deployment on two Prometheus queries,
-  ``max(kvstack:kv_cache_usage_perc)`` against the planner's threshold
+  ``max(vllm:kv_cache_usage_perc)`` against the planner's threshold
   (``kvstack.tools.plan``: the usage at which one more max-context request no longer fits,
-  clamped to [0.5, 0.9]) and ``sum(kvstack:num_requests_waiting)`` per replica.
+  clamped to [0.5, 0.9]) and ``sum(vllm:num_requests_waiting)`` per replica.
 * ``podmonitor.yaml``: the Prometheus-operator scrapes every engine pod's and the router's
   ``/metrics``.
 

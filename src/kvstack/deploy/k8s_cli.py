@@ -119,7 +119,7 @@ def _autoscaling_args(p: argparse.ArgumentParser) -> None:
         "--kv-usage-threshold",
         metavar="X",
         type=float,
-        help="scale out past this max(kvstack:kv_cache_usage_perc), in (0, 1] "
+        help="scale out past this max(vllm:kv_cache_usage_perc), in (0, 1] "
         "(default: `kvstack plan`'s suggestion for the --plan-* inputs)",
     )
     a.add_argument(
@@ -127,7 +127,7 @@ def _autoscaling_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         type=float,
         default=D.waiting_threshold,
-        help="target kvstack:num_requests_waiting per replica (default 4)",
+        help="target vllm:num_requests_waiting per replica (default 4)",
     )
     a.add_argument(
         "--polling-interval",

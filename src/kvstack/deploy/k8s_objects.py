@@ -304,11 +304,11 @@ def scaled_object(o: K8sOptions, threshold: float, source: str) -> Manifest:
             },
             "triggers": [
                 trigger(
-                    "kv-cache-usage", f"max(kvstack:kv_cache_usage_perc{match})", threshold, "Value"
+                    "kv-cache-usage", f"max(vllm:kv_cache_usage_perc{match})", threshold, "Value"
                 ),
                 trigger(
                     "requests-waiting",
-                    f"sum(kvstack:num_requests_waiting{match})",
+                    f"sum(vllm:num_requests_waiting{match})",
                     o.waiting_threshold,
                     "AverageValue",
                 ),

@@ -57,6 +57,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
         self.num_prefill_tokens_computed = 0  # prompt positions run through the model
+        self.last_num_scheduled_tokens = 0  # of the last schedule() (vllm:iteration_tokens)
         # Era 4 (``kv/tiers/connector.py``): loads prefixes from offload tiers, set by the engine.
         self.connector: TierConnector | None = None
         # Era 5 (``kv/press/coordinator.py``): press points cap chunks; set by the engine.
@@ -106,6 +107,7 @@ class Scheduler:
             self.num_prefill_tokens_computed += min(c + s.num_new_tokens, p) - min(c, p)
             req.num_computed_tokens += s.num_new_tokens
         self.max_num_running = max(self.max_num_running, len(self.running))
+        self.last_num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -62,5 +62,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(ops_router(ctx))
     app.include_router(cache_router(ctx))
     app.add_middleware(IgnoredFieldsHeader)
+    if config.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
     publish_models(app, REQUEST_MODELS)
     return app

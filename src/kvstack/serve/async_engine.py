@@ -211,6 +211,7 @@ class AsyncEngine:
             if self.stats.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
+        info.params = params
         stream = StreamQueue(asyncio.get_running_loop(), asyncio.Queue(), info)
         self._streams[request_id] = stream
 
@@ -306,6 +307,8 @@ class AsyncEngine:
             if self._llm_engine.has_unfinished_requests():
                 try:
                     outputs = self._llm_engine.step()
+                    if self.metrics is not None:
+                        self.metrics.on_step(self._llm_engine.scheduler.last_num_scheduled_tokens)
                 except Exception as exc:  # a bug, not bad input: fail everyone, keep serving
                     logger.exception("engine step failed; aborting all requests")
                     self._fail_all(exc)
@@ -365,10 +368,7 @@ class AsyncEngine:
         n = sum(len(c.token_ids) for c in out.outputs)
         new = n - info.num_tokens
         if new > 0 and self.metrics is not None:
-            if info.first_token is None:
-                self.metrics.ttft.observe(now - info.arrival)
-            elif info.last_token is not None:
-                self.metrics.itl.observe(now - info.last_token)
+            self.metrics.on_tokens(out, info, new, now)
         if new > 0:
             self._gen_tokens += new
             info.first_token = info.first_token or now
@@ -385,7 +385,7 @@ class AsyncEngine:
         reason = out.outputs[0].finish_reason if out.outputs else None
         try:
             if self.metrics is not None:
-                self.metrics.on_finished(out, now - info.arrival, reason or "error")
+                self.metrics.on_finished(out, info, now, reason or "error")
             if self._request_log is not None:
                 self._request_log.write(out, info, now, reason)
         except Exception as e:

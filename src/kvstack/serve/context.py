@@ -31,6 +31,8 @@ M = TypeVar("M", bound=BaseModel)
 @dataclass
 class ServerConfig:
     model_name: str
+    model_aliases: tuple[str, ...] = ()  # --served-model-name's other names (vLLM's)
+    allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); empty: no CORS
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float | None = None
@@ -61,8 +63,9 @@ class ServerContext:
         check_bearer(raw, self.config.api_key)
 
     def check_model(self, name: str | None) -> None:
-        """404 for a model name other than the served one (None: the served one)."""
-        if name is not None and name != self.config.model_name:
+        """404 for a model name other than the served ones (None: the served one)."""
+        c = self.config
+        if name is not None and name != c.model_name and name not in c.model_aliases:
             raise ApiError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )

@@ -1,179 +1,205 @@
-"""Prometheus metrics with the names of DESIGN.md (following vLLM's ``vllm:`` family).
+"""Prometheus metrics under vLLM's names (``serve/metric_names.py``), one registry per server.
 
 Engine-level values (KV usage, queue lengths, prefix-cache counters) are read from the
-latest ``EngineStats`` snapshot that the engine thread publishes after every step, so a
-scrape never touches the engine. Latency histograms are observed as tokens arrive.
-Operators scale on ``kvstack:kv_cache_usage_perc`` (it rises before the queue does)
-and watch ``kvstack:num_requests_waiting``.
+latest ``EngineStats`` snapshot that the engine thread publishes after every step
+(``serve/metrics_engine.py``), so a scrape never touches the engine. Per-request
+families are observed on the engine thread as tokens arrive and as requests finish,
+with vLLM v1's definitions (``vllm/v1/metrics/stats.py``):
+
+* queue time = first scheduled - arrival; prefill time = first token - first scheduled;
+  decode time = last token - first token; inference time = last token - first
+  scheduled; time per output token = decode time / (output tokens - 1);
+* ``prompt_tokens`` counts a request's prompt, and ``prompt_tokens_cached`` its cached
+  part (device + tiers), when its first token arrives; ``generation_tokens`` each token;
+* ``external_prefix_cache_{queries,hits}``: with offload tiers, the prompt's tokens and
+  the part the tiers supplied (vLLM's KV-connector counters); 0 without tiers.
+
+Operators scale on ``vllm:kv_cache_usage_perc`` (it rises before the queue does) and
+``vllm:num_requests_waiting``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
 
 from kvstack.kv.base import KVCacheStats
-from kvstack.kv.tiers.base import LOAD_LATENCY_BUCKETS, TierStats
 from kvstack.request import RequestOutput
+from kvstack.serve.metric_names import (
+    ENGINE_INDEX,
+    INTER_TOKEN_LATENCY_BUCKETS,
+    ITERATION_TOKENS_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    VLLM_LABELS,
+    metric_name,
+    request_tokens_buckets,
+)
+from kvstack.serve.metrics_engine import EngineCollector
+from kvstack.serve.output_stream import RequestInfo
 from kvstack.stats import EngineStats
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason values
 
 
-class _EngineCollector(Collector):
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.m = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        s, kv, name = self.m.stats, self.m.kv, self.m.model_name
-        if s is None or kv is None:
-            return
-        gauges = {
-            "kv_cache_usage_perc": ("KV blocks held by requests or pins (0-1)", s.kv_usage),
-            "num_requests_running": ("Requests in the running batch", s.num_running),
-            "num_requests_waiting": ("Requests waiting for a first schedule", s.num_waiting),
-            "kv_cache_num_blocks": ("KV blocks in the pool", kv.num_blocks),
-            "kv_cache_free_blocks": ("KV blocks free or evictable", kv.num_free_blocks),
-            "kv_cache_cached_blocks": ("KV blocks holding reusable prefixes", kv.num_cached_blocks),
-            "kv_cache_pinned_blocks": ("KV blocks held by pins", kv.num_pinned_blocks),
-            "kv_cache_waste_avg": ("Time-averaged reserved-but-unwritten KV share", s.kv_waste_avg),
-            "kv_cache_capacity_tokens": (
-                "Tokens the KV pool holds (codec included)",
-                s.kv_capacity_tokens,
-            ),
-            "kv_cache_bytes_per_token": (
-                "KV bytes per token, scales included",
-                s.kv_bytes_per_token,
-            ),
-        }
-        for key, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
-            g.add_metric([name], float(value))
-            yield g
-        counters = {
-            "prefix_cache_queries": ("Prompt tokens looked up", s.prefix_query_tokens),
-            "prefix_cache_hits": ("Prompt tokens served from the cache", s.prefix_hit_tokens),
-            "num_preemptions": ("Requests preempted (recompute)", s.num_preemptions),
-            "evicted_blocks": ("Cached KV blocks evicted", s.num_evicted_blocks),
-            "prefill_tokens_computed": ("Prompt tokens computed", s.prefill_tokens_computed),
-            "reclaimed_blocks": ("KV blocks a press freed by compaction", s.num_reclaimed_blocks),
-            "pressed_requests": ("Requests whose KV a press compacted", s.num_pressed_requests),
-            "press_reapplied": ("Presses again while decoding (--kv-press-every)", s.num_represses),
-            "press_dropped_tokens": ("Cached tokens presses removed", s.num_press_dropped_tokens),
-        }
-        for key, (doc, value) in counters.items():
-            c = CounterMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
-            c.add_metric([name], float(value))
-            yield c
-        fb = CounterMetricFamily(
-            "kvstack:kernel_fallback",
-            "Uses of the PyTorch path where a C++ kernel was meant to run",
-            labels=["model_name", "kernel", "reason"],
-        )
-        for kernel, reason, count in s.kernel_fallbacks:
-            fb.add_metric([name, kernel, reason], float(count))
-        yield fb
-        if s.offload:
-            yield from _offload_metrics(name, s.offload)
-
-
-_OFFLOAD_COUNTERS = {
-    "offload_hits": ("KV blocks found in an offload tier", "hits"),
-    "offload_misses": ("Tier lookups that stopped at a missing block", "misses"),
-    "offload_stores": ("KV blocks written to an offload tier", "stores"),
-    "offload_loaded_bytes": ("Bytes read from an offload tier", "bytes_loaded"),
-    "offload_stored_bytes": ("Bytes written to an offload tier", "bytes_stored"),
-    "offload_evictions": ("Blocks a tier dropped to stay in its budget", "evictions"),
-    "offload_errors": ("Failed tier operations (I/O error, timeout, refused)", "errors"),
-    "offload_corrupt_blocks": ("Stored blocks failing their checksum (recomputed)", "corrupt"),
-    "offload_dropped_stores": ("Stores skipped (tier down or full, queue full)", "dropped_stores"),
-}
-
-
-def _offload_metrics(name: str, tiers: dict[str, TierStats]) -> Iterator[Metric]:
-    """``kvstack:offload_*{tier=}`` from the per-tier counters (``kv/tiers/base.py``)."""
-    labels = ["model_name", "tier"]
-    for key, (doc, attr) in _OFFLOAD_COUNTERS.items():
-        c = CounterMetricFamily(f"kvstack:{key}", doc, labels=labels)
-        for tier, st in tiers.items():
-            c.add_metric([name, tier], float(getattr(st, attr)))
-        yield c
-    loads = CounterMetricFamily(
-        "kvstack:offload_loads", "Tier lookups that loaded at least one block", labels=labels
-    )
-    blocks = GaugeMetricFamily("kvstack:offload_blocks", "KV blocks held by a tier", labels=labels)
-    used = GaugeMetricFamily("kvstack:offload_used_bytes", "Bytes held by a tier", labels=labels)
-    hist = HistogramMetricFamily(
-        "kvstack:offload_load_latency_seconds",
-        "Time to load one request's run of blocks from a tier",
-        labels=labels,
-    )
-    for tier, st in tiers.items():
-        loads.add_metric([name, tier], float(sum(st.load_latency_counts)))
-        blocks.add_metric([name, tier], float(st.num_blocks))
-        used.add_metric([name, tier], float(st.used_bytes))
-        cumulative, buckets = 0, []
-        bounds = (*LOAD_LATENCY_BUCKETS, math.inf)
-        for le, count in zip(bounds, st.load_latency_counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if le == math.inf else str(le), float(cumulative)))
-        hist.add_metric([name, tier], buckets, st.load_latency_sum)
-    yield from (loads, blocks, used, hist)
+def _histograms(max_model_len: int) -> list[tuple[str, str, Sequence[float]]]:
+    """(family, vLLM's documentation, vLLM's buckets) of every per-request histogram."""
+    lat, tokens = REQUEST_LATENCY_BUCKETS, request_tokens_buckets(max_model_len)
+    itl = INTER_TOKEN_LATENCY_BUCKETS
+    return [
+        ("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+         TIME_TO_FIRST_TOKEN_BUCKETS),
+        ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl),
+        ("request_time_per_output_token_seconds",
+         "Histogram of time_per_output_token_seconds per request.", itl),
+        ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", lat),
+        ("request_queue_time_seconds",
+         "Histogram of time spent in WAITING phase for request.", lat),
+        ("request_inference_time_seconds",
+         "Histogram of time spent in RUNNING phase for request.", lat),
+        ("request_prefill_time_seconds",
+         "Histogram of time spent in PREFILL phase for request.", lat),
+        ("request_decode_time_seconds",
+         "Histogram of time spent in DECODE phase for request.", lat),
+        ("request_prompt_tokens", "Number of prefill tokens processed.", tokens),
+        ("request_generation_tokens", "Number of generation tokens processed.", tokens),
+        ("request_prefill_kv_computed_tokens",
+         "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens),
+        ("request_max_num_generation_tokens",
+         "Histogram of maximum number of requested generation tokens.", tokens),
+        ("request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
+        ("request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens),
+        ("request_num_preemptions", "Number of preemptions per finished request.",
+         REQUEST_NUM_PREEMPTIONS_BUCKETS),
+        ("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+         ITERATION_TOKENS_BUCKETS),
+    ]  # fmt: skip
 
 
 class ServerMetrics:
-    """One registry per server (tests run several in one process)."""
+    """One registry per server (tests run several in one process).
 
-    def __init__(self, model_name: str) -> None:
+    ``cache_info`` becomes the labels of ``vllm:cache_config_info``; ``max_model_len``
+    caps the token-count buckets as vLLM's do.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int = 8192,
+        cache_info: Mapping[str, str] | None = None,
+    ) -> None:
         self.model_name = model_name
+        self.cache_info = dict(cache_info or {})
         self.registry = CollectorRegistry()
         self.stats: EngineStats | None = None
         self.kv: KVCacheStats | None = None
-        labels = ["model_name"]
-        r = self.registry
-        self.ttft = Histogram(
-            "kvstack:time_to_first_token_seconds", "Time to first token", labels,
-            buckets=LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
-        self.itl = Histogram(
-            "kvstack:inter_token_latency_seconds", "Time between output tokens", labels,
-            buckets=LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
-        self.e2e = Histogram(
-            "kvstack:e2e_request_latency_seconds", "Request latency, arrival to finish", labels,
-            buckets=LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "kvstack:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "kvstack:generation_tokens", "Generated tokens of finished requests", labels, registry=r
-        ).labels(model_name)
-        self.request_success = Counter(
-            "kvstack:request_success",
-            "Finished requests by finish reason",
-            ["model_name", "finished_reason"],
-            registry=r,
+        #: Drops of the ZMQ KV-event publisher (set by the server that starts one).
+        self.kv_events_dropped: Callable[[], int] = lambda: 0
+        r, labels, values = self.registry, list(VLLM_LABELS), (model_name, ENGINE_INDEX)
+
+        def hist(key: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            h = Histogram(metric_name(key), doc, labels, buckets=buckets, registry=r)
+            return h.labels(*values)
+
+        def counter(key: str, doc: str) -> Counter:
+            return Counter(metric_name(key), doc, labels, registry=r).labels(*values)
+
+        h = {key: hist(key, doc, b) for key, doc, b in _histograms(max_model_len)}
+        self.ttft = h["time_to_first_token_seconds"]
+        self.itl = h["inter_token_latency_seconds"]
+        self.tpot = h["request_time_per_output_token_seconds"]
+        self.e2e = h["e2e_request_latency_seconds"]
+        self.queue = h["request_queue_time_seconds"]
+        self.inference = h["request_inference_time_seconds"]
+        self.prefill = h["request_prefill_time_seconds"]
+        self.decode = h["request_decode_time_seconds"]
+        self.req_prompt = h["request_prompt_tokens"]
+        self.req_generation = h["request_generation_tokens"]
+        self.req_computed = h["request_prefill_kv_computed_tokens"]
+        self.req_max_gen = h["request_max_num_generation_tokens"]
+        self.req_n = h["request_params_n"]
+        self.req_max_tokens = h["request_params_max_tokens"]
+        self.req_preemptions = h["request_num_preemptions"]
+        self.iteration = h["iteration_tokens_total"]
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_cached = counter(
+            "prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.ext_queries = counter(
+            "external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.ext_hits = counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
+        success = Counter(
+            metric_name("request_success"), "Count of successfully processed requests.",
+            [*labels, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.request_success = {fr: success.labels(*values, fr) for fr in FINISH_REASONS}
         self.http_errors = Counter(
-            "kvstack:http_errors", "Error responses by status", ["status"], registry=r
+            metric_name("http_errors"), "Error responses by status", ["status"], registry=r
         )
-        self.registry.register(_EngineCollector(self))
+        self.registry.register(EngineCollector(self))
 
     def update_engine(self, stats: EngineStats, kv: KVCacheStats) -> None:
         self.stats, self.kv = stats, kv
 
-    def on_finished(self, out: RequestOutput, e2e_s: float, reason: str) -> None:
-        self.e2e.observe(e2e_s)
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        self.request_success.labels(self.model_name, reason).inc()
+    def on_step(self, num_tokens: int) -> None:
+        """One engine step ran ``num_tokens`` (prefill chunks + decodes)."""
+        if num_tokens > 0:
+            self.iteration.observe(num_tokens)
+
+    def on_tokens(self, out: RequestOutput, info: RequestInfo, new: int, now: float) -> None:
+        """``new`` output tokens of ``out`` arrived at ``now`` (before ``info`` is updated)."""
+        if new <= 0:
+            return
+        self.generation_tokens.inc(new)
+        if info.first_token is None:
+            self.ttft.observe(now - info.arrival)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prompt_cached.inc(out.num_cached_tokens)
+            tiers = out.cached_tokens_by_tier
+            if tiers is not None:
+                self.ext_queries.inc(len(out.prompt_token_ids))
+                self.ext_hits.inc(sum(n for t, n in tiers.items() if t != "device"))
+        elif info.last_token is not None:
+            self.itl.observe(now - info.last_token)
+
+    def on_finished(self, out: RequestOutput, info: RequestInfo, now: float, reason: str) -> None:
+        """Per-request histograms of a finished request (``now``: its last output)."""
+        self.e2e.observe(now - info.arrival)
+        n_out = sum(len(c.token_ids) for c in out.outputs)
+        n_prompt = len(out.prompt_token_ids)
+        self.req_prompt.observe(n_prompt)
+        self.req_generation.observe(n_out)
+        self.req_computed.observe(max(0, n_prompt - out.num_cached_tokens))
+        if info.params is not None:
+            self.req_n.observe(info.params.n)
+            if info.params.max_tokens is not None:
+                self.req_max_tokens.observe(info.params.max_tokens)
+                self.req_max_gen.observe(info.params.max_tokens)
+        self.request_success.get(reason, self.request_success["error"]).inc()
+        m = out.metrics
+        if m is None or m.first_scheduled_time is None:
+            return
+        self.req_preemptions.observe(m.num_preemptions)
+        self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        last = info.last_token if info.last_token is not None else now
+        self.inference.observe(max(0.0, last - m.first_scheduled_time))
+        if m.first_token_time is not None:
+            self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+            decode = max(0.0, last - m.first_token_time)
+            self.decode.observe(decode)
+            if n_out > 1:
+                self.tpot.observe(decode / (n_out - 1))

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstack.request import RequestOutput
+from kvstack.request import RequestOutput, SamplingParams
 
 
 class RequestTimeoutError(Exception):
@@ -32,6 +32,7 @@ class RequestInfo:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    params: SamplingParams | None = None  # set when queued (``AsyncEngine.add``)
 
 
 @dataclass

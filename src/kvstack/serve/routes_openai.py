@@ -59,11 +59,13 @@ class OpenAIRoutes:
         async def models(raw: Request) -> dict:
             ctx.check_auth(raw)
             info = ctx.engine.model_info
-            card = {
-                "id": ctx.config.model_name, "object": "model", "created": 0,
-                "owned_by": "kvstack", "root": info.root, "max_model_len": info.max_model_len,
-            }  # fmt: skip
-            return {"object": "list", "data": [card]}
+            names = (ctx.config.model_name, *ctx.config.model_aliases)
+            cards = [
+                {"id": n, "object": "model", "created": 0, "owned_by": "kvstack",
+                 "root": info.root, "max_model_len": info.max_model_len}
+                for n in names
+            ]  # fmt: skip
+            return {"object": "list", "data": cards}
 
         return r
 

@@ -1,5 +1,6 @@
-"""Operations routes: ``GET /health``, ``/load``, ``/version``, ``/metrics`` and the
-token tools ``POST /tokenize`` / ``/detokenize``.
+"""Operations routes: ``GET /health`` (and vLLM's ``GET|POST /ping``, the SageMaker
+probe), ``/load``, ``/version``, ``/metrics`` and the token tools ``POST /tokenize`` /
+``/detokenize``.
 
 None needs the API key (probes and scrapers carry none). ``/load`` is what a router
 polls: load and KV usage from the engine's latest stats snapshot, plus the block-hash
@@ -24,6 +25,8 @@ def ops_router(ctx: ServerContext) -> APIRouter:
     engine = ctx.engine
 
     @r.get("/health")
+    @r.get("/ping")
+    @r.post("/ping")
     async def health() -> Response:
         if not engine.alive:
             raise ApiError(503, "engine loop is not running", "server_error")

@@ -13,20 +13,22 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
-from kvstack.options import check_choices, from_namespace, option
+from kvstack.options import Switch, check_choices, from_namespace, option
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvstack.llm import LLM
     from kvstack.serve.async_engine import AsyncEngine
+    from kvstack.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("kvstack.serve")
 SERVER = "server"
@@ -39,16 +41,18 @@ class ServerOptions:
 
     host: str = option("127.0.0.1", "address to bind (default 127.0.0.1)", group=SERVER)
     port: int = option(8000, "port (default 8000)", group=SERVER)
-    served_model_name: str | None = option(
+    served_model_name: tuple[str, ...] | None = option(
         None,
-        "model id clients send and /v1/models lists (default: the model file's name)",
-        group=SERVER,
-    )
+        "model id(s) clients send and /v1/models lists, as vLLM's: the first is the name "
+        "in responses and metrics, the others are accepted aliases (default: the model "
+        "file's name)",
+        group=SERVER, nargs="+", metavar="NAME", convert=lambda v: _names(v),
+    )  # fmt: skip
     api_key: str | None = option(
         None,
         "require 'Authorization: Bearer KEY' on /v1/* and cache endpoints "
-        "(default: $KVSTACK_API_KEY; none = open)",
-        group=SERVER, env="KVSTACK_API_KEY",
+        "(default: $KVSTACK_API_KEY, else vLLM's $VLLM_API_KEY; none = open)",
+        group=SERVER, env=("KVSTACK_API_KEY", "VLLM_API_KEY"),
     )  # fmt: skip
     max_waiting: int = option(
         1024,
@@ -95,9 +99,49 @@ class ServerOptions:
         "--enable-auto-tool-choice for it)",
         group=SERVER, flag="--no-enable-auto-tool-choice",
         flag_help="answer tool_choice auto with 400, as vLLM without --enable-auto-tool-choice",
+        switches=(Switch("--enable-auto-tool-choice", True, "vLLM's flag: parse tool calls "
+                         "under tool_choice auto (kvstack's default)"),),
+    )  # fmt: skip
+
+    allowed_origins: tuple[str, ...] | None = option(
+        None,
+        "CORS: origins browsers may call from, a JSON list as vLLM's ('[\"*\"]') or "
+        "comma-separated (default: none, no CORS headers; vLLM defaults to [\"*\"])",
+        group=SERVER, metavar="JSON_LIST", convert=lambda v: _origins(v),
+    )  # fmt: skip
+    root_path: str | None = option(
+        None,
+        "path prefix a reverse proxy serves the API under (vLLM's --root-path; ASGI root_path)",
+        group=SERVER,
+    )
+    kv_events_config: str | None = option(
+        None,
+        "publish KV events as vLLM does, for llm-d's KV indexer, Dynamo or LMCache: "
+        'vLLM\'s KVEventsConfig JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": '
+        '"kv"}\' (msgpack KVEventBatch on a ZMQ PUB socket plus a ROUTER replay socket; '
+        "GET /v1/kv_events streams the same events as JSON either way)",
+        group=SERVER, metavar="JSON",
+    )  # fmt: skip
+    prefix_caching_hash_algo: str = option(
+        "sha256",
+        "block hashes the ZMQ KV events carry, computed as vLLM computes its prefix-cache "
+        "hashes so an external indexer can recompute them from token ids: sha256 (vLLM's "
+        "default, SHA-256 of a pickle), sha256_cbor (SHA-256 of canonical CBOR, "
+        "language-neutral) or builtin (kvstack's own BLAKE2b chain, what the router uses)",
+        group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
+        if self.served_model_name is not None:
+            object.__setattr__(self, "served_model_name", _names(self.served_model_name))
+        if self.allowed_origins is not None:
+            object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
+        if self.kv_events_config is not None:
+            from kvstack.serve.kv_events_config import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)  # one clear line at startup
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if not 0 < self.port < 65536:
@@ -117,6 +161,37 @@ class ServerOptions:
             )
 
 
+def _names(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"--served-model-name needs non-empty names, got {value!r}")
+    return names
+
+
+def _origins(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``'["*"]'`` (vLLM's JSON) or ``a.com,b.com`` -> a tuple (idempotent)."""
+    if isinstance(value, list | tuple):
+        items: Any = list(value)
+    elif value.strip().startswith("["):
+        import json
+
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--allowed-origins is not a JSON list: {e}") from None
+    else:
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(items, list) or not all(isinstance(o, str) and o for o in items):
+        raise ConfigError(f"--allowed-origins must be a list of origins, got {value!r}")
+    return tuple(items)
+
+
+def _hash_algos() -> tuple[str, ...]:
+    from kvstack.kv.vllm_hashing import HASH_ALGOS
+
+    return HASH_ALGOS
+
+
 def _tool_parsers() -> tuple[str, ...]:
     from kvstack.serve.tool_parsers import TOOL_PARSERS
 
@@ -131,6 +206,23 @@ def default_served_name(model: str) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
+    """Labels of ``vllm:cache_config_info``: vLLM's ``CacheConfig`` names where kvstack has
+    the setting (``num_gpu_blocks`` is the pool's blocks, in RAM here), then kvstack's."""
+    c = config.cache
+    return {
+        "block_size": str(c.block_size),
+        "cache_dtype": c.kv_cache_dtype,
+        "enable_prefix_caching": str(c.prefix_cache != "none"),
+        "num_gpu_blocks": str(num_blocks),
+        "prefix_cache": c.prefix_cache,
+        "eviction_policy": c.eviction_policy,
+        "kv_layout": c.kv_layout,
+        "kv_offload": str(c.kv_offload),
+        "kv_press": str(c.kv_press),
+    }
+
+
 def build_server(
     engine_config: EngineConfig, options: ServerOptions
 ) -> tuple[LLM, AsyncEngine, FastAPI, str]:
@@ -142,8 +234,12 @@ def build_server(
 
     options.check(engine_config)
     llm = LLM.from_config(engine_config)
-    name = options.served_model_name or default_served_name(engine_config.model)
-    metrics = ServerMetrics(name)
+    names = options.served_model_name or (default_served_name(engine_config.model),)
+    name = names[0]
+    eng = llm.engine
+    metrics = ServerMetrics(
+        name, eng.max_model_len, cache_config_info(engine_config, eng.kv_manager.num_blocks)
+    )
     engine = AsyncEngine(
         llm.engine, max_waiting=options.max_waiting, metrics=metrics,
         request_log=options.request_log,
@@ -152,6 +248,8 @@ def build_server(
         engine,
         ServerConfig(
             model_name=name,
+            model_aliases=names[1:],
+            allowed_origins=options.allowed_origins or (),
             api_key=options.api_key,
             max_body_bytes=options.max_body_bytes,
             request_timeout_s=options.request_timeout,
@@ -161,7 +259,43 @@ def build_server(
             enable_auto_tool_choice=options.enable_auto_tool_choice,
         ),
     )
+    app.state.kv_events_publisher = _kv_events_publisher(options, llm, metrics)
     return llm, engine, app, name
+
+
+def _kv_events_publisher(options: ServerOptions, llm: LLM, metrics: ServerMetrics) -> Any:
+    """vLLM's ZMQ publisher of the engine's KV events, if ``--kv-events-config`` asks."""
+    from kvstack.serve.kv_events_config import KVEventsConfig
+
+    if options.kv_events_config is None:
+        return None
+    config = KVEventsConfig.parse(options.kv_events_config)
+    if not config.publishes:
+        return None
+    from kvstack.serve.kv_events_vllm import VllmEventTranslator
+    from kvstack.serve.kv_events_zmq import ZmqKVEventPublisher
+
+    kv = llm.engine.kv_manager
+    translator = VllmEventTranslator(options.prefix_caching_hash_algo, kv.routing_info().model_id)
+    pub = ZmqKVEventPublisher(config, translator, llm.engine.kv_events)
+    metrics.kv_events_dropped = lambda: pub.num_dropped
+    return pub
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything slow happens (as vLLM does)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"cannot serve on {host}:{port}: {e.strerror or e} (another server there? "
+            "choose --port)"
+        ) from None
+    return sock
 
 
 def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
@@ -170,7 +304,12 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
 
     logging.getLogger("kvstack").setLevel(logging.INFO)
     o = options
-    llm, engine, app, name = build_server(engine_config, o)
+    sock = bind_http(o.host, o.port)  # a port in use fails now, not after the model loads
+    try:
+        llm, engine, app, name = build_server(engine_config, o)
+    except BaseException:
+        sock.close()
+        raise
     logger.info("kvstack serving %s on http://%s:%d (role %s)", name, o.host, o.port, o.role)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -178,6 +317,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
             host=o.host,
             port=o.port,
             log_level="info",
+            root_path=o.root_path or "",
             timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
         )
     )
@@ -194,13 +334,18 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     # The engine loop runs in the main thread and HTTP in a second one (see
     # AsyncEngine.run_forever); uvicorn skips installing signal handlers off the main thread.
     engine.mark_running()
-    http = threading.Thread(target=server.run, name="kvstack-http", daemon=True)
+    http = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="kvstack-http", daemon=True
+    )
     http.start()
     try:
         engine.run_forever(keep_going=http.is_alive)
         http.join(timeout=o.shutdown_grace + 10)
     finally:
         llm.shutdown()  # offload tiers: write queued stores so a restart finds them
+        if app.state.kv_events_publisher is not None:
+            app.state.kv_events_publisher.close()
+        sock.close()
     if not server.started:
         raise ConfigError(f"could not serve on {o.host}:{o.port} (see the log above)")
     return 0

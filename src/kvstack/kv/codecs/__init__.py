@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from kvstack.kv.codecs.base import CacheShape, KVCodec
 from kvstack.kv.codecs.bf16 import BF16Codec
-from kvstack.kv.codecs.fp8 import FP8Codec
+from kvstack.kv.codecs.fp8 import FP8Codec, FP8E5M2Codec
 from kvstack.kv.codecs.identity import IdentityCodec
 from kvstack.kv.codecs.int4 import Int4Codec
 from kvstack.kv.codecs.int8 import Int8Codec
@@ -56,6 +56,7 @@ CODECS: Registry[type[KVCodec]] = Registry("--kv-cache-dtype")
 CODECS.add("auto", IdentityCodec, "the model dtype (default)")
 CODECS.add("bf16", BF16Codec, "bfloat16 storage for float32 models")
 CODECS.add("fp8", FP8Codec, "e4m3 per token and head (1.94x the tokens of bf16)")
+CODECS.add("fp8_e5m2", FP8E5M2Codec, "e5m2 per token and head (vLLM's fp8_e5m2; fp8 loses less)")
 CODECS.add("int8", Int8Codec, "symmetric per token and head (1.94x)")
 CODECS.add("int4", Int4Codec, "groups of 32 channels (3.2x)")
 CODECS.add(

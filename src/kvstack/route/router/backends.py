@@ -14,7 +14,8 @@ starts, stops or replaces replicas (Kubernetes and Ray Serve do).
 ``/load`` also teaches the pool each backend's ``role`` (prefill / decode / both) and the
 ``block_size`` and ``model_id`` that the KV-aware policies need to hash prompts the way
 the engines do: the first backend to answer fixes them, and a backend that disagrees is
-kept out of the pool (logged) since its cache could never match.
+kept out of the pool (logged) since its cache could never match. A vLLM backend has no
+``/load`` (404): its load comes from vLLM's ``/metrics`` (``vllm_load.py``).
 
 ``discover_dns="svc:8000"`` adds and removes backends as a name's A/AAAA records change
 (``discovery.DnsDiscovery``; a Kubernetes headless Service). With an events index
@@ -42,6 +43,7 @@ from kvstack.errors import ConfigError
 from kvstack.route.policy import Replica
 from kvstack.route.router.discovery import DnsDiscovery, Resolver, normalize_url
 from kvstack.route.router.events_client import EventFollower, EventSink
+from kvstack.route.router.vllm_load import load_from_metrics
 from kvstack.serve.server import ROLES
 
 logger = logging.getLogger("kvstack.route")
@@ -287,6 +289,10 @@ class BackendPool:
                 if r.status not in (200, 404):  # 404: a server without /load (role both)
                     raise ConnectionError(f"/load answered {r.status}")
             report = None if load is None else LoadReport.parse(load)
+            if load is None:  # vLLM: no /load; its /metrics has the same numbers
+                async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
+                    found = load_from_metrics(await r.text()) if r.status == 200 else None
+                report = None if found is None else LoadReport(*found)
         except asyncio.CancelledError:
             raise
         except Exception as e:

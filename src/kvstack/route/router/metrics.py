@@ -4,7 +4,7 @@ Counters are incremented on the request path; the per-backend gauges (``backend_
 ``inflight``, ``load``) are read from the :class:`~kvstack.route.router.backends.BackendPool` at
 scrape time, so a removed backend's series disappears with it. The prefix hit ratio the
 router *expects* is ``matched_blocks_total / prompt_blocks_total`` (the engines'
-``kvstack:prefix_cache_*`` metrics give the real one).
+``vllm:prefix_cache_*`` metrics give the real one).
 """
 
 from __future__ import annotations

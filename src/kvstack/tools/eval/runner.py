@@ -157,6 +157,7 @@ def _measure(
     outs = llm.generate(
         prompt_token_ids=[t.token_ids[: t.context // 2] for t in inp.texts],
         sampling_params=greedy_params(config.greedy_tokens),
+        use_tqdm=False,
     )
     greedy = [list(o.outputs[0].token_ids) for o in outs]
     for r, b, g in zip(raw_texts, base_greedy or greedy, greedy, strict=True):

@@ -186,7 +186,7 @@ def generated_corpus(
                 )
             )
             keys.append((ctx, i))
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return [
         EvalText(ctx, i, (p + list(o.outputs[0].token_ids))[:ctx])
         for (ctx, i), p, o in zip(keys, prompts, outs, strict=True)
@@ -329,6 +329,7 @@ def run_needle(
         outs = llm.generate(
             prompt_token_ids=[c.prompt_ids for c in group],
             sampling_params=[greedy_params(max_tokens, c.press_after) for c in group],
+            use_tqdm=False,
         )
         for c, o in zip(group, outs, strict=True):
             answer = o.outputs[0].text
@@ -343,7 +344,9 @@ def decode_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> di
     ``output_tok_s``: output tokens / wall time of ``generate``; ``decode_tok_s``: the
     tokens produced after the last prompt chunk ran / the time after it (decode alone).
     """
-    llm.generate(prompt_token_ids=[prompts[0][:32]], sampling_params=greedy_params(2))  # warm-up
+    llm.generate(
+        prompt_token_ids=[prompts[0][:32]], sampling_params=greedy_params(2), use_tqdm=False
+    )  # warm-up
     sched = llm.engine.scheduler
     goal = sched.num_prefill_tokens_computed + sum(map(len, prompts))
     mark: dict[str, float] = {}
@@ -358,6 +361,7 @@ def decode_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> di
         prompt_token_ids=prompts,
         sampling_params=greedy_params(max_tokens),
         on_step=on_step,
+        use_tqdm=False,
     )
     wall = time.perf_counter() - t0
     total = sum(len(o.outputs[0].token_ids) for o in outs)

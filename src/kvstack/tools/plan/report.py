@@ -42,7 +42,7 @@ def format_plan(p: Plan) -> str:
     if p.prefix_hit_rate:
         rows.append((f"  with {p.prefix_hit_rate:g} hit", str(p.effective_concurrent_requests)))
     th = p.autoscale_kv_usage_threshold
-    rows.append(("scale out when", f"kvstack:kv_cache_usage_perc > {th:.2f}" if th else "n/a"))
+    rows.append(("scale out when", f"vllm:kv_cache_usage_perc > {th:.2f}" if th else "n/a"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]

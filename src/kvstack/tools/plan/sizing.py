@@ -18,7 +18,7 @@ Formulas:
 * Requests that fit = floor(budget / per-request KV), both per GPU.
 * Prefix hit rate h: a fraction h of every request's tokens is a shared, cached prefix stored
   once, so N requests need h·R + N·(1−h)·R ≤ budget, i.e. N = floor((budget − h·R) / ((1−h)·R)).
-* Autoscaling: scale out when ``kvstack:kv_cache_usage_perc`` exceeds the level at which one more
+* Autoscaling: scale out when ``vllm:kv_cache_usage_perc`` exceeds the level at which one more
   max-context request no longer fits, 1 − R / budget, clamped to [0.5, 0.9].
 """
 
