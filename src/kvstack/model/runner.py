@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstack.kv.storage import KVStorage
+from kvstack.model.allocator import tune_host_allocator
 from kvstack.model.attention import KERNEL_CHUNK_ROWS, AttentionMetadata, KernelRows, PrefillSeq
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
@@ -126,6 +127,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.vocab_size = model.config.vocab_size
         self.num_layers = model.config.num_layers
+        tune_host_allocator()  # no page faults on each step's activations
         self.kernels = load_kernels()
         self.sampler = Sampler(kernels=self.kernels)
         # Era 5: which rows' queries a press needs (``PressCoordinator.capture_rows``).
