@@ -6,7 +6,7 @@ ever touched by one thread (as vLLM's ``AsyncLLM`` keeps it in one core process)
 
     handler --add/abort--> command queue --> [engine thread: commands, step(), dispatch]
        ^                                                            |
-       +---- asyncio.Queue per request <-- call_soon_threadsafe ----+
+       +---- OutputSlot per request <----- call_soon_threadsafe ----+
 
 Torch releases the GIL inside its kernels, so the event loop keeps accepting and
 streaming while a step runs. Each step's outputs are routed to their request's queue;
@@ -44,6 +44,7 @@ from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.output_stream import (
+    OutputSlot,
     OutputStream,
     RequestInfo,
     StreamQueue,
@@ -211,7 +212,7 @@ class AsyncEngine:
             if self.stats.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
-        stream = StreamQueue(asyncio.get_running_loop(), asyncio.Queue(), info)
+        stream = StreamQueue(asyncio.get_running_loop(), OutputSlot(), info)
         self._streams[request_id] = stream
 
         counted = [True]  # this request is in _pending_adds until the engine takes it
@@ -397,7 +398,7 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             self._streams.pop(rid, None)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            stream.loop.call_soon_threadsafe(stream.slot.put, exc)
             try:
                 self._llm_engine.abort_request(rid)
             except Exception:

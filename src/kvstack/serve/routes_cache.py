@@ -28,7 +28,7 @@ def cache_router(ctx: ServerContext) -> APIRouter:
     async def pin_ids(raw: Request) -> tuple[list[int], PinRequest]:
         req = await ctx.parse(raw, PinRequest)
         ctx.check_model(req.model)
-        return ctx.ids_of(req.prompt, req.messages, False, False), req
+        return await ctx.off_loop(lambda: ctx.ids_of(req.prompt, req.messages, False, False)), req
 
     @r.post("/v1/cache/pin", openapi_extra=request_body(PinRequest))
     async def pin(raw: Request) -> dict:

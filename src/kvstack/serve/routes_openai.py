@@ -37,9 +37,11 @@ class OpenAIRoutes:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
-        self.handler = OpenAIHandler(
-            ApiContext(ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s)
-        )
+        api = ApiContext(
+            ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s,
+            cfg.max_sequences_per_request,
+        )  # fmt: skip
+        self.handler = OpenAIHandler(api)
 
     def router(self) -> APIRouter:
         r = APIRouter()
@@ -84,7 +86,7 @@ class OpenAIRoutes:
         """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
-            prompts = self.prompts(req)
+            prompts = await self.ctx.off_loop(lambda: self.prompts(req))
             session = raw.headers.get("x-session-id") or req.user
             return await self.handler.start(
                 prompts, req, "chat" if chat else "completions", session
