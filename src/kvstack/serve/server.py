@@ -23,6 +23,7 @@ from kvstack.errors import ConfigError
 from kvstack.options import check_choices, from_namespace, option
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
     from kvstack.llm import LLM
@@ -50,9 +51,22 @@ class ServerOptions:
         "(default: $KVSTACK_API_KEY; none = open)",
         group=SERVER, env="KVSTACK_API_KEY",
     )  # fmt: skip
+    open_endpoints: str = option(
+        "metrics,openapi",
+        "with --api-key, which of tokenize,detokenize,load,metrics,openapi need no key "
+        "(comma list, or 'none'); default metrics,openapi as vLLM (Prometheus scrapes "
+        "without one). /health and /version are always open. See SECURITY.md",
+        group=SERVER,
+    )
     max_waiting: int = option(
         1024,
         "requests that may wait for a first schedule; past it new ones get 429",
+        group=SERVER,
+    )
+    max_sequences_per_request: int = option(
+        64,
+        "prompts x n one request may ask for (a batch of 32 prompts with n=16 is 512); "
+        "past it 400, so one client cannot fill --max-waiting",
         group=SERVER,
     )
     request_timeout: float | None = option(
@@ -68,6 +82,21 @@ class ServerOptions:
     )
     max_body_bytes: int = option(
         8 * 1024 * 1024, "larger request bodies get 413 (default 8 MiB)", group=SERVER
+    )
+    header_timeout: float = option(
+        10.0,
+        "seconds a connection may take to send a request's headers before it is closed "
+        "(slowloris; uvicorn has no such limit)",
+        group=SERVER,
+    )
+    body_timeout: float = option(
+        30.0, "seconds a request's body may take to arrive before 408", group=SERVER
+    )
+    max_connections: int = option(
+        2048,
+        "open connections (streams included) past which new requests get 503 "
+        "(uvicorn's limit_concurrency)",
+        group=SERVER,
     )
     role: str = option(
         "both",
@@ -100,6 +129,17 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        open_endpoints(self.open_endpoints)  # ConfigError for an unknown name
+        for flag, value in (("--header-timeout", self.header_timeout),
+                            ("--body-timeout", self.body_timeout),
+                            ("--max-connections", self.max_connections)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.max_sequences_per_request < 1:
+            raise ConfigError(
+                "--max-sequences-per-request must be at least 1, "
+                f"got {self.max_sequences_per_request}"
+            )
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         check_choices(self)
@@ -115,6 +155,23 @@ class ServerOptions:
                 f"--role {self.role} needs --kv-offload with a tier the replicas share "
                 "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
             )
+
+
+# The ops endpoints --open-endpoints may name (ServerContext.check_ops_auth); /health and
+# /version are always open (probes carry no key).
+OPS_ENDPOINTS = ("tokenize", "detokenize", "load", "metrics", "openapi")
+
+
+def open_endpoints(text: str) -> frozenset[str]:
+    """``--open-endpoints`` as a set: comma-separated names of ``OPS_ENDPOINTS``, or
+    ``none``/empty for none (``ConfigError`` for anything else)."""
+    names = {n.strip() for n in text.split(",") if n.strip()} - {"none"}
+    unknown = sorted(names - set(OPS_ENDPOINTS))
+    if unknown:
+        raise ConfigError(
+            f"--open-endpoints: unknown {unknown}; choose from {', '.join(OPS_ENDPOINTS)} or none"
+        )
+    return frozenset(names)
 
 
 def _tool_parsers() -> tuple[str, ...]:
@@ -153,8 +210,11 @@ def build_server(
         ServerConfig(
             model_name=name,
             api_key=options.api_key,
+            open_endpoints=open_endpoints(options.open_endpoints),
             max_body_bytes=options.max_body_bytes,
+            body_timeout_s=options.body_timeout,
             request_timeout_s=options.request_timeout,
+            max_sequences_per_request=options.max_sequences_per_request,
             shutdown_grace_s=options.shutdown_grace,
             role=options.role,
             tool_call_parser=options.tool_call_parser,
@@ -162,6 +222,24 @@ def build_server(
         ),
     )
     return llm, engine, app, name
+
+
+def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
+    """How uvicorn serves ``app``: the header deadline (``http_limits``) and the
+    connection cap of ``o`` (issue 20, finding 5)."""
+    import uvicorn
+
+    from kvstack.serve.http_limits import header_deadline_protocol
+
+    return uvicorn.Config(
+        app,
+        host=o.host,
+        port=o.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
+        http=header_deadline_protocol(o.header_timeout),
+        limit_concurrency=o.max_connections,
+    )
 
 
 def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
@@ -172,15 +250,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     o = options
     llm, engine, app, name = build_server(engine_config, o)
     logger.info("kvstack serving %s on http://%s:%d (role %s)", name, o.host, o.port, o.role)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=o.host,
-            port=o.port,
-            log_level="info",
-            timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
-        )
-    )
+    server = uvicorn.Server(uvicorn_config(app, o))
 
     def on_signal(signum: int, _frame: object) -> None:
         # First signal: graceful (stop accepting, finish in-flight requests up to
