@@ -23,10 +23,10 @@ from pydantic import BaseModel, ValidationError
 
 from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
 from kvstack.serve.protocol import ChatMessage, TokenizeRequest, chat_prompt_ids, ignored_fields
-from kvstack.serve.server import OPS_ENDPOINTS
 from kvstack.serve.tool_calls import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
@@ -35,7 +35,6 @@ T = TypeVar("T")
 # seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout (issue
 # 20, finding 3). Two: more only queue for the GIL; requests past them wait their turn.
 CPU_WORKERS = 2
-DEFAULT_OPEN_ENDPOINTS = frozenset({"metrics", "openapi"})  # as vLLM: Prometheus scrapes
 
 
 @dataclass
@@ -55,7 +54,9 @@ class ServerConfig:
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
     # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).
-    open_endpoints: frozenset[str] = field(default_factory=lambda: DEFAULT_OPEN_ENDPOINTS)
+    open_endpoints: frozenset[str] = field(
+        default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
+    )
 
 
 class NonFiniteNumberError(ValueError):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
 from kvstack.options import check_choices, from_namespace, option
+from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
 
 if TYPE_CHECKING:
     import uvicorn
@@ -52,7 +53,7 @@ class ServerOptions:
         group=SERVER, env="KVSTACK_API_KEY",
     )  # fmt: skip
     open_endpoints: str = option(
-        "metrics,openapi",
+        DEFAULT_OPEN_ENDPOINTS,
         "with --api-key, which of tokenize,detokenize,load,metrics,openapi need no key "
         "(comma list, or 'none'); default metrics,openapi as vLLM (Prometheus scrapes "
         "without one). /health and /version are always open. See SECURITY.md",
@@ -155,23 +156,6 @@ class ServerOptions:
                 f"--role {self.role} needs --kv-offload with a tier the replicas share "
                 "(e.g. redis://127.0.0.1:6379): that is how the prompt's KV moves"
             )
-
-
-# The ops endpoints --open-endpoints may name (ServerContext.check_ops_auth); /health and
-# /version are always open (probes carry no key).
-OPS_ENDPOINTS = ("tokenize", "detokenize", "load", "metrics", "openapi")
-
-
-def open_endpoints(text: str) -> frozenset[str]:
-    """``--open-endpoints`` as a set: comma-separated names of ``OPS_ENDPOINTS``, or
-    ``none``/empty for none (``ConfigError`` for anything else)."""
-    names = {n.strip() for n in text.split(",") if n.strip()} - {"none"}
-    unknown = sorted(names - set(OPS_ENDPOINTS))
-    if unknown:
-        raise ConfigError(
-            f"--open-endpoints: unknown {unknown}; choose from {', '.join(OPS_ENDPOINTS)} or none"
-        )
-    return frozenset(names)
 
 
 def _tool_parsers() -> tuple[str, ...]:
