@@ -62,7 +62,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         title="kvstack", version=kvstack.__version__, lifespan=lifespan,
         openapi_url=None, docs_url=None, redoc_url=None,
     )  # fmt: skip
-    install_error_handlers(app, logger, ctx.count_error)
+    install_error_handlers(app, logger, ctx.count_error, ctx.count_internal)
     app.include_router(OpenAIRoutes(ctx).router())
     app.include_router(ops_router(ctx, lambda: app.openapi()))
     app.include_router(cache_router(ctx))

@@ -55,6 +55,7 @@ from kvstack.stats import EngineStats
 
 logger = logging.getLogger("kvstack.serve")
 LOG_INTERVAL_S = 10.0
+STEP_ERROR_PREFIX = "internal error: "  # a RequestOutput.error from a failed model step
 T = TypeVar("T")
 Delivery = tuple[StreamQueue, RequestOutput]
 
@@ -309,6 +310,7 @@ class AsyncEngine:
                     outputs = self._llm_engine.step()
                 except Exception as exc:  # a bug, not bad input: fail everyone, keep serving
                     logger.exception("engine step failed; aborting all requests")
+                    self._count_internal()
                     self._fail_all(exc)
                     outputs = []
                 now = time.monotonic()
@@ -377,8 +379,14 @@ class AsyncEngine:
             info.num_tokens = n
         if out.finished:
             self._streams.pop(out.request_id, None)
+            if out.error is not None and out.error.startswith(STEP_ERROR_PREFIX):
+                self._count_internal()  # LLMEngine._fail_step: the model step raised
             self._finish(out, info, now)
         return stream, out
+
+    def _count_internal(self) -> None:
+        if self.metrics is not None:
+            self.metrics.internal_errors.labels("step").inc()
 
     def _finish(self, out: RequestOutput, info: RequestInfo, now: float) -> None:
         """Metrics and the request log of a finished request. Never raises: a failing

@@ -89,6 +89,10 @@ class ServerContext:
         if self.engine.metrics is not None:
             self.engine.metrics.http_errors.labels(str(status)).inc()
 
+    def count_internal(self) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.internal_errors.labels("http").inc()
+
     def check_auth(self, raw: Request) -> None:
         """401 unless the request carries the API key (none configured: open)."""
         check_bearer(raw, self.config.api_key)

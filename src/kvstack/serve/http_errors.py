@@ -33,11 +33,16 @@ class ApiError(Exception):
 
 
 def install_error_handlers(
-    app: FastAPI, logger: logging.Logger, on_error: Callable[[int], None] | None = None
+    app: FastAPI,
+    logger: logging.Logger,
+    on_error: Callable[[int], None] | None = None,
+    on_internal: Callable[[], None] | None = None,
 ) -> Callable[[ApiError], JSONResponse]:
     """Answer ``ApiError``, Starlette's HTTP errors (404, 405...) and any other exception
-    (500, logged with its traceback) as OpenAI errors; ``on_error(status)`` counts them.
-    Returns the function that turns an ``ApiError`` into its response."""
+    (500, logged with its traceback) as OpenAI errors; ``on_error(status)`` counts them
+    and ``on_internal()`` the unexpected exceptions. An internal error stays a 500: no
+    catch-all turns one into a 400. Returns the function that turns an ``ApiError`` into
+    its response."""
 
     def err(e: ApiError) -> JSONResponse:
         if on_error is not None:
@@ -58,6 +63,8 @@ def install_error_handlers(
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error")
+        if on_internal is not None:
+            on_internal()
         return err(ApiError(500, f"internal error: {e}", "server_error"))
 
     return err
