@@ -4,7 +4,7 @@ validators). No case may get a 5xx: bad input is a 4xx because it is validated, 
 internal error stays a 500 (``http_errors._internal``), so a bug the fuzz reaches fails
 here instead of hiding in a catch-all. ``kvstack:internal_errors_total`` must stay 0.
 
-Bounded: at most ``EXAMPLES`` cases per operation (about 400 in all; hypothesis stops
+Bounded: at most ``EXAMPLES`` cases per operation (about 300 in all; hypothesis stops
 earlier on an operation with few distinct inputs), ``max_model_len`` 64 so no
 generation runs long, ``derandomize`` so a run is reproducible. ``/v1/kv_events`` is left
 out: it streams until the client leaves.
@@ -33,7 +33,7 @@ from kvstack.serve.metrics import ServerMetrics
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from server_util import free_port
 
-EXAMPLES = 60
+EXAMPLES = 40
 
 
 class Fuzzed:
@@ -63,7 +63,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     metrics = f.http.get("/metrics").text
     server.should_exit = True
     thread.join(30)
-    assert f.cases >= 250, f"only {f.cases} cases ran"
+    assert f.cases >= 200, f"only {f.cases} cases ran"
     assert "kvstack:internal_errors_total" not in metrics or all(
         line.endswith(" 0.0")
         for line in metrics.splitlines()

@@ -253,8 +253,27 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     try:
         engine.run_forever(keep_going=http.is_alive)
         http.join(timeout=o.shutdown_grace + 10)
+        kv_ok = check_kv_at_exit(llm)
     finally:
         llm.shutdown()  # offload tiers: write queued stores so a restart finds them
     if not server.started:
         raise ConfigError(f"could not serve on {o.host}:{o.port} (see the log above)")
-    return 0
+    return 0 if kv_ok else 1
+
+
+def check_kv_at_exit(llm: LLM) -> bool:
+    """After the engine loop stopped (this thread ran it): ``check_integrity()`` and the
+    blocks still held by requests, logged (``benchmarks/soak.py`` reads the line); False
+    (exit status 1) if the bookkeeping is broken or a finished server still holds KV."""
+    eng = llm.engine
+    total = eng.kv_manager.num_blocks
+    try:
+        eng.check_integrity()
+        eng.kv_manager.check_integrity()
+    except AssertionError as e:
+        logger.error("KV at exit: integrity check FAILED: %s", e)
+        return False
+    held = total - eng.num_free_blocks - eng.num_pinned_blocks()
+    log = logger.info if held == 0 else logger.error
+    log("KV at exit: integrity ok, %d of %d blocks held by requests", held, total)
+    return held == 0
