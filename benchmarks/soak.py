@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import REPO_ROOT, RESULTS_DIR, find_gguf
-
 from kvstack.testing.soak import SoakConfig, run_soak
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 

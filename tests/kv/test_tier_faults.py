@@ -4,17 +4,27 @@ password and parsed only ``redis://`` (finding 7)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import redis
 
+from kvstack.config import CacheConfig
 from kvstack.errors import ConfigError
-from kvstack.kv.tiers.block_format import BlockLayout
+from kvstack.kv.tiers.block_format import (
+    HEADER_SIZE,
+    TAG_SIZE,
+    BlockLayout,
+    CorruptBlockError,
+    decode,
+    encode,
+)
 from kvstack.kv.tiers.disk import STALE_TMP_S, DiskTier
 from kvstack.kv.tiers.redis_tier import RedisTier
 from kvstack.kv.tiers.redis_url import redacted
@@ -121,3 +131,53 @@ def test_redis_urls_are_read_by_redis_py() -> None:
     assert pool.connection_kwargs["socket_timeout"] == 0.25  # ours, not the URL's option
     for tier in (acl, tls, sock):
         tier.close()
+
+
+# ----------------------------------------------------------------- tiers as trusted storage
+KEY = b"0123456789abcdef-tier-secret"
+
+
+def test_hmac_signed_blocks_refuse_a_forgery(tmp_path: Path) -> None:
+    """A CRC is not a MAC: who can write the folder could inject KV with a valid CRC."""
+    signed = dataclasses.replace(LAYOUT, auth_key=KEY)
+    tier = DiskTier(signed, tmp_path, capacity_bytes=1 << 20)
+    tier.store(h(1), payload(1))
+    assert tier.lookup_load([h(1)]) == [payload(1)]
+    f = block_path(tier, 1)
+    assert f.stat().st_size == HEADER_SIZE + LAYOUT.payload_bytes + TAG_SIZE
+    # The attacker writes a well-formed block (right header, right CRC) without the key.
+    forged = encode(LAYOUT, h(2), payload(7))
+    target = block_path(tier, 2)
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(forged)
+    assert tier.lookup_load([h(2)]) == [] and tier.stats.corrupt == 1
+    # ... or the signed block with its payload changed and the CRC fixed up.
+    data = bytearray(f.read_bytes())
+    data[HEADER_SIZE] ^= 0xFF
+    data[40:44] = zlib.crc32(bytes(data[HEADER_SIZE : HEADER_SIZE + LAYOUT.payload_bytes])
+                             ).to_bytes(4, "little")  # fmt: skip
+    f.write_bytes(bytes(data))
+    assert tier.lookup_load([h(1)]) == [] and tier.stats.corrupt == 2
+    other_key = dataclasses.replace(LAYOUT, auth_key=b"x" * 16)
+    with pytest.raises(CorruptBlockError, match="another model"):  # its namespace differs
+        decode(signed, h(3), encode(other_key, h(3), payload(3)))
+    with pytest.raises(CorruptBlockError, match="signed, but this tier has no key"):
+        decode(LAYOUT, h(1), encode(signed, h(1), payload(1)))
+    # Another key, or none, is another namespace: never even looked up there.
+    assert signed.namespace != LAYOUT.namespace
+    assert signed.namespace != dataclasses.replace(LAYOUT, auth_key=b"y" * 16).namespace
+    tier.check_integrity()
+
+
+def test_offload_key_file_is_checked_at_startup(tmp_path: Path) -> None:
+    good, short = tmp_path / "k", tmp_path / "short"
+    good.write_bytes(KEY + b"\n")
+    short.write_bytes(b"tiny")
+    cfg = CacheConfig(kv_offload=f"disk:{tmp_path}:1MiB", kv_offload_key_file=str(good))
+    assert cfg.offload_key() == KEY
+    with pytest.raises(ConfigError, match="at least 16"):
+        CacheConfig(kv_offload=f"disk:{tmp_path}:1MiB", kv_offload_key_file=str(short))
+    with pytest.raises(ConfigError, match="needs --kv-offload"):
+        CacheConfig(kv_offload_key_file=str(good))
+    with pytest.raises(ConfigError, match="kv-offload-key-file"):
+        CacheConfig(kv_offload=f"disk:{tmp_path}:1MiB", kv_offload_key_file=str(tmp_path / "x"))
