@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,6 +75,16 @@ def test_a_slowloris_on_a_kept_alive_connection_is_closed_too(live: Live) -> Non
         assert first.startswith(b"HTTP/1.1 200")
         s.sendall(b"GET /health HTTP/1.1\r\nHo")  # keeps trickling: no keep-alive expiry
         assert recv_all(s) == b""
+
+
+def test_an_idle_kept_alive_connection_is_left_to_keep_alive(live: Live) -> None:
+    """The header deadline starts with the next request's first byte, not when the last
+    response ended: closing an idle pooled connection races a client reusing it."""
+    with live.connect() as s:
+        for _ in range(2):
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(1.5)  # past the 0.5 s header deadline, inside uvicorn's 5 s keep-alive
 
 
 def test_partial_body_is_408(live: Live) -> None:

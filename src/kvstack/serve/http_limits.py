@@ -6,8 +6,10 @@ so a slowloris client held connections open indefinitely (issue 20, finding 5: p
 headers were held > 20 s). ``header_deadline_protocol(s)`` is uvicorn's httptools protocol
 with one more timer, as nginx's ``client_header_timeout`` and Apache's ``mod_reqtimeout``:
 
-* armed when a connection opens and again when a response completes with no pipelined
-  request waiting (the next request's headers may follow on a kept-alive connection);
+* armed when a connection opens, and on a kept-alive connection when the first byte of
+  its next request arrives (an idle kept-alive connection is uvicorn's
+  ``timeout_keep_alive``'s business: closing it sooner races a client reusing it; the
+  soak caught a router counting those resets as backend failures);
 * cancelled when a request's headers are complete;
 * on expiry the connection is closed without an answer (the client sent no request).
 
@@ -29,6 +31,7 @@ logger = logging.getLogger("kvstack.serve")
 class _HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     _header_timer: asyncio.TimerHandle | None = None
+    _between_requests = False  # a response completed; no byte of the next request yet
 
     def _arm(self) -> None:
         self._disarm()
@@ -50,14 +53,19 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._arm()
 
+    def data_received(self, data: bytes) -> None:
+        if self._between_requests:
+            self._between_requests = False
+            self._arm()
+        super().data_received(data)
+
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and not self.pipeline:
-            self._arm()
+        self._between_requests = not self.pipeline
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
