@@ -69,8 +69,8 @@ class BgLoop:
 
 
 class FakeReplica:
-    """A stand-in for ``kvstack serve``; ``mode``: ok | 503 | hang | die_midstream |
-    stall_midstream."""
+    """A stand-in for ``kvstack serve``; ``mode``: ok | 500 | 503 | hang | die_midstream |
+    stall_midstream (silent, failing /health) | idle_midstream (silent, healthy)."""
 
     def __init__(self, bg: BgLoop, name: str, role: str = "both") -> None:
         self.bg, self.name, self.role = bg, name, role
@@ -170,6 +170,9 @@ class FakeReplica:
             body = json.loads(raw)
         except ValueError:
             return web.json_response({"error": {"message": "malformed JSON"}}, status=400)
+        if self.mode == "500":  # a request-specific internal error; the backend is fine
+            err = {"error": {"message": "internal error: boom", "type": "server_error"}}
+            return web.json_response(err, status=500)
         if self.mode == "503":
             return web.json_response({"error": {"message": "engine dead"}}, status=503)
         if self.mode == "hang":
@@ -193,6 +196,8 @@ class FakeReplica:
                 return resp
             if self.mode == "stall_midstream" and i == 1:  # SIGSTOP-like: alive, silent
                 self.health_hang = True
+                await asyncio.sleep(3600)
+            if self.mode == "idle_midstream" and i == 1:
                 await asyncio.sleep(3600)
         await resp.write(b"data: [DONE]\n\n")
         return resp

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvstack.errors import ConfigError
@@ -186,6 +187,26 @@ class CacheConfig:
         "comma-separated, e.g. host:2GiB,disk:/var/cache/kvstack:20GiB,redis://127.0.0.1:6379",
         group=KV, metavar="TIERS",
     )  # fmt: skip
+    kv_offload_key_file: str | None = option(
+        None,
+        "a file holding a secret (>= 16 bytes): every block written to a --kv-offload tier "
+        "is HMAC-SHA256 signed with it and a block that fails the check is recomputed, so "
+        "who can write the tier but lacks the key cannot inject KV. Replicas sharing a "
+        "tier need the same file (SECURITY.md)",
+        group=KV, metavar="FILE",
+    )  # fmt: skip
+
+    def offload_key(self) -> bytes | None:
+        """The secret of ``kv_offload_key_file`` (``ConfigError`` if unreadable or short)."""
+        if self.kv_offload_key_file is None:
+            return None
+        try:
+            key = Path(self.kv_offload_key_file).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"--kv-offload-key-file: {e}") from None
+        if len(key) < 16:
+            raise ConfigError("--kv-offload-key-file must hold at least 16 bytes of secret")
+        return key
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -203,6 +224,10 @@ class CacheConfig:
         self._check_press()
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
+        if self.kv_offload_key_file is not None:
+            if not self.kv_offload:
+                raise ConfigError("--kv-offload-key-file needs --kv-offload")
+            self.offload_key()  # unreadable or short: one clear error at startup
         if self.kv_offload:
             from kvstack.kv.tiers.spec import parse_offload_spec
 

@@ -91,12 +91,9 @@ class LLMEngine:
         if cc.kv_offload:
             assert isinstance(self.kv_manager, KVCacheManager)  # CacheConfig checked the layout
             self.connector = make_connector(
-                cc.kv_offload,
-                model_fingerprint(self.model),
-                self.kv_manager,
-                self.kv_storage,
-                config.dtype,
-            )
+                cc.kv_offload, model_fingerprint(self.model), self.kv_manager,
+                self.kv_storage, config.dtype, cc.offload_key(),
+            )  # fmt: skip
             self.scheduler.connector = self.connector
         self.usage_tracker = UsageTracker()
         # Era 5: per-request press state and the hooks scheduler, runner and step call.

@@ -16,6 +16,7 @@ A request samples a new token in a step exactly when, after that step,
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 
 
 MAX_BAD_WORDS = 128  # vLLM's limit per request
+_FLOAT_PARAMS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "kv_press_ratio",
+)  # fmt: skip
 
 
 @dataclass
@@ -96,6 +101,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad(f"n must be at least 1, got {self.n}")
+        for name in _FLOAT_PARAMS:  # NaN passes every range check below (nan < 0 is False)
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value}")
         if self.kv_press_after is not None and self.kv_press_after < 1:
             raise bad(f"kv_press_after must be at least 1, got {self.kv_press_after}")
         if self.kv_press_every is not None and self.kv_press_every < 1:
@@ -135,7 +144,7 @@ class SamplingParams:
         for tok, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= int(tok) < vocab_size:
                 raise bad(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})")
-            if not -100.0 <= float(bias) <= 100.0:
+            if not -100.0 <= float(bias) <= 100.0:  # False for NaN too
                 raise bad(f"logit_bias values must be in [-100, 100], got {bias}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()

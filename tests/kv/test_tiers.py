@@ -206,7 +206,7 @@ def test_full_disk_disables_writes_with_one_warning(
     tier = DiskTier(LAYOUT, tmp_path, capacity_bytes=1 << 20)
     tier.store(h(0), payload(0))
 
-    def no_space(src: object, dst: object) -> None:
+    def no_space(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", no_space)

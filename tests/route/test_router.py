@@ -24,6 +24,7 @@ from kvstack.errors import ConfigError
 from kvstack.route.router.app import status_line
 from kvstack.route.router.backends import BackendPool
 from kvstack.route.router.cli import add_router_args, run_router
+from kvstack.route.router.discovery import parse_networks
 from kvstack.route.router.events_client import SSEParser
 from router_util import (
     BLOCK,
@@ -325,7 +326,8 @@ def test_dns_discovery_adds_and_removes() -> None:
             return answer
 
         pool = BackendPool([static], discover_dns=f"engine.svc:{port}", dns_interval=0.01,
-                           health_interval=5.0, resolver=resolver)  # fmt: skip
+                           health_interval=5.0, resolver=resolver,
+                           discover_allow=parse_networks(["127.0.0.0/8", "::1"]))  # fmt: skip
 
         async def expect(urls: set[str]) -> None:
             for _ in range(200):

@@ -262,8 +262,8 @@ def test_unknown_fields_are_ignored_and_reported(srv: ServerProcess) -> None:
     got = set(r.headers["kvstack-ignored-fields"].split(","))
     assert got == {"bogus_field", "messages.0.foo", "stream_options.bar"}
     assert "ignoring unknown fields" in srv.log() and "bogus_field" in srv.log()
-    plain = httpx.post(srv.url + "/tokenize", json={"prompt": "Hi"})
-    assert "kvstack-ignored-fields" not in plain.headers
+    plain = httpx.post(srv.url + "/tokenize", json={"prompt": "Hi"}, headers=headers)
+    assert plain.status_code == 200 and "kvstack-ignored-fields" not in plain.headers
 
 
 def test_auth_tokenize_pin_reset_and_request_log(srv: ServerProcess, client: openai.OpenAI) -> None:
@@ -272,11 +272,16 @@ def test_auth_tokenize_pin_reset_and_request_log(srv: ServerProcess, client: ope
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
     assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 401
     auth = {"Authorization": f"Bearer {KEY}"}
-    tok = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    # With a key the token tools need it too (CPU work; SECURITY.md, --open-endpoints).
+    assert httpx.post(srv.url + "/tokenize", json={"prompt": "Hi"}).status_code == 401
+    tok = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"}, headers=auth).json()
     assert tok["count"] == len(tok["tokens"]) > 0
-    text = httpx.post(srv.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    text = httpx.post(srv.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()[
+        "prompt"
+    ]
     assert "Hello world" in text
-    assert httpx.post(srv.url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    bad_ids = httpx.post(srv.url + "/detokenize", json={"tokens": [-1]}, headers=auth)
+    assert bad_ids.status_code == 400
     assert httpx.get(srv.url + "/version").json()["version"]
     assert httpx.post(srv.url + "/reset_prefix_cache", headers=auth).status_code == 200
     sys_msg = [{"role": "system", "content": SYSTEM * 2}]
@@ -459,10 +464,11 @@ def test_load_and_kv_event_stream(srv: ServerProcess) -> None:
     announces the exact chained hashes of a new prompt's blocks (kvstack.kv.hashing)."""
     from kvstack.kv.hashing import hash_blocks, root_hash
 
-    load = httpx.get(srv.url + "/load").json()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(srv.url + "/load").status_code == 401  # --api-key: /load needs it
+    load = httpx.get(srv.url + "/load", headers=headers).json()
     assert load["role"] == "both" and load["block_size"] == 16
     assert load["num_requests_running"] >= 0 and 0 <= load["kv_cache_usage_perc"] <= 1
-    headers = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(srv.url + "/v1/kv_events").status_code == 401
     ids = [1000 + i for i in range(70)]  # 4 full blocks, never sent before
     want = [h.hex() for h in hash_blocks(ids, 16, root_hash(load["model_id"], None))]

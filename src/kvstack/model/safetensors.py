@@ -121,7 +121,11 @@ def _shard_files(root: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: invalid shard index ({e})") from e
-        files = [root / f for f in dict.fromkeys(weight_map.values())]
+        names = list(dict.fromkeys(weight_map.values()))
+        for name in names:  # a file of this folder: "../x" or "/etc/x" would escape it
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise ModelLoadError(f"{index}: shard {name!r} is not a file name in {root}")
+        files = [root / f for f in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{root}: missing weight shards {', '.join(missing)}")

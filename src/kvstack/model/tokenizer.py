@@ -20,8 +20,9 @@ environment configured like transformers').
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +379,11 @@ class Tokenizer:
         writes whatever special tokens it wants). ``continue_final_message``: see
         ``render_chat_template``.
         """
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if clash:  # would be "got multiple values for argument ..." (a TypeError, a 500)
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs"
+            )
         source = chat_template or self.chat_template
         if not source:
             raise InvalidRequestError(
@@ -396,3 +402,19 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, source={self.source!r})"
+
+
+def _named_parameters(*fns: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(
+        name
+        for fn in fns
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    )
+
+
+# Names a client's ``chat_template_kwargs`` may not use: the parameters of the render
+# path (derived from the signatures, so a new parameter is reserved the day it is added).
+RESERVED_TEMPLATE_KWARGS = _named_parameters(
+    Tokenizer.apply_chat_template, render_chat_template
+) | {"messages"}

@@ -55,11 +55,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         yield
         logger.info("shutting down: finishing %d in-flight requests", engine.num_active)
         await engine.shutdown(config.shutdown_grace_s)
+        ctx.close()
 
-    app = FastAPI(title="kvstack", version=kvstack.__version__, lifespan=lifespan)
-    install_error_handlers(app, logger, ctx.count_error)
+    # /openapi.json is served by routes_ops (it may need the key: --open-endpoints).
+    app = FastAPI(
+        title="kvstack", version=kvstack.__version__, lifespan=lifespan,
+        openapi_url=None, docs_url=None, redoc_url=None,
+    )  # fmt: skip
+    install_error_handlers(app, logger, ctx.count_error, ctx.count_internal)
     app.include_router(OpenAIRoutes(ctx).router())
-    app.include_router(ops_router(ctx))
+    app.include_router(ops_router(ctx, lambda: app.openapi()))
     app.include_router(cache_router(ctx))
     app.add_middleware(IgnoredFieldsHeader)
     if config.allowed_origins:

@@ -6,7 +6,7 @@ ever touched by one thread (as vLLM's ``AsyncLLM`` keeps it in one core process)
 
     handler --add/abort--> command queue --> [engine thread: commands, step(), dispatch]
        ^                                                            |
-       +---- asyncio.Queue per request <-- call_soon_threadsafe ----+
+       +---- OutputSlot per request <----- call_soon_threadsafe ----+
 
 Torch releases the GIL inside its kernels, so the event loop keeps accepting and
 streaming while a step runs. Each step's outputs are routed to their request's queue;
@@ -44,6 +44,7 @@ from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.output_stream import (
+    OutputSlot,
     OutputStream,
     RequestInfo,
     StreamQueue,
@@ -54,6 +55,7 @@ from kvstack.stats import EngineStats
 
 logger = logging.getLogger("kvstack.serve")
 LOG_INTERVAL_S = 10.0
+STEP_ERROR_PREFIX = "internal error: "  # a RequestOutput.error from a failed model step
 T = TypeVar("T")
 Delivery = tuple[StreamQueue, RequestOutput]
 
@@ -212,7 +214,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
         info.params = params
-        stream = StreamQueue(asyncio.get_running_loop(), asyncio.Queue(), info)
+        stream = StreamQueue(asyncio.get_running_loop(), OutputSlot(), info)
         self._streams[request_id] = stream
 
         counted = [True]  # this request is in _pending_adds until the engine takes it
@@ -311,6 +313,7 @@ class AsyncEngine:
                         self.metrics.on_step(self._llm_engine.scheduler.last_num_scheduled_tokens)
                 except Exception as exc:  # a bug, not bad input: fail everyone, keep serving
                     logger.exception("engine step failed; aborting all requests")
+                    self._count_internal()
                     self._fail_all(exc)
                     outputs = []
                 now = time.monotonic()
@@ -376,8 +379,14 @@ class AsyncEngine:
             info.num_tokens = n
         if out.finished:
             self._streams.pop(out.request_id, None)
+            if out.error is not None and out.error.startswith(STEP_ERROR_PREFIX):
+                self._count_internal()  # LLMEngine._fail_step: the model step raised
             self._finish(out, info, now)
         return stream, out
+
+    def _count_internal(self) -> None:
+        if self.metrics is not None:
+            self.metrics.internal_errors.labels("step").inc()
 
     def _finish(self, out: RequestOutput, info: RequestInfo, now: float) -> None:
         """Metrics and the request log of a finished request. Never raises: a failing
@@ -397,7 +406,7 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             self._streams.pop(rid, None)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            stream.loop.call_soon_threadsafe(stream.slot.put, exc)
             try:
                 self._llm_engine.abort_request(rid)
             except Exception:

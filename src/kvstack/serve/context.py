@@ -11,8 +11,11 @@ no model declares are ignored, logged and named in the response's
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -20,12 +23,18 @@ from pydantic import BaseModel, ValidationError
 
 from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
 from kvstack.serve.protocol import ChatMessage, TokenizeRequest, chat_prompt_ids, ignored_fields
 from kvstack.serve.tool_calls import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+# Threads that tokenize and render chat templates off the event loop: a 2 MB prompt takes
+# seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout (issue
+# 20, finding 3). Two: more only queue for the GIL; requests past them wait their turn.
+CPU_WORKERS = 2
 
 
 @dataclass
@@ -35,7 +44,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); empty: no CORS
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float | None = 30.0  # the whole body must arrive within it (408)
     request_timeout_s: float | None = None
+    max_sequences_per_request: int = 64  # prompts x n (--max-sequences-per-request)
     shutdown_grace_s: float = 30.0
     # Prefill/decode split (``--role``): a prefill replica computes the prompt's KV, waits
     # until its offload tiers hold it, and answers one token; "both" is a plain server.
@@ -44,6 +55,19 @@ class ServerConfig:
     # Tools (``tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
+    # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).
+    open_endpoints: frozenset[str] = field(
+        default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
+    )
+
+
+class NonFiniteNumberError(ValueError):
+    """The body has ``NaN``, ``Infinity`` or ``-Infinity``: not JSON (RFC 8259), and a
+    NaN passes every range check (``nan < 0`` is false), so it is refused at parse."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise NonFiniteNumberError(f"{name} is not valid JSON: numbers must be finite")
 
 
 class ServerContext:
@@ -53,14 +77,33 @@ class ServerContext:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="kvstack-tokenize")
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (tokenizing, templating: CPU work) in a worker thread, so the event
+        loop keeps answering while it runs."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     def count_error(self, status: int) -> None:
         if self.engine.metrics is not None:
             self.engine.metrics.http_errors.labels(str(status)).inc()
 
+    def count_internal(self) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.internal_errors.labels("http").inc()
+
     def check_auth(self, raw: Request) -> None:
         """401 unless the request carries the API key (none configured: open)."""
         check_bearer(raw, self.config.api_key)
+
+    def check_ops_auth(self, raw: Request, endpoint: str) -> None:
+        """401 unless ``endpoint`` (one of ``OPS_ENDPOINTS``) is open or the key is sent."""
+        assert endpoint in OPS_ENDPOINTS, endpoint
+        if endpoint not in self.config.open_endpoints:
+            check_bearer(raw, self.config.api_key)
 
     def check_model(self, name: str | None) -> None:
         """404 for a model name other than the served ones (None: the served one)."""
@@ -72,9 +115,11 @@ class ServerContext:
 
     async def parse(self, raw: Request, model: type[M]) -> M:
         """The body as ``model``; 413 / 400 with the first problem found."""
-        body = await read_body(raw, self.config.max_body_bytes)
+        body = await read_body(raw, self.config.max_body_bytes, self.config.body_timeout_s)
         try:
-            data = json.loads(body.decode("utf-8"))
+            data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        except NonFiniteNumberError as e:
+            raise ApiError(400, str(e)) from None
         except UnicodeDecodeError:
             raise ApiError(400, "request body is not valid UTF-8") from None
         except json.JSONDecodeError as e:

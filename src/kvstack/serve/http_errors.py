@@ -8,6 +8,7 @@ imports (no engine, no torch) so the router loads fast.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Callable
@@ -32,11 +33,16 @@ class ApiError(Exception):
 
 
 def install_error_handlers(
-    app: FastAPI, logger: logging.Logger, on_error: Callable[[int], None] | None = None
+    app: FastAPI,
+    logger: logging.Logger,
+    on_error: Callable[[int], None] | None = None,
+    on_internal: Callable[[], None] | None = None,
 ) -> Callable[[ApiError], JSONResponse]:
     """Answer ``ApiError``, Starlette's HTTP errors (404, 405...) and any other exception
-    (500, logged with its traceback) as OpenAI errors; ``on_error(status)`` counts them.
-    Returns the function that turns an ``ApiError`` into its response."""
+    (500, logged with its traceback) as OpenAI errors; ``on_error(status)`` counts them
+    and ``on_internal()`` the unexpected exceptions. An internal error stays a 500: no
+    catch-all turns one into a 400. Returns the function that turns an ``ApiError`` into
+    its response."""
 
     def err(e: ApiError) -> JSONResponse:
         if on_error is not None:
@@ -57,6 +63,8 @@ def install_error_handlers(
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error")
+        if on_internal is not None:
+            on_internal()
         return err(ApiError(500, f"internal error: {e}", "server_error"))
 
     return err
@@ -71,14 +79,24 @@ def check_bearer(raw: Request, api_key: str | None) -> None:
         raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
 
 
-async def read_body(raw: Request, limit: int) -> bytes:
-    """The request body, 413 as soon as it passes ``limit`` bytes (declared or streamed)."""
+async def read_body(raw: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, 413 as soon as it passes ``limit`` bytes (declared or streamed),
+    408 if it has not all arrived within ``timeout_s`` (a client that declares 100 bytes
+    and sends 10 held the handler forever: issue 20, finding 5)."""
     length = raw.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body over {limit} bytes")
     body = bytearray()
-    async for chunk in raw.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body over {limit} bytes")
+
+    async def read() -> None:
+        async for chunk in raw.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, f"request body over {limit} bytes")
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            await read()
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout_s} s", "timeout") from None
     return bytes(body)

@@ -36,6 +36,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,6 +51,9 @@ class KVEventBroadcaster:
     Events are kept only while a connection still needs them: the ring holds what the
     slowest connection has not sent yet (nothing at all without connections), bounded by
     ``max_weight`` (token ids + hashes; a 4,000-token prompt's event weighs ~4,000).
+    At most ``max_connections`` stream at once (``try_open``; a router needs one per
+    replica): each connect costs a snapshot of every tier's hashes on the engine thread
+    (issue 20, finding 11).
     """
 
     def __init__(
@@ -57,11 +61,14 @@ class KVEventBroadcaster:
         engine: AsyncEngine,
         *,
         max_weight: int = 4_000_000,
+        max_connections: int = 16,
         poll_s: float = 0.05,
         keepalive_s: float = 5.0,
     ) -> None:
         self.engine = engine
         self.max_weight = max_weight
+        self.max_connections = max_connections
+        self._open = 0  # streams started and not ended (event loop only)
         self.poll_s = poll_s
         self.keepalive_s = keepalive_s
         self._lock = threading.Lock()
@@ -121,8 +128,22 @@ class KVEventBroadcaster:
             self._cursors.pop(conn, None)
             self._trim()
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """One connection: a snapshot batch, then every later event in batches."""
+    def open_stream(self) -> AsyncIterator[bytes] | None:
+        """One connection's stream, or None when ``max_connections`` are open. The slot is
+        held until the stream object is gone (ended, or dropped unstarted by a client
+        that left before the first byte)."""
+        if self._open >= self.max_connections:
+            return None
+        self._open += 1
+        gen = self._stream()
+        weakref.finalize(gen, self._release)
+        return gen
+
+    def _release(self) -> None:
+        self._open -= 1
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        """A snapshot batch, then every later event in batches."""
         conn = next(self._conns)
         try:
             cursor, snaps = await self.engine.run(lambda: self._snapshot(conn))

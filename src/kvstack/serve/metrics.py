@@ -150,6 +150,13 @@ class ServerMetrics:
         self.http_errors = Counter(
             metric_name("http_errors"), "Error responses by status", ["status"], registry=r
         )
+        # Bugs, never bad input (that is a 4xx): an exception no handler expected (a 500
+        # with its traceback in the log) or a failed engine step. The fuzz keeps it at 0.
+        self.internal_errors = Counter(
+            metric_name("internal_errors"),
+            "Internal errors (unhandled exception, failed step)",
+            ["where"], registry=r,
+        )  # fmt: skip
         self.registry.register(EngineCollector(self))
 
     def update_engine(self, stats: EngineStats, kv: KVCacheStats) -> None:

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstack.errors import InvalidRequestError
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import CompletionOutput, RequestOutput
 from kvstack.serve.async_engine import AsyncEngine
@@ -52,6 +53,9 @@ class ApiContext:
     tokenizer: Tokenizer
     model_name: str
     request_timeout_s: float | None = None
+    # Prompts x n one request may queue (issue 20, finding 10: 32 id prompts x n=16 was
+    # 512 sequences, and 64 x 16 filled --max-waiting for everyone else).
+    max_sequences: int = 64
 
 
 @dataclass
@@ -120,6 +124,13 @@ class OpenAIHandler:
         engine), so usage and ``echo`` see the prompt the engine ran."""
         engine = self.ctx.engine
         sp = req.sampling_params(engine.generation_defaults)
+        if len(prompts) * sp.n > self.ctx.max_sequences:
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts x n={sp.n} is {len(prompts) * sp.n} sequences; a "
+                f"request may ask for at most {self.ctx.max_sequences} "
+                "(--max-sequences-per-request)",
+                param="n",
+            )
         base = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         try:

@@ -26,7 +26,7 @@ from pydantic import (
 
 from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import join_text_parts, template_role
-from kvstack.model.tokenizer import Tokenizer
+from kvstack.model.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer
 from kvstack.request import SamplingParams
 from kvstack.serve.documents import MAX_DOCUMENTS, with_documents
 from kvstack.serve.protocol_tools import (
@@ -317,15 +317,11 @@ def chat_prompt_ids(
     return ids
 
 
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "tokenize", "tools", "documents", "chat_template",
-     "continue_final_message"}
-)  # fmt: skip
-
-
 def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
-    if v and _RESERVED_TEMPLATE_KWARGS & set(v):
-        raise ValueError(f"may not set {sorted(_RESERVED_TEMPLATE_KWARGS & set(v))}")
+    """No name of the render path's own parameters (``source``, ``self``, ``tokenize``...):
+    passing one would be a TypeError inside the handler, a 500 (issue 20, finding 2)."""
+    if v and RESERVED_TEMPLATE_KWARGS & set(v):
+        raise ValueError(f"may not set {sorted(RESERVED_TEMPLATE_KWARGS & set(v))}")
     return v
 
 

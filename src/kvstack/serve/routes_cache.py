@@ -28,7 +28,7 @@ def cache_router(ctx: ServerContext) -> APIRouter:
     async def pin_ids(raw: Request) -> tuple[list[int], PinRequest]:
         req = await ctx.parse(raw, PinRequest)
         ctx.check_model(req.model)
-        return ctx.ids_of(req.prompt, req.messages, False, False), req
+        return await ctx.off_loop(lambda: ctx.ids_of(req.prompt, req.messages, False, False)), req
 
     @r.post("/v1/cache/pin", openapi_extra=request_body(PinRequest))
     async def pin(raw: Request) -> dict:
@@ -60,6 +60,12 @@ def cache_router(ctx: ServerContext) -> APIRouter:
         ctx.check_auth(raw)
         if not engine.alive:
             raise ApiError(503, "engine loop is not running", "server_error")
-        return StreamingResponse(kv_events.stream(), media_type="text/event-stream")
+        stream = kv_events.open_stream()
+        if stream is None:
+            raise ApiError(
+                429, f"{kv_events.max_connections} KV event streams are open already",
+                "rate_limit_error", headers={"Retry-After": "5"},
+            )  # fmt: skip
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     return r

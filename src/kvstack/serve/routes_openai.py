@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +30,7 @@ from kvstack.structured_outputs import SpecTooLargeError
 
 logger = logging.getLogger("kvstack.serve")
 Prompts = list[tuple[list[int], str | None]]  # (token ids, the text they came from)
+DONE = "data: [DONE]\n\n"  # the last event of every stream (openai_api.py)
 
 
 class OpenAIRoutes:
@@ -37,9 +39,11 @@ class OpenAIRoutes:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
-        self.handler = OpenAIHandler(
-            ApiContext(ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s)
-        )
+        api = ApiContext(
+            ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s,
+            cfg.max_sequences_per_request,
+        )  # fmt: skip
+        self.handler = OpenAIHandler(api)
 
     def router(self) -> APIRouter:
         r = APIRouter()
@@ -86,7 +90,7 @@ class OpenAIRoutes:
         """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
-            prompts = self.prompts(req)
+            prompts = await self.ctx.off_loop(lambda: self.prompts(req))
             session = raw.headers.get("x-session-id") or req.user
             return await self.handler.start(
                 prompts, req, "chat" if chat else "completions", session
@@ -107,9 +111,10 @@ class OpenAIRoutes:
             req.max_tokens, req.max_completion_tokens = 1, None
         rid, jobs = await self.start(raw, req)
         if req.stream:
-            return StreamingResponse(
-                self.handler.stream(rid, req, jobs, chat), media_type="text/event-stream"
-            )
+            chunks = self.handler.stream(rid, req, jobs, chat)
+            if self.ctx.config.role == "prefill":
+                chunks = self._flush_before_done(chunks)
+            return StreamingResponse(chunks, media_type="text/event-stream")
         if not await self.complete(raw, rid, jobs):
             return Response(status_code=499)
         errors = [j.last.error for j in jobs if j.last is not None and j.last.error]
@@ -137,6 +142,14 @@ class OpenAIRoutes:
             for job in jobs:
                 job.stream.close()
         return True
+
+    async def _flush_before_done(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A prefill replica's stream: ``[DONE]`` only once the tiers hold the prompt's
+        blocks, as the non-stream answer waits (only that path flushed: issue 20, 11)."""
+        async for chunk in chunks:
+            if chunk == DONE:
+                await self.flush_offload()
+            yield chunk
 
     async def flush_offload(self) -> None:
         """Prefill role: answer once the prompt's blocks are in the shared tier.

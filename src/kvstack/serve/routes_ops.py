@@ -2,15 +2,22 @@
 probe), ``/load``, ``/version``, ``/metrics`` and the token tools ``POST /tokenize`` /
 ``/detokenize``.
 
-None needs the API key (probes and scrapers carry none). ``/load`` is what a router
-polls: load and KV usage from the engine's latest stats snapshot, plus the block-hash
-parameters (``AsyncEngine.routing_info``) it must hash prompts with.
+``/health`` and ``/version`` never need the API key (probes carry none); with
+``--api-key``, ``/tokenize``, ``/detokenize`` and ``/load`` need it and ``/metrics`` and
+``/openapi.json`` do not, unless ``--open-endpoints`` says otherwise (SECURITY.md).
+Tokenizing and templating run in ``ServerContext.off_loop``'s threads, never on the
+event loop. ``/load`` is what a router polls: load and KV usage from the engine's latest
+stats snapshot, plus the block-hash parameters (``AsyncEngine.routing_info``) it must
+hash prompts with.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvstack
@@ -20,7 +27,8 @@ from kvstack.serve.openapi import request_body
 from kvstack.serve.protocol import DetokenizeRequest, TokenizeRequest
 
 
-def ops_router(ctx: ServerContext) -> APIRouter:
+def ops_router(ctx: ServerContext, app_openapi: Callable[[], dict[str, Any]]) -> APIRouter:
+    """The ops routes; ``app_openapi`` builds the app's OpenAPI document."""
     r = APIRouter()
     engine = ctx.engine
 
@@ -33,8 +41,9 @@ def ops_router(ctx: ServerContext) -> APIRouter:
         return Response(status_code=200)
 
     @r.get("/load")
-    async def load() -> dict:
+    async def load(raw: Request) -> dict:
         """What a router needs: load, KV usage, and the prefix-hash parameters."""
+        ctx.check_ops_auth(raw, "load")
         s, routing = engine.stats, engine.routing_info
         return {
             "num_requests_running": s.num_running,
@@ -51,28 +60,41 @@ def ops_router(ctx: ServerContext) -> APIRouter:
         return {"version": kvstack.__version__}
 
     @r.get("/metrics")
-    async def prom() -> Response:
+    async def prom(raw: Request) -> Response:
+        ctx.check_ops_auth(raw, "metrics")
         metrics = engine.metrics
         data = generate_latest(metrics.registry) if metrics is not None else b""
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @r.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(raw: Request) -> dict:
+        ctx.check_ops_auth(raw, "tokenize")
         req = await ctx.parse(raw, TokenizeRequest)
         ctx.check_model(req.model)
-        ids = ctx.ids_of(
-            req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens,
-            req.continue_final_message, req.chat_template_kwargs, tools=req,
+        ids = await ctx.off_loop(
+            lambda: ctx.ids_of(
+                req.prompt, req.messages, req.add_generation_prompt, req.add_special_tokens,
+                req.continue_final_message, req.chat_template_kwargs, tools=req,
+            )
         )  # fmt: skip
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.model_info.max_model_len}
 
     @r.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> dict:
+        ctx.check_ops_auth(raw, "detokenize")
         req = await ctx.parse(raw, DetokenizeRequest)
         ctx.check_model(req.model)
         vocab = engine.model_info.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        text = await ctx.off_loop(
+            lambda: ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        )
+        return {"prompt": text}
+
+    @r.get("/openapi.json", include_in_schema=False)
+    async def openapi(raw: Request) -> JSONResponse:
+        ctx.check_ops_auth(raw, "openapi")
+        return JSONResponse(app_openapi())
 
     return r

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
 from kvstack.options import Switch, check_choices, from_namespace, option
+from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
     from kvstack.llm import LLM
@@ -54,9 +56,22 @@ class ServerOptions:
         "(default: $KVSTACK_API_KEY, else vLLM's $VLLM_API_KEY; none = open)",
         group=SERVER, env=("KVSTACK_API_KEY", "VLLM_API_KEY"),
     )  # fmt: skip
+    open_endpoints: str = option(
+        DEFAULT_OPEN_ENDPOINTS,
+        "with --api-key, which of tokenize,detokenize,load,metrics,openapi need no key "
+        "(comma list, or 'none'); default metrics,openapi as vLLM (Prometheus scrapes "
+        "without one). /health and /version are always open. See SECURITY.md",
+        group=SERVER,
+    )
     max_waiting: int = option(
         1024,
         "requests that may wait for a first schedule; past it new ones get 429",
+        group=SERVER,
+    )
+    max_sequences_per_request: int = option(
+        64,
+        "prompts x n one request may ask for (a batch of 32 prompts with n=16 is 512); "
+        "past it 400, so one client cannot fill --max-waiting",
         group=SERVER,
     )
     request_timeout: float | None = option(
@@ -72,6 +87,21 @@ class ServerOptions:
     )
     max_body_bytes: int = option(
         8 * 1024 * 1024, "larger request bodies get 413 (default 8 MiB)", group=SERVER
+    )
+    header_timeout: float = option(
+        10.0,
+        "seconds a connection may take to send a request's headers before it is closed "
+        "(slowloris; uvicorn has no such limit)",
+        group=SERVER,
+    )
+    body_timeout: float = option(
+        30.0, "seconds a request's body may take to arrive before 408", group=SERVER
+    )
+    max_connections: int = option(
+        2048,
+        "open connections (streams included) past which new requests get 503 "
+        "(uvicorn's limit_concurrency)",
+        group=SERVER,
     )
     role: str = option(
         "both",
@@ -144,6 +174,17 @@ class ServerOptions:
             KVEventsConfig.parse(self.kv_events_config)  # one clear line at startup
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        open_endpoints(self.open_endpoints)  # ConfigError for an unknown name
+        for flag, value in (("--header-timeout", self.header_timeout),
+                            ("--body-timeout", self.body_timeout),
+                            ("--max-connections", self.max_connections)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.max_sequences_per_request < 1:
+            raise ConfigError(
+                "--max-sequences-per-request must be at least 1, "
+                f"got {self.max_sequences_per_request}"
+            )
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         check_choices(self)
@@ -251,8 +292,11 @@ def build_server(
             model_aliases=names[1:],
             allowed_origins=options.allowed_origins or (),
             api_key=options.api_key,
+            open_endpoints=open_endpoints(options.open_endpoints),
             max_body_bytes=options.max_body_bytes,
+            body_timeout_s=options.body_timeout,
             request_timeout_s=options.request_timeout,
+            max_sequences_per_request=options.max_sequences_per_request,
             shutdown_grace_s=options.shutdown_grace,
             role=options.role,
             tool_call_parser=options.tool_call_parser,
@@ -298,6 +342,25 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
+    """How uvicorn serves ``app``: the header deadline (``http_limits``) and the
+    connection cap of ``o`` (issue 20, finding 5)."""
+    import uvicorn
+
+    from kvstack.serve.http_limits import header_deadline_protocol
+
+    return uvicorn.Config(
+        app,
+        host=o.host,
+        port=o.port,
+        log_level="info",
+        root_path=o.root_path or "",
+        timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
+        http=header_deadline_protocol(o.header_timeout),
+        limit_concurrency=o.max_connections,
+    )
+
+
 def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGTERM/SIGINT: the engine loop in this thread, HTTP in another."""
     import uvicorn
@@ -311,16 +374,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
         sock.close()
         raise
     logger.info("kvstack serving %s on http://%s:%d (role %s)", name, o.host, o.port, o.role)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=o.host,
-            port=o.port,
-            log_level="info",
-            root_path=o.root_path or "",
-            timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
-        )
-    )
+    server = uvicorn.Server(uvicorn_config(app, o))
 
     def on_signal(signum: int, _frame: object) -> None:
         # First signal: graceful (stop accepting, finish in-flight requests up to
@@ -341,6 +395,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     try:
         engine.run_forever(keep_going=http.is_alive)
         http.join(timeout=o.shutdown_grace + 10)
+        kv_ok = check_kv_at_exit(llm)
     finally:
         llm.shutdown()  # offload tiers: write queued stores so a restart finds them
         if app.state.kv_events_publisher is not None:
@@ -348,4 +403,22 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
         sock.close()
     if not server.started:
         raise ConfigError(f"could not serve on {o.host}:{o.port} (see the log above)")
-    return 0
+    return 0 if kv_ok else 1
+
+
+def check_kv_at_exit(llm: LLM) -> bool:
+    """After the engine loop stopped (this thread ran it): ``check_integrity()`` and the
+    blocks still held by requests, logged (``benchmarks/soak.py`` reads the line); False
+    (exit status 1) if the bookkeeping is broken or a finished server still holds KV."""
+    eng = llm.engine
+    total = eng.kv_manager.num_blocks
+    try:
+        eng.check_integrity()
+        eng.kv_manager.check_integrity()
+    except AssertionError as e:
+        logger.error("KV at exit: integrity check FAILED: %s", e)
+        return False
+    held = total - eng.num_free_blocks - eng.num_pinned_blocks()
+    log = logger.info if held == 0 else logger.error
+    log("KV at exit: integrity ok, %d of %d blocks held by requests", held, total)
+    return held == 0

@@ -195,12 +195,14 @@ class TierConnector:
 
 
 def make_connector(
-    spec: str, fingerprint: str, kv: KVCacheManager, storage: KVStorage, dtype: str
-) -> TierConnector:
+    spec: str, fingerprint: str, kv: KVCacheManager, storage: KVStorage, dtype: str,
+    auth_key: bytes | None = None,
+) -> TierConnector:  # fmt: skip
     """Build the tiers of a ``--kv-offload`` spec and the connector over them.
 
     ``fingerprint`` names the model and its weights (``model/fingerprint.py``); tiers
-    keep blocks of different fingerprints, dtypes or codecs apart.
+    keep blocks of different fingerprints, dtypes or codecs apart. ``auth_key``
+    (``--kv-offload-key-file``): blocks are HMAC-signed with it (``block_format.py``).
     """
     shape = storage.shape
     layout = BlockLayout(
@@ -213,11 +215,13 @@ def make_connector(
         itemsize=storage.itemsize,
         codec=storage.codec.name,
         codec_bytes=0 if storage.codec.identity else storage.block_nbytes,
+        auth_key=auth_key,
     )
     tiers = build_tiers(parse_offload_spec(spec), layout)
     logger.info(
-        "KV offload (write-through, lookup order as given): %s; %d KiB per block",
+        "KV offload (write-through, lookup order as given): %s; %d KiB per block%s",
         "; ".join(t.describe() for t in tiers),
         layout.payload_bytes // 1024,
+        ", HMAC-signed" if auth_key is not None else "",
     )
     return TierConnector(kv, storage, OffloadManager(tiers, layout, events=kv.events))

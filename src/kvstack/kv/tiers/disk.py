@@ -6,24 +6,35 @@ fingerprint, dtype and shapes, ``block_format.py``; ``<h>`` the 32-hex-digit blo
 
     PATH/kvstack-<ns>/<h[0:2]>/<h>.kvb
 
-* **Write**: to ``<h>.kvb.tmp-<pid>`` then ``os.replace`` (atomic on POSIX), so a crash
-  never leaves a half-written ``.kvb`` under a valid name.
+* **Write**: to ``<h>.kvb.tmp-<pid>-<random>`` created with ``O_CREAT | O_EXCL |
+  O_NOFOLLOW`` (mode 0600), then ``os.replace`` (atomic on POSIX), so a crash never leaves
+  a half-written ``.kvb`` under a valid name, and a planted symlink is never followed: a
+  predictable temp name opened with ``open(tmp, "wb")`` let one overwrite any file the
+  server could write (issue 20, finding 6).
+* **No symlinks**: every file is opened relative to its subdirectory's descriptor, the
+  subdirectory itself with ``O_NOFOLLOW | O_DIRECTORY``; a symlinked block file or
+  subdirectory is an error (a miss), never followed. Directories are created 0700.
 * **Read**: the header and CRC-32 are checked (``block_format.decode``); a truncated or
   corrupted file is deleted, counted (``corrupt``) and treated as a miss.
 * **Budget**: a byte budget with LRU or LFU eviction (``budget.py``); evicted files are
   unlinked.
 * **Warm restart**: at start the namespace directory is scanned and every ``.kvb`` file
   enters the index, oldest modification time first (so LRU resumes roughly where it
-  stopped); loads touch the file's mtime. A file written by another process after the
-  scan is found on a lookup miss (the directory may be shared).
+  stopped); loads touch the file's mtime. Temp files are deleted only when older than
+  ``STALE_TMP_S`` (a crashed write; another live process may be writing a young one).
+  A file written by another process after the scan is found on a lookup miss (the
+  directory may be shared).
 * **Full disk**: ``ENOSPC``/``EDQUOT``/``EROFS`` disables writes to this tier with one
   warning; reads continue.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +44,9 @@ from kvstack.kv.tiers.block_format import BlockLayout, CorruptBlockError, decode
 from kvstack.kv.tiers.budget import BlockBudget
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+STALE_TMP_S = 3600.0  # a temp file this old is a crashed write, not a peer's live one
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 
 
 class DiskTier(OffloadTier):
@@ -43,7 +57,10 @@ class DiskTier(OffloadTier):
     ) -> None:
         super().__init__(layout)
         self.root = Path(path) / f"kvstack-{layout.namespace.hex()}"
-        self.root.mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        if self.root.is_symlink():
+            raise OSError(errno.ELOOP, f"{self.root} is a symlink")
         self.budget = BlockBudget(capacity_bytes, policy)
         self.writes_disabled = False
         self._scan()
@@ -59,22 +76,67 @@ class DiskTier(OffloadTier):
         h = block_hash.hex()
         return self.root / h[:2] / f"{h}.kvb"
 
+    def _open_subdir(self, block_hash: bytes, create: bool) -> int:
+        """A descriptor of the block's subdirectory, never through a symlink (ELOOP or
+        ENOTDIR if it is one); created 0700 when ``create``."""
+        sub = self.root / block_hash.hex()[:2]
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(sub, 0o700)
+        return os.open(sub, _DIR_FLAGS)
+
+    def _read_file(self, block_hash: bytes) -> bytes:
+        name = self._path(block_hash).name
+        dfd = self._open_subdir(block_hash, create=False)
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise OSError(errno.EINVAL, f"{name} is not a regular file")
+                data = f.read()
+            os.utime(name, dir_fd=dfd, follow_symlinks=False)
+            return data
+        finally:
+            os.close(dfd)
+
+    def _write_file(self, block_hash: bytes, data: bytes) -> None:
+        name = self._path(block_hash).name
+        tmp = f"{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+        dfd = self._open_subdir(block_hash, create=True)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600,
+                         dir_fd=dfd)  # fmt: skip
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+        finally:
+            os.close(dfd)
+
     def _scan(self) -> None:
         found: list[tuple[float, bytes, int]] = []
+        now = time.time()
         for sub in self.root.iterdir():
-            if not sub.is_dir():
+            if sub.is_symlink() or not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
                 name = entry.name
-                if ".kvb.tmp-" in name:  # a write interrupted by a crash
-                    Path(entry.path).unlink(missing_ok=True)
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
                     continue
-                if not name.endswith(".kvb"):
+                if ".kvb.tmp-" in name:  # a crashed write, unless young (a live peer's)
+                    if now - st.st_mtime > STALE_TMP_S:
+                        Path(entry.path).unlink(missing_ok=True)
+                    continue
+                if not name.endswith(".kvb") or not stat.S_ISREG(st.st_mode):
                     continue
                 try:
                     key = bytes.fromhex(name[:-4])
-                    st = entry.stat()
-                except (ValueError, OSError):
+                except ValueError:
                     continue
                 found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
@@ -93,11 +155,11 @@ class DiskTier(OffloadTier):
     def _read(self, block_hash: bytes) -> bytes | None:
         path = self._path(block_hash)
         try:
-            data = path.read_bytes()
+            data = self._read_file(block_hash)
         except FileNotFoundError:
             self.budget.remove(block_hash)
             return None
-        except OSError as e:
+        except OSError as e:  # a symlink (ELOOP / ENOTDIR) included: never followed
             self.stats.errors += 1
             self.warn_once("read", "cannot read %s (%s); recomputing", path, e)
             return None
@@ -113,10 +175,6 @@ class DiskTier(OffloadTier):
             for victim in self.budget.admit(block_hash, len(data)):  # written by a peer
                 self._unlink(victim)
         self.budget.hit(block_hash)
-        try:
-            os.utime(path)
-        except OSError:
-            self.stats.errors += 1
         return payload
 
     def lookup_load(self, hashes: Sequence[bytes]) -> list[bytes]:
@@ -139,14 +197,9 @@ class DiskTier(OffloadTier):
             self.stats.dropped_stores += 1
             return
         path = self._path(block_hash)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            self._write_file(block_hash, data)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             self.stats.errors += 1
             self.stats.dropped_stores += 1
             if e.errno in _FULL_ERRNOS:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -31,6 +30,7 @@ from redis.retry import Retry
 
 from kvstack.kv.tiers.base import OffloadTier
 from kvstack.kv.tiers.block_format import BlockLayout, CorruptBlockError, decode, encode
+from kvstack.kv.tiers.redis_url import redacted, redis_client_url
 
 MGET_CHUNK = 32  # keys per round trip when walking a prefix
 _KNOWN_MAX = 1 << 16  # hashes remembered as already stored (skips re-uploads)
@@ -48,15 +48,13 @@ class RedisTier(OffloadTier):
         backoff_s: float = 5.0,
     ) -> None:
         super().__init__(layout)
-        parts = urlsplit(url)
-        self.url = f"{parts.scheme}://{parts.netloc}{parts.path}"
+        # What logs and describe() show: never the password (issue 20, finding 7).
+        self.url = redacted(url).split("?")[0]
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
-        self.client = redis.Redis(
-            host=parts.hostname or "127.0.0.1",
-            port=parts.port or 6379,
-            db=int(parts.path.lstrip("/") or 0),
-            password=parts.password,
+        # redis-py reads the URL: redis:// rediss:// (TLS) unix://, ACL user and password.
+        self.client = redis.Redis.from_url(
+            redis_client_url(url),
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),

@@ -4,8 +4,12 @@ Grammar (comma-separated, order = lookup order, each kind at most once)::
 
     host:SIZE[:POLICY]                  e.g. host:2GiB        host:512MiB:lfu
     disk:PATH:SIZE[:POLICY]             e.g. disk:/var/cache/kvstack:20GiB
-    redis://HOST[:PORT][/DB][?ttl=S&timeout=S&backoff=S]
+    redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?ttl=S&timeout=S&backoff=S]
                                         e.g. redis://127.0.0.1:6379?ttl=3600
+    rediss://...  (TLS)   unix:///PATH/redis.sock[?db=N&...]
+
+A Redis URL is read by redis-py's ``from_url`` (ACL user, TLS, unix sockets); the
+password never reaches a log or an error message (``redacted``).
 
 ``SIZE`` as ``--kv-cache-memory`` (2GiB, 512MiB, 1e9); ``POLICY`` ``lru`` (default) or
 ``lfu``. Every mistake raises one ``ConfigError`` naming the bad part.
@@ -23,6 +27,7 @@ from urllib.parse import parse_qsl, urlsplit
 from kvstack.errors import ConfigError
 from kvstack.kv.tiers.base import OffloadTier
 from kvstack.kv.tiers.block_format import BlockLayout
+from kvstack.kv.tiers.redis_url import REDIS_SCHEMES, redacted
 from kvstack.registry import Registry
 
 TIER_POLICIES = ("lru", "lfu")
@@ -61,24 +66,30 @@ def _size_and_policy(part: str, fields: list[str]) -> tuple[int, str]:
 
 def _redis(part: str) -> TierSpec:
     u = urlsplit(part)
+    shown = redacted(part)
     try:
         u.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as e:
-        raise _bad(part, str(e)) from None
-    if not u.hostname:
-        raise _bad(part, "no host")
-    if u.path.strip("/") and not u.path.strip("/").isdigit():
-        raise _bad(part, "the path must be a database number such as /0")
+        raise _bad(shown, str(e)) from None
+    if u.scheme == "unix":
+        if not u.path:
+            raise _bad(shown, "a unix socket URL needs a path: unix:///run/redis.sock")
+    elif not u.hostname:
+        raise _bad(shown, "no host")
+    elif u.path.strip("/") and not u.path.strip("/").isdigit():
+        raise _bad(shown, "the path must be a database number such as /0")
     opts = {"ttl": 86400.0, "timeout": 0.25, "backoff": 5.0}
     for key, value in parse_qsl(u.query, keep_blank_values=True):
+        if key == "db" and value.isdigit():
+            continue
         if key not in opts:
-            raise _bad(part, f"unknown option {key!r} (ttl, timeout, backoff)")
+            raise _bad(shown, f"unknown option {key!r} (ttl, timeout, backoff, db)")
         try:
             opts[key] = float(value)
         except ValueError:
-            raise _bad(part, f"{key} must be a number of seconds") from None
+            raise _bad(shown, f"{key} must be a number of seconds") from None
         if opts[key] <= 0:
-            raise _bad(part, f"{key} must be positive")
+            raise _bad(shown, f"{key} must be positive")
     return TierSpec(
         "redis",
         url=part,
@@ -131,18 +142,21 @@ class TierKind:
     """One kind of tier: a spec part starting with ``prefix`` is read by ``parse``;
     ``build`` makes the tier."""
 
-    prefix: str
+    prefixes: tuple[str, ...]
     parse: Callable[[str], TierSpec]
     build: Callable[[TierSpec, BlockLayout], OffloadTier]
 
     def matches(self, part: str) -> bool:
-        return part.startswith(self.prefix) or part == self.prefix.rstrip(":")
+        return any(part.startswith(p) or part == p.rstrip(":") for p in self.prefixes)
 
 
 TIERS: Registry[TierKind] = Registry("offload tier")
-TIERS.add("host", TierKind("host:", _host, _build_host), "host:SIZE[:lru|lfu] (RAM)")
-TIERS.add("disk", TierKind("disk:", _disk, _build_disk), "disk:PATH:SIZE[:lru|lfu] (files)")
-TIERS.add("redis", TierKind("redis://", _redis, _build_redis), "redis://HOST:PORT[/DB] (shared)")
+TIERS.add("host", TierKind(("host:",), _host, _build_host), "host:SIZE[:lru|lfu] (RAM)")
+TIERS.add("disk", TierKind(("disk:",), _disk, _build_disk), "disk:PATH:SIZE[:lru|lfu] (files)")
+TIERS.add(
+    "redis", TierKind(REDIS_SCHEMES, _redis, _build_redis),
+    "redis://[USER:PASSWORD@]HOST:PORT[/DB], rediss://..., unix:///PATH (shared)",
+)  # fmt: skip
 
 
 def parse_offload_spec(text: str | None) -> list[TierSpec]:
@@ -156,10 +170,10 @@ def parse_offload_spec(text: str | None) -> list[TierSpec]:
             raise _bad(raw, "empty tier")
         kinds = [k for _, k in TIERS.items() if k.matches(part)]
         if not kinds:
-            raise _bad(part, "a tier is host:SIZE, disk:PATH:SIZE or redis://HOST:PORT")
+            raise _bad(redacted(part), "a tier is host:SIZE, disk:PATH:SIZE or redis://HOST:PORT")
         spec = kinds[0].parse(part)
         if any(s.kind == spec.kind for s in specs):
-            raise _bad(part, f"{spec.kind} is given twice")
+            raise _bad(redacted(part), f"{spec.kind} is given twice")
         specs.append(spec)
     return specs
 

@@ -22,7 +22,7 @@ def build_ray_app(engine: EngineConfig, server: ServerOptions, ray: RayOptions) 
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from kvstack.route.ray.ingress import Ingress
+    from kvstack.route.ray.ingress import Ingress, IngressLimits
     from kvstack.route.ray.replica import EngineReplica
     from kvstack.route.ray.router import KVRequestRouter
 
@@ -50,7 +50,8 @@ def build_ray_app(engine: EngineConfig, server: ServerOptions, ray: RayOptions) 
         max_ongoing_requests=4096,
     )  # fmt: skip
     bound = replicas.bind(engine, server, ray.threads, ray.replica_host)
-    return ingress.bind(bound, engine.model)
+    limits = IngressLimits(server.api_key, server.max_body_bytes, server.body_timeout)
+    return ingress.bind(bound, engine.model, limits)
 
 
 def serve_on_ray(engine: EngineConfig, server: ServerOptions, ray: RayOptions) -> int:

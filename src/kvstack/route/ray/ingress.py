@@ -4,13 +4,19 @@ It answers ``GET /router/state`` from this process's routers, tokenizes OpenAI b
 the router can match prefixes, and retries a call once on another replica if the chosen
 one dies before the first byte (Ray raises an actor error); once bytes are relayed there
 is no retry, and a death mid-stream ends the stream with an error event.
+
+As ``kvstack serve`` (issue 20, finding 11): the body is read under ``--max-body-bytes``
+and ``--body-timeout`` (413 / 408), tokenizing runs in a worker thread, not on the event
+loop, and ``/router/state`` needs the API key when one is set.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -20,26 +26,45 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvstack.route.policy.prompt import prompt_info
 from kvstack.route.ray import state
 from kvstack.route.ray.replica import EngineCall
+from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.protocol import error_body
 
 logger = logging.getLogger("kvstack.route.ray")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+@dataclass(frozen=True)
+class IngressLimits:
+    """The server options the ingress applies before a replica sees the request."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float | None = 30.0
+
+
 class Ingress:
     """The OpenAI front of the Ray deployment: tokenizes, then calls the engine handle."""
 
-    def __init__(self, engine: Any, model: str) -> None:
+    def __init__(self, engine: Any, model: str, limits: IngressLimits | None = None) -> None:
         from kvstack.model.registry import load_tokenizer
 
         self.tokenizer = load_tokenizer(model)
         self.engine = engine.options(stream=True)
+        self.limits = limits or IngressLimits()
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path
+        try:
+            return await self._serve(request)
+        except ApiError as e:
+            err = error_body(e.message, e.type, e.param, e.code)
+            return JSONResponse(err, status_code=e.status, headers=e.headers)
+
+    async def _serve(self, request: Request) -> Response:
+        path, lim = request.url.path, self.limits
         if path == "/router/state":
+            check_bearer(request, lim.api_key)
             return JSONResponse([r.state() for r in state.ROUTERS])
-        body = await request.body()
+        body = await read_body(request, lim.max_body_bytes, lim.body_timeout_s)
         headers = {
             k: v
             for k, v in request.headers.items()
@@ -47,7 +72,7 @@ class Ingress:
         }
         call = EngineCall(request.method, path, body, headers)
         if request.method == "POST" and path in OPENAI_PATHS:
-            info = prompt_info(self.tokenizer, path, body)
+            info = await asyncio.to_thread(prompt_info, self.tokenizer, path, body)
             if info is not None:
                 call = EngineCall(
                     request.method, path, body, headers, tuple(info.token_ids), info.cache_salt

@@ -44,6 +44,9 @@ class RouterConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float | None = None  # a backend's first byte (non-stream: the answer)
     prefill_timeout_s: float = 30.0
+    # Longest silence of a backend's response (first byte included) before it is cut.
+    idle_timeout_s: float | None = 600.0
+    body_timeout_s: float | None = 30.0  # a client's whole body (408 past it)
     status_interval_s: float | None = 10.0  # None: no periodic status line
     policy_name: str | None = None  # shown by /router/state before a factory builds it
 
@@ -81,7 +84,10 @@ def create_router_app(
     built when the first backend reports those in ``/load``."""
     cfg = config or RouterConfig()
     router = Router(
-        pool, policy, tokenizer, ProxyConfig(cfg.request_timeout_s, cfg.prefill_timeout_s)
+        pool,
+        policy,
+        tokenizer,
+        ProxyConfig(cfg.request_timeout_s, cfg.prefill_timeout_s, cfg.idle_timeout_s),
     )
 
     @asynccontextmanager
@@ -115,7 +121,7 @@ def _add_routes(app: FastAPI, router: Router, cfg: RouterConfig) -> None:
 
     async def proxied(raw: Request) -> Response:
         check_auth(raw)
-        body = await read_body(raw, cfg.max_body_bytes)
+        body = await read_body(raw, cfg.max_body_bytes, cfg.body_timeout_s)
         return await router.handle(
             raw.url.path, body, raw.headers, disconnected=lambda: _wait_disconnect(raw)
         )

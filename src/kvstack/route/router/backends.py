@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,13 @@ import aiohttp
 
 from kvstack.errors import ConfigError
 from kvstack.route.policy import Replica
-from kvstack.route.router.discovery import DnsDiscovery, Resolver, normalize_url
+from kvstack.route.router.discovery import (
+    MAX_DISCOVERED,
+    DnsDiscovery,
+    Network,
+    Resolver,
+    normalize_url,
+)
 from kvstack.route.router.events_client import EventFollower, EventSink
 from kvstack.route.router.vllm_load import load_from_metrics
 from kvstack.serve.server import ROLES
@@ -133,6 +139,8 @@ class BackendPool:
         api_key: str | None = None,
         resolver: Resolver | None = None,
         events_idle_timeout: float | None = 30.0,
+        discover_allow: Sequence[Network] = (),
+        max_discovered: int = MAX_DISCOVERED,
     ) -> None:
         if not health_interval > 0 or not health_timeout > 0:
             raise ConfigError("health interval and timeout must be > 0")
@@ -141,13 +149,12 @@ class BackendPool:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.fail_threshold = fail_threshold
-        self.discovery = (
-            DnsDiscovery(
-                discover_dns, self.sync_discovered, interval=dns_interval, resolver=resolver
-            )
-            if discover_dns
-            else None
-        )
+        self.discovery: DnsDiscovery | None = None
+        if discover_dns:
+            self.discovery = DnsDiscovery(
+                discover_dns, self.sync_discovered, interval=dns_interval, resolver=resolver,
+                allow=discover_allow, max_backends=max_discovered,
+            )  # fmt: skip
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # The server sends a keep-alive comment every 5 s: a longer silence is a hung stream.
         self.events_idle_timeout = events_idle_timeout

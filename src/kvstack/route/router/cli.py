@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 
 from kvstack.errors import ConfigError
 from kvstack.route.policy import ROUTING_POLICIES, BalanceConfig, RoutingPolicy, make_policy
-from kvstack.route.router.discovery import normalize_url, parse_dns_target
+from kvstack.route.router.discovery import (
+    MAX_DISCOVERED,
+    normalize_url,
+    parse_dns_target,
+    parse_networks,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
     from kvstack.route.router.backends import BackendPool
 
 logger = logging.getLogger("kvstack.route")
+HEADER_TIMEOUT_S = 10.0  # a client connection must send its request headers within it
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +59,16 @@ def _add_backend_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--dns-interval", type=float, default=5.0,
         help="seconds between DNS lookups of --discover-dns (default 5)",
+    )  # fmt: skip
+    g.add_argument(
+        "--discover-allow", action="append", default=[], metavar="CIDR",
+        help="let --discover-dns use addresses in this network even if loopback or "
+        "link-local (refused by default: the router sends its key to every backend); "
+        "repeatable, e.g. 127.0.0.0/8",
+    )  # fmt: skip
+    g.add_argument(
+        "--discover-max", type=int, default=MAX_DISCOVERED,
+        help=f"most backends --discover-dns adds (default {MAX_DISCOVERED})",
     )  # fmt: skip
     g.add_argument(
         "--health-interval", type=float, default=2.0,
@@ -122,6 +138,15 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
         "all of it) before the request is retried once elsewhere (default: no limit)",
     )  # fmt: skip
     s.add_argument(
+        "--idle-timeout", type=float, default=600.0,
+        help="seconds a backend's response may stay silent (before its first byte or "
+        "mid-stream) before it is cut (default 600)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-connections", type=int, default=4096,
+        help="open client connections past which new requests get 503 (default 4096)",
+    )  # fmt: skip
+    s.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024,
         help="larger request bodies get 413 (default 8 MiB)",
     )  # fmt: skip
@@ -151,11 +176,15 @@ def validate_router_args(a: argparse.Namespace) -> RouterSettings:
         backends.append(norm)
     if a.discover_dns:
         parse_dns_target(a.discover_dns)
+    parse_networks(a.discover_allow)
+    if a.discover_max < 1:
+        raise ConfigError(f"--discover-max must be >= 1, got {a.discover_max}")
     if not 0 < a.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {a.port}")
     positive = {
         "--health-interval": a.health_interval, "--health-timeout": a.health_timeout,
         "--dns-interval": a.dns_interval, "--prefill-timeout": a.prefill_timeout,
+        "--idle-timeout": a.idle_timeout, "--max-connections": a.max_connections,
     }  # fmt: skip
     if a.request_timeout is not None:
         positive["--request-timeout"] = a.request_timeout
@@ -194,6 +223,8 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
         health_timeout=a.health_timeout,
         fail_threshold=a.fail_threshold,
         discover_dns=a.discover_dns,
+        discover_allow=parse_networks(a.discover_allow),
+        max_discovered=a.discover_max,
         dns_interval=a.dns_interval,
         api_key=a.api_key,
     )
@@ -211,7 +242,7 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
         RouterConfig(
             api_key=a.api_key, max_body_bytes=a.max_body_bytes,
             request_timeout_s=a.request_timeout, prefill_timeout_s=a.prefill_timeout,
-            policy_name=a.policy,
+            idle_timeout_s=a.idle_timeout, policy_name=a.policy,
         ),
     )  # fmt: skip
     return pool, app
@@ -220,6 +251,8 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
 def run_router(a: argparse.Namespace) -> int:
     """``kvstack router``: validate, build, serve until SIGTERM; 0 on a clean stop."""
     import uvicorn
+
+    from kvstack.serve.http_limits import header_deadline_protocol
 
     class _Server(uvicorn.Server):
         """uvicorn without its own signal capture: the handlers below (as in ``kvstack
@@ -241,6 +274,8 @@ def run_router(a: argparse.Namespace) -> int:
         uvicorn.Config(
             app, host=a.host, port=a.port, log_level="info", access_log=False,
             timeout_graceful_shutdown=max(1, int(a.shutdown_grace)),
+            http=header_deadline_protocol(HEADER_TIMEOUT_S),
+            limit_concurrency=a.max_connections,
         )
     )  # fmt: skip
 

@@ -6,15 +6,21 @@ adds the new backends and removes the vanished ones). A failed lookup keeps the 
 set: health checks already eject dead backends, and a DNS hiccup must not empty the pool.
 This is how the Gateway API Inference Extension's endpoint picker and SGLang's router
 follow pods without talking to the Kubernetes API.
+
+The router sends its API key and the clients' ``Authorization`` to every backend, so a DNS
+answer is trusted only so far (issue 20, finding 11): loopback, link-local (cloud metadata
+at 169.254.169.254), unspecified and multicast addresses are dropped unless a
+``--discover-allow`` network holds them, and at most ``max_backends`` addresses are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
 from kvstack.errors import ConfigError
@@ -22,6 +28,36 @@ from kvstack.errors import ConfigError
 logger = logging.getLogger("kvstack.route")
 
 Resolver = Callable[[str, int], Awaitable[Iterable[str]]]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+MAX_DISCOVERED = 64
+
+
+def parse_networks(cidrs: Iterable[str]) -> tuple[Network, ...]:
+    """``--discover-allow`` values (``127.0.0.0/8``, ``::1``) as networks."""
+    out = []
+    for c in cidrs:
+        try:
+            out.append(ipaddress.ip_network(c.strip(), strict=False))
+        except ValueError as e:
+            raise ConfigError(
+                f"--discover-allow wants a CIDR (10.0.0.0/8, ::1), got {c!r}: {e}"
+            ) from None
+    return tuple(out)
+
+
+def refused_reason(address: str, allow: Sequence[Network]) -> str | None:
+    """Why a discovered ``address`` is not used (None: it is): not an IP, or loopback /
+    link-local / unspecified / multicast outside every ``allow`` network."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return "not an IP address"
+    if any(ip.version == n.version and ip in n for n in allow):
+        return None
+    for kind in ("loopback", "link_local", "unspecified", "multicast"):
+        if getattr(ip, f"is_{kind}"):
+            return f"{kind.replace('_', '-')} (allow it with --discover-allow)"
+    return None
 
 
 def normalize_url(url: str) -> str:
@@ -68,8 +104,13 @@ class DnsDiscovery:
         *,
         interval: float = 5.0,
         resolver: Resolver | None = None,
+        allow: Sequence[Network] = (),
+        max_backends: int = MAX_DISCOVERED,
     ) -> None:
         self.host, self.port = parse_dns_target(target)
+        self.allow = tuple(allow)
+        self.max_backends = max_backends
+        self.refused: dict[str, str] = {}  # address -> why, of the last answer
         self.sync = sync
         self.interval = interval
         self.resolver: Resolver = resolver or resolve_addresses
@@ -88,6 +129,19 @@ class DnsDiscovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def accept(self, addresses: list[str]) -> list[str]:
+        """The addresses of one answer the router may send keys to (sorted, capped)."""
+        refused = {a: why for a in addresses if (why := refused_reason(a, self.allow))}
+        for a, why in refused.items():
+            if a not in self.refused:
+                logger.warning("DNS %s: ignoring %s: %s", self.host, a, why)
+        self.refused = refused
+        kept = sorted(a for a in addresses if a not in refused)
+        if len(kept) > self.max_backends:
+            logger.warning("DNS %s: %d addresses, keeping the first %d", self.host,
+                           len(kept), self.max_backends)  # fmt: skip
+        return kept[: self.max_backends]
+
     async def _run(self) -> None:
         while True:
             try:
@@ -105,7 +159,7 @@ class DnsDiscovery:
                 self.last_error = None
                 self.lookups += 1
                 try:
-                    await self.sync({address_url(a, self.port) for a in addresses})
+                    await self.sync({address_url(a, self.port) for a in self.accept(addresses)})
                 except Exception:  # a bad address must not end discovery
                     logger.exception("applying the DNS answer for %s failed", self.host)
             await asyncio.sleep(self.interval)

@@ -13,7 +13,7 @@ Ray Serve ingress can reuse it. Per request:
    Dynamo disaggregation with recompute fallback).
 3. The policy picks among the ``both`` / ``decode`` backends; the router posts the body
    and waits for the response *and its first body byte*. A refused connection, a timeout,
-   a 5xx, or an ejection of that backend by the health loop while waiting is a failed
+   a 502/503/504, or an ejection of that backend by the health loop while waiting is a failed
    attempt: reported to the pool and retried ONCE on another backend. Nothing has reached
    the client, so the retry is safe. After the first byte the response is committed: it
    is relayed chunk by chunk and a backend that dies (or is ejected) mid-stream ends an
@@ -57,10 +57,24 @@ PolicyFactory = Callable[[int, str], RoutingPolicy]
 class ProxyConfig:
     request_timeout_s: float | None = None  # a backend's first byte (non-stream: the answer)
     prefill_timeout_s: float = 30.0
+    # The longest a backend may stay silent (before its first byte or mid-stream) before
+    # the response is cut: aiohttp's sock_read. None (was the only choice) waits forever
+    # on a backend that accepted and went quiet (issue 20, finding 5).
+    idle_timeout_s: float | None = 600.0
+    connect_timeout_s: float = 10.0
+
+
+# Answers that say the backend cannot serve (a gateway in front of it failed, it is
+# draining or its engine is down): counted toward ejection and retried on another. A 500
+# is an error of that one request (a bug its input reached), passed to the client as is:
+# counting it would let any client eject a healthy backend with two bad requests (issue
+# 20, finding 2); a backend that is really down fails its /health checks.
+BACKEND_DOWN_STATUSES = frozenset({502, 503, 504})
 
 
 class AttemptFailed(Exception):
-    """One attempt failed before its first byte; ``status``/``body`` if it answered 5xx."""
+    """One attempt failed before its first byte; ``status``/``body`` if it answered 502,
+    503 or 504 (``BACKEND_DOWN_STATUSES``)."""
 
     def __init__(
         self,
@@ -142,7 +156,11 @@ class Router:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0),
                 auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(total=None),
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    sock_connect=self.config.connect_timeout_s,
+                    sock_read=self.config.idle_timeout_s,
+                ),
             )
         await self.pool.start()
 
@@ -222,7 +240,7 @@ class Router:
                 b.url + path, json=body, headers=headers, timeout=timeout
             ) as r:
                 await r.read()
-                if r.status >= 500:
+                if r.status in BACKEND_DOWN_STATUSES:
                     self.pool.report_failure(b.id, f"prefill answered {r.status}")
                 if r.status != 200:
                     raise AttemptFailed(f"answered {r.status}")
@@ -301,7 +319,7 @@ class Router:
         assert self.session is not None, "start() the router first"
         resp = await self.session.post(b.url + path, data=body, headers=headers)
         try:
-            if resp.status >= 500:
+            if resp.status in BACKEND_DOWN_STATUSES:
                 raw = await resp.read()
                 raise AttemptFailed(
                     f"answered {resp.status}", resp.status, raw, resp.headers.get("content-type")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import stat
@@ -46,6 +47,7 @@ DEFAULT_MAX_FILE_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_DEPTH = 64
 MAX_TOKEN_ID = 2**31 - 1
+MAX_TIMESTAMP = 1e11  # seconds (year 5138): past it a number is not a time
 NUM_MALFORMED_SHOWN = 10
 _STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _KEEP_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -151,22 +153,43 @@ def _token_ids(value: Any, what: str) -> array:
         raise _Malformed(f"{what} is empty")
     for t in value:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-            raise _Malformed(f"{what} holds {t!r}, not a token id")
+            raise _Malformed(f"{what} holds {_shown(t)}, not a token id")
     return array("q", value)
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters (a 5,000-digit int cannot even be printed)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _timestamp(value: Any) -> float | None:
+    """Seconds as a finite float in ``[0, MAX_TIMESTAMP]`` (``_Malformed`` otherwise: a
+    401-digit number overflowed ``float()`` and aborted the whole file; issue 20, 9)."""
     if value is None:
         return None
+    bad = _Malformed(
+        f"timestamp {_shown(value)} is neither a number of seconds in [0, {MAX_TIMESTAMP:.0e}] "
+        "nor an ISO 8601 time"
+    )
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    bad = _Malformed(f"timestamp {value!r} is neither a number nor an ISO 8601 time")
-    if not isinstance(value, str):
+        try:
+            ts = float(value)
+        except OverflowError:
+            raise bad from None
+    elif isinstance(value, str):
+        try:
+            ts = datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except (ValueError, OverflowError, OSError):
+            raise bad from None
+    else:
         raise bad
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise bad from None
+    if not (math.isfinite(ts) and 0 <= ts <= MAX_TIMESTAMP):
+        raise bad
+    return ts
 
 
 def _session(value: Any) -> str | None:
@@ -174,7 +197,7 @@ def _session(value: Any) -> str | None:
         return None
     if isinstance(value, (str, int)) and not isinstance(value, bool):
         return str(value)
-    raise _Malformed(f"session id {value!r} is not a string")
+    raise _Malformed(f"session id {_shown(value)} is not a string")
 
 
 class _Tokenize:
@@ -242,7 +265,7 @@ def parse_line(
     ids = _token_ids(obj.get("prompt_token_ids"), "prompt_token_ids")
     cached = obj.get("num_cached_tokens") if fmt == "kvstack" else None
     if cached is not None and (type(cached) is not int or cached < 0):
-        raise _Malformed(f"num_cached_tokens {cached!r} is not a count")
+        raise _Malformed(f"num_cached_tokens {_shown(cached)} is not a count")
     return [(ids, _session(obj.get(session_field)), ts, cached)]
 
 
@@ -285,7 +308,11 @@ def read_log(
                     raise _Malformed("JSON nested too deeply") from e
                 except ValueError as e:
                     raise _Malformed(f"invalid JSON ({e})") from e
-                for ids, sess, ts, cached in parse_line(obj, fmt, session_field, tok):
+                try:
+                    parsed = parse_line(obj, fmt, session_field, tok)
+                except (ArithmeticError, ValueError, TypeError) as e:  # a check missed it
+                    raise _Malformed(f"unreadable value ({type(e).__name__})") from None
+                for ids, sess, ts, cached in parsed:
                     res.requests.append(LogRequest(line_no, ids, sess, ts, cached))
             except _Malformed as e:
                 if strict:
