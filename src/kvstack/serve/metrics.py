@@ -74,6 +74,14 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"kvstack:{key}", doc, labels=["model_name"])
             c.add_metric([name], float(value))
             yield c
+        skipped = CounterMetricFamily(
+            "kvstack:press_skipped",
+            "Presses left undone (the request stays unpressed), by reason",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in s.press_skipped.items():
+            skipped.add_metric([name, reason], float(count))
+        yield skipped
         fb = CounterMetricFamily(
             "kvstack:kernel_fallback",
             "Uses of the PyTorch path where a C++ kernel was meant to run",

@@ -144,6 +144,27 @@ def needle_summary(
     }
 
 
+def needle_calibration(baseline: dict[str, Any]) -> dict[str, Any]:
+    """The needle task's calibration measured in this run: the uncompressed baseline's
+    accuracy overall and per prompt length (a needle a variant misses only counts if the
+    baseline finds it)."""
+    nd = baseline["needle"]
+    by_length: dict[str, dict[str, Any]] = {}
+    for r in baseline["raw"]["needle"]:
+        cell = by_length.setdefault(str(r["length"]), {"correct": 0, "total": 0})
+        cell["correct"] += bool(r["correct"])
+        cell["total"] += 1
+    for cell in by_length.values():
+        cell["accuracy"] = cell["correct"] / cell["total"]
+    return {
+        "variant": baseline["label"],
+        "accuracy": nd["accuracy"],
+        "correct": nd["correct"],
+        "total": nd["total"],
+        "by_length": by_length,
+    }
+
+
 def model_info(mc: Any) -> dict[str, Any]:
     """The model's name and the shapes that decide its KV size (a ``ModelConfig``)."""
     return {
@@ -250,9 +271,17 @@ def _caption(report: dict[str, Any]) -> str:
         f"{len(report['corpus']['texts'])} text(s) ({report['corpus']['kind']}), "
         f"{c['greedy_tokens']} greedy tokens per text, needle lengths "
         f"{','.join(map(str, c['needle_lengths']))} x depths "
-        f"{','.join(map(str, c['needle_depths']))} x {c['needle_trials']} keys, "
-        f"decode batch {c['batch']}; {report['wall_s']:.0f} s"
+        f"{','.join(map(str, c['needle_depths']))} x {c['needle_trials']} keys"
+        f"{_calibration(report)}, decode batch {c['batch']}; {report['wall_s']:.0f} s"
     )
+
+
+def _calibration(report: dict[str, Any]) -> str:
+    """`` (baseline finds 9/9)``: the needle calibration this run measured."""
+    cal = report.get("needle_task", {}).get("calibration")
+    if not cal:
+        return ""
+    return f" (the baseline finds {cal['correct']}/{cal['total']})"
 
 
 def format_markdown(report: dict[str, Any]) -> str:
