@@ -184,12 +184,45 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu_model": _cpu_model(),
+        "commit": _commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name (Linux ``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _commit() -> str | None:
+    """The kvstack source's git commit (``+dirty`` with uncommitted changes), or None
+    outside a git checkout."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None
 
 
 # ---------------------------------------------------------------------------- table
