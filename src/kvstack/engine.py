@@ -396,6 +396,7 @@ class LLMEngine:
             num_press_input_tokens=press.input_tokens,
             num_represses=press.represses,
             num_reclaimed_blocks=press.reclaimed_blocks,
+            press_skipped=dict(press.skipped),
             kv_bytes_per_token=self.kv_bytes_per_token,
             kernel_fallbacks=[[k, r, n] for (k, r), n in fallback_counts().items()],
         )

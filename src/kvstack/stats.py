@@ -48,6 +48,8 @@ class EngineStats:
     num_press_input_tokens: int = 0  # dropped / input = the share of KV presses removed
     num_reclaimed_blocks: int = 0
     num_represses: int = 0  # presses again while decoding, holding a budget
+    # Presses left undone, by reason (no_free_blocks, window_incomplete, error).
+    press_skipped: dict[str, int] = field(default_factory=dict)
     # PyTorch fallbacks where a C++ kernel was meant to run: [kernel, reason, count]
     # (``model/kernels.py``; in this process, since it started).
     kernel_fallbacks: list[list[Any]] = field(default_factory=list)

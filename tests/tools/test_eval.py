@@ -23,6 +23,8 @@ from kvstack.tools.eval.tasks import (
     build_needle_prompt,
     check_answer,
     make_corpus,
+    real_corpus,
+    reference_manual_text,
 )
 
 
@@ -89,6 +91,44 @@ def test_corpus_is_exact_and_seeded(tok: Any) -> None:
     assert [t.token_ids for t in make_corpus(tok, [100, 300], 2, seed=1)] == [
         t.token_ids for t in a
     ]
+
+
+def test_real_corpus_is_the_reference_manuals_prose(tok: Any) -> None:
+    """``--corpus real``: exact lengths, seeded starts, English paragraphs of the Python
+    Language Reference (no indented code or grammar lines, no underlines)."""
+    text = reference_manual_text()
+    assert "assignment" in text and len(text.split()) > 20_000
+    assert not any(line.startswith((" ", "\t")) for line in text.splitlines())
+    assert "*****" not in text
+    a = real_corpus(tok, [100, 300], 2, seed=1)
+    assert [(t.context, t.index, len(t.token_ids)) for t in a] == [
+        (100, 0, 100),
+        (100, 1, 100),
+        (300, 0, 300),
+        (300, 1, 300),
+    ]
+    assert a[0].token_ids != a[1].token_ids
+    assert [t.token_ids for t in real_corpus(tok, [100, 300], 2, seed=1)] == [
+        t.token_ids for t in a
+    ]
+    words = tok.decode(a[2].token_ids).split()
+    common = {"the", "of", "is", "a", "to", "and", "in"}
+    assert sum(w in common for w in words) / len(words) > 0.1  # English, not code
+
+
+def test_needle_calibration_is_measured() -> None:
+    """The report's calibration is the baseline's needle results of this run, per length."""
+    raw = [
+        {"length": 256, "correct": True},
+        {"length": 256, "correct": False},
+        {"length": 512, "correct": True},
+    ]
+    base = {"label": "auto", "needle": rep.needle_summary(raw, [256, 512], []), "raw": {}}
+    base["raw"]["needle"] = raw
+    cal = rep.needle_calibration(base)
+    assert (cal["correct"], cal["total"], cal["variant"]) == (2, 3, "auto")
+    assert cal["by_length"]["256"] == {"correct": 1, "total": 2, "accuracy": 0.5}
+    assert cal["by_length"]["512"]["accuracy"] == 1.0
 
 
 @pytest.mark.parametrize("style", ["completion", "chat", "chat-prefix"])
@@ -165,6 +205,9 @@ def test_run_eval_end_to_end(tiny_report: dict[str, Any]) -> None:
     assert int8["capacity_ratio"] == pytest.approx(1.94, abs=0.01)
     assert base["quality"]["ppl_baseline"] == pytest.approx(int8["quality"]["ppl_baseline"])
     assert base["needle"]["accuracy"] == 1.0  # a short passkey prompt works uncompressed
+    cal = report["needle_task"]["calibration"]  # measured in this run, not a fixed claim
+    assert (cal["variant"], cal["correct"], cal["total"]) == ("auto", 2, 2)
+    assert "findings" not in report["needle_task"]
 
 
 @pytest.mark.slow
@@ -216,7 +259,7 @@ def test_cli_errors_are_one_line_exit_2(
 def test_corpus_choice_is_validated() -> None:
     from kvstack.tools.eval import EvalConfig
 
-    with pytest.raises(ConfigError, match="--corpus must be prose or generated"):
+    with pytest.raises(ConfigError, match="--corpus must be one of prose, real, generated"):
         EvalConfig(corpus="poems").validate()
 
 

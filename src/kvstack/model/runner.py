@@ -32,8 +32,8 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     # Prompt logprobs computed this step: request id -> (first position, entries).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
-    # Era 5: per request whose prompt a press will compress after this step, the queries
-    # of its last rows, per layer ``[w, heads, head_dim]`` float32.
+    # Era 5: per request whose press needs them, the queries of the rows of its chunk
+    # inside the press's window, per layer ``[w, heads, head_dim]`` float32.
     press_queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     # Structured outputs: requests whose grammar ended with this step's token ("done")
     # or rejected it (an error message); the engine finishes them.
@@ -313,17 +313,17 @@ class ModelRunner:
         )
 
     def _press_rows(self, ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
-        """Era 5: per request, the rows ``[r0, r1)`` whose queries its press needs
-        (``PressCoordinator.capture_rows`` decides how many trailing rows)."""
+        """Era 5: per request, the step's rows ``[r0, r1)`` whose queries its press needs
+        (``PressCoordinator.capture_rows`` decides which rows of its chunk)."""
         rows: dict[str, tuple[int, int]] = {}
         if self.press is None or not self.press.states:
             return rows
         row = 0
         for s in ordered:
             n = s.num_new_tokens
-            w = self.press.capture_rows(s.request, s.num_computed_tokens, n)
-            if w:
-                rows[s.request.request_id] = (row + n - w, row + n)
+            span = self.press.capture_rows(s.request, s.num_computed_tokens, n)
+            if span is not None:
+                rows[s.request.request_id] = (row + span[0], row + span[1])
             row += n
         return rows
 

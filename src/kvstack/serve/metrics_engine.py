@@ -112,6 +112,14 @@ def _own_metrics(m: ServerMetrics, name: str) -> Iterator[Metric]:
         c = CounterMetricFamily(metric_name(key), doc, labels=["model_name"])
         c.add_metric([name], float(value))
         yield c
+    skipped = CounterMetricFamily(
+        metric_name("press_skipped"),
+        "Presses left undone (the request stays unpressed), by reason",
+        labels=["model_name", "reason"],
+    )
+    for reason, count in s.press_skipped.items():
+        skipped.add_metric([name, reason], float(count))
+    yield skipped
     fb = CounterMetricFamily(
         metric_name("kernel_fallback"),
         "Uses of the PyTorch path where a C++ kernel was meant to run",

@@ -4,12 +4,15 @@ A press looks at one request's KV right after its prompt is computed and returns
 layer, the tokens each KV head keeps (kvpress's ``score -> top-k``; NVIDIA kvpress,
 2024). ``ratio`` is the fraction of KV *removed*, as in kvpress: ``ratio = 0`` keeps
 everything, a "20 % budget" is ``ratio = 0.8``. A request of ``n`` cached tokens keeps
-``m = n - int(n * ratio)`` per head and layer unless the press sets per-layer budgets
-(PyramidKV, Layer-DefensiveKV), whose mean is ``m``.
+``m = max(1, int(n * (1 - ratio)))`` per head and layer (kvpress's ``compute_n_kept``)
+unless the press sets per-layer budgets (PyramidKV, Layer-DefensiveKV).
 
 Presses that score with attention get the queries of the prompt's last ``window`` tokens
-(post-RoPE, captured during the forward pass) and compute attention of those queries
-only, ``[heads, window, n]`` per layer: never an ``n x n`` matrix.
+(post-RoPE) and compute attention of those queries only, ``[heads, window, n]`` per
+layer: never an ``n x n`` matrix. The window is always the last ``window`` tokens before
+the press point, however the prompt was computed: the scheduler never adopts cached
+prefix blocks inside the window (those tokens are recomputed), and the coordinator
+collects the window's queries across prefill chunks (``coordinator.py``).
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ class Press(abc.ABC):
         self.ratio = ratio
 
     def budget(self, n: int) -> int:
-        """Tokens kept per head and layer out of ``n``."""
-        return max(1, n - int(n * self.ratio))
+        """Tokens kept per head and layer out of ``n``: kvpress's ``compute_n_kept``
+        (``int`` of the kept share, at least 1)."""
+        return max(1, int(n * (1 - self.ratio)))
 
     def kept(self, inp: PressInput) -> int:
         """Tokens to keep for this input: ``inp.keep`` when re-pressing, else ``budget``."""
@@ -71,10 +75,11 @@ class Press(abc.ABC):
 def append_window(
     old: list[torch.Tensor] | None, new: list[torch.Tensor], window: int
 ) -> list[torch.Tensor]:
-    """Per layer, the last ``window`` rows of ``old`` followed by ``new`` (re-pressing
-    keeps the queries of the tokens decoded since the last press)."""
+    """Per layer, the last ``window`` rows of ``old`` followed by ``new`` (the queries of
+    a prompt's window arriving chunk by chunk, or of the tokens decoded since the last
+    press)."""
     if old is None:
-        return new
+        return [q[-window:] for q in new]
     return [torch.cat((o, q))[-window:] for o, q in zip(old, new, strict=True)]
 
 
@@ -82,7 +87,10 @@ def top_with_tail(scores: torch.Tensor, m: int, tail: int) -> torch.Tensor:
     """Keep the last ``tail`` tokens and the ``m - tail`` best-scored others, per head.
 
     ``scores`` ``[kv_heads, n - tail]`` scores the tokens before the tail. Returns sorted
-    ``[kv_heads, m]`` indices into the ``n`` tokens.
+    ``[kv_heads, m]`` indices into the ``n`` tokens. (kvpress pads the window's scores
+    with ``max + 1`` and takes one top-k: the same set whenever ``m >= tail``; with
+    ``m < tail`` kvpress keeps whichever window tokens its top-k's tie-break picks,
+    kvstack the last ``m``.)
     """
     kvh, head = scores.shape
     n = head + tail
@@ -99,38 +107,39 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
     """Softmax attention of the last ``w`` queries over all ``n`` keys: ``[heads, w, n]``.
 
     Query ``i`` sits at position ``n - w + i`` and sees keys ``0 .. n - w + i`` (causal).
-    Computed per KV head group, so memory is ``heads * w * n`` floats at most.
+    The arithmetic is kvpress's ``SnapKVPress.compute_window_attention`` step for step
+    (per query head against its group's keys, logits divided by ``sqrt(head_dim)``, a
+    triangular ``-inf`` mask, softmax in float32), so the scores are the same floats;
+    memory is ``heads * (w + head_dim) * n`` floats.
     """
     w, h, d = q.shape
     n, kvh, _ = k.shape
-    group = h // kvh
-    qg = q.permute(1, 0, 2).reshape(kvh, group * w, d)  # [kvh, group*w, d]
-    logits = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [kvh, group*w, n]
-    logits = logits.view(kvh, group, w, n)
-    pos = torch.arange(n - w, n)[:, None]
-    logits = logits.masked_fill(torch.arange(n)[None, :] > pos, -math.inf)
-    return torch.softmax(logits, dim=-1).view(h, w, n)
+    keys = k.permute(1, 2, 0).repeat_interleave(h // kvh, dim=0)  # [h, d, n] (repeat_kv)
+    logits = torch.matmul(q.permute(1, 0, 2), keys)  # [h, w, n]
+    logits = logits / math.sqrt(d) if scale == d**-0.5 else logits * scale
+    mask = torch.triu(torch.full((w, n), -math.inf), diagonal=n - w + 1)
+    return torch.softmax(logits + mask, dim=-1, dtype=torch.float32)
 
 
-def pooled_window_scores(
-    inp: PressInput, layer: int, window: int, kernel: int
-) -> tuple[torch.Tensor, int]:
-    """SnapKV's per-query-head scores of the keys before the window, ``[heads, w, n - w]``.
-
-    Attention of the window's queries, smoothed along the keys by average pooling of
-    width ``kernel`` (SnapKV, Li et al., NeurIPS 2024), renormalized to each row's mass.
-    Returns the scores and the window length actually used (shorter for short prompts).
-    """
+def window_scores(inp: PressInput, layer: int, window: int) -> tuple[torch.Tensor, int]:
+    """Attention of the window's queries on the keys before the window, ``[heads, w, n - w]``,
+    and the window length ``w`` actually used (shorter for short prompts: at most
+    ``n - 1``, where kvpress requires ``n > window``)."""
     assert inp.queries is not None, "this press needs the prompt's window queries"
     q = inp.queries[layer]
     w = min(window, q.shape[0], inp.n - 1)
     probs = window_attention(q[-w:], inp.keys[layer], inp.scale)[..., : inp.n - w]
-    h = probs.shape[0]
-    mass = probs.sum(-1, keepdim=True)
-    pooled = F.avg_pool1d(probs.reshape(h * w, 1, -1), kernel, stride=1, padding=kernel // 2)
-    pooled = pooled.view(h, w, -1)[..., : inp.n - w]
-    pooled = pooled / pooled.sum(-1, keepdim=True).clamp_min(1e-12) * mass
-    return pooled, w
+    return probs, w
+
+
+def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """SnapKV's smoothing along the keys (last dim): average pooling of width ``kernel``,
+    stride 1, zero padding ``kernel // 2`` counted in the mean (``F.avg_pool1d``'s
+    default, as SnapKV's and kvpress's code), same length as the input."""
+    shape = scores.shape
+    rows = scores.reshape(1, -1, shape[-1])  # rows as channels, as kvpress's [batch, heads, n]
+    out = F.avg_pool1d(rows, kernel, stride=1, padding=kernel // 2)
+    return out[..., : shape[-1]].reshape(shape)
 
 
 class WindowScorePress(Press):

@@ -20,7 +20,8 @@ blocks; the request's old blocks are released at once::
   so another request's output never changes because someone else's KV was pressed. The
   new blocks are never entered in the prefix cache.
 * If the pool cannot give the new blocks right now, the press is skipped for this
-  request (counted), never blocking the batch.
+  request, never blocking the batch: counted in ``kvstack:press_skipped_total{reason=
+  "no_free_blocks"}`` (``PressCoordinator``) and logged.
 * **Pressing again** (``keep``, ``--kv-press-every``): while decoding, the same press
   compacts all the request's slots (survivors and tokens generated since) back to the
   first press's budget; ``num_dropped`` accumulates, so positions still count on.
@@ -41,11 +42,19 @@ from kvstack.request import Request
 logger = logging.getLogger("kvstack.kv.press")
 
 
+# Why a press left a request unpressed (``kvstack:press_skipped_total{reason}``).
+SKIP_NO_FREE_BLOCKS = "no_free_blocks"  # the survivors' fresh blocks were not free
+SKIP_WINDOW_INCOMPLETE = "window_incomplete"  # fewer window queries than the press needs
+SKIP_ERROR = "error"  # the press raised (a bug): logged with its traceback
+SKIP_REASONS = (SKIP_NO_FREE_BLOCKS, SKIP_WINDOW_INCOMPLETE, SKIP_ERROR)
+
+
 @dataclass
 class PressResult:
     kept: int  # slots in use after the press (max over layers)
     dropped: int
     reclaimed_blocks: int
+    skipped: str | None = None  # a ``SKIP_*`` reason: nothing changed
 
 
 def _select_rows(x: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
@@ -66,7 +75,8 @@ def apply_press(
     scale: float,
     keep: int | None = None,
 ) -> PressResult | None:
-    """Press ``req``'s cached tokens now; None when skipped (no room, or nothing to drop).
+    """Press ``req``'s cached tokens now; None when nothing is to drop, a result with
+    ``skipped`` set when the survivors' blocks are not free (the request is unchanged).
 
     ``keep`` presses an already pressed request again, down to ``keep`` slots per head.
     Updates ``req.press`` (``PressState``: applied, num_dropped, layer_lens); the blocks
@@ -98,8 +108,8 @@ def apply_press(
     need = cdiv(m, bs)
     new = kv.allocate_blocks(need)
     if new is None:
-        logger.debug("press of %s skipped: no %d free blocks", req.request_id, need)
-        return None
+        logger.info("press of %s skipped: no %d free blocks", req.request_id, need)
+        return PressResult(kept=n, dropped=0, reclaimed_blocks=0, skipped=SKIP_NO_FREE_BLOCKS)
     pos = torch.arange(m)
     table = torch.tensor(new)
     slots = table[pos // bs] * bs + pos % bs

@@ -6,17 +6,38 @@ changes them. Who calls what, in step order::
 
     engine.add_request   resolve(sampling_params) -> PressSpec | None   (validation)
                          on_request_added(request, spec)
-    scheduler.schedule   max_cached_blocks(...)   prefix reuse stops before the press point
+    scheduler.schedule   max_cached_blocks(...)   prefix reuse stops before the window
                          max_new_tokens(...)      a prefill chunk stops at the press point
                          on_request_preempted(r)  recomputed later, then pressed again
-    runner.execute       capture_rows(...)        trailing query rows a press needs
-    engine.step          after_step(requests, queries)   press / hold the budget
+    runner.execute       capture_rows(...)        the chunk's rows whose queries a press needs
+    engine.step          after_step(requests, queries)   collect the window, press / hold
     scheduler            on_request_finished(id)  (stop, length, abort, error)
+
+**The observation window never depends on how the prompt was computed.** A press with a
+``window`` scores with the queries of the last ``window`` tokens before its press point,
+whether the prompt was fresh, came partly from the prefix cache (or an offload tier) or
+was prefilled in chunks of any size:
+
+* the scheduler adopts cached blocks only up to ``point - window`` (rounded down to a
+  block): the window's tokens are always recomputed, so their queries exist. This is
+  the "recompute" choice rather than keeping hidden states with the prefix blocks. Cost:
+  a prefix hit computes up to ``window + block_size - 1`` more tokens (SnapKV / PyramidKV
+  64 + 15, DefensiveKV 32 + 15, H2O 256 + 15 with 16-token blocks), only for requests
+  whose press is pending; nothing extra is stored per cached block;
+* ``capture_rows`` asks the runner for every row of a chunk inside the window, and
+  ``after_step`` appends them to ``PressState.observed`` until the point is computed, so
+  a window split over chunks is whole when the press runs. Cost: the window's queries,
+  ``window x layers x heads x head_dim`` float32, held between the chunks of a pending
+  request (SmolLM2-135M: 4.4 MiB for a 64-query window, 17.7 MiB for H2O's 256).
 
 ``after_step`` presses each request whose press point this step computed
 (``kv/press/compact.py`` compacts its survivors into fresh blocks), and presses again a
 request holding a budget (``every``) once its slots reach ``budget + every``. A press
-that fails is logged and costs the compression, never the request.
+that fails is logged and costs the compression, never the request. Every press left
+undone is counted by reason (``PressCounters.skipped``, the Prometheus counter
+``kvstack:press_skipped_total{reason}``): ``no_free_blocks``, ``window_incomplete`` (the
+window's queries were not all computed: never expected, so it is counted rather than
+pressing on a partial window) and ``error``.
 
 Invariants (``check_integrity``): the coordinator holds a state exactly for each live
 request with a press, and it is that request's ``Request.press``; each state keeps the
@@ -27,13 +48,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.press import check_repress, make_press
 from kvstack.kv.press.base import Press, append_window
-from kvstack.kv.press.compact import PressResult, apply_press
+from kvstack.kv.press.compact import (
+    SKIP_ERROR,
+    SKIP_REASONS,
+    SKIP_WINDOW_INCOMPLETE,
+    PressResult,
+    apply_press,
+)
 from kvstack.kv.press.state import PressState
 
 if TYPE_CHECKING:
@@ -82,6 +109,8 @@ class PressCounters:
     input_tokens: int = 0  # cached tokens the presses looked at (dropped / input: share)
     represses: int = 0  # presses again while decoding (``every``)
     reclaimed_blocks: int = 0  # blocks compaction returned to the pool
+    # Presses left undone, by reason (``compact.SKIP_REASONS``; every reason listed).
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
 
 
 class PressCoordinator:
@@ -135,12 +164,13 @@ class PressCoordinator:
     # ------------------------------------------------------------------ scheduler
     @staticmethod
     def max_cached_blocks(req: Request, num_blocks: int, block_size: int) -> int:
-        """Prefix-cache blocks ``req`` may adopt: while its press is pending, none past
-        the press point (the press must see the queries of the tokens up to it)."""
+        """Prefix-cache blocks ``req`` may adopt: while its press is pending, none that
+        reach into the window before the press point (its queries must be computed), and
+        at least one token is computed (the press runs after the step reaching the point)."""
         st = req.press
         if st is None or st.applied:
             return num_blocks
-        return min(num_blocks, (st.point - 1) // block_size)
+        return min(num_blocks, max(0, st.point - max(1, st.press.window)) // block_size)
 
     @staticmethod
     def max_new_tokens(req: Request, num_computed: int, num_new: int) -> int:
@@ -159,21 +189,26 @@ class PressCoordinator:
         """Forget a finished request (its ``Request.press`` stays readable)."""
         st = self.states.pop(request_id, None)
         if st is not None:
-            st.window = None
+            st.window = st.observed = None
 
     # ------------------------------------------------------------------ runner
     @staticmethod
-    def capture_rows(req: Request, num_computed: int, num_new: int) -> int:
-        """How many trailing rows of this chunk ``[num_computed, num_computed + num_new)``
-        need their queries captured (0: none): the last ``press.window`` rows of a chunk
-        that reaches a pending press point, and every row of a request that presses again
-        while decoding."""
+    def capture_rows(req: Request, num_computed: int, num_new: int) -> tuple[int, int] | None:
+        """The rows ``[lo, hi)`` of this chunk (offsets into ``[num_computed, num_computed
+        + num_new)``) whose queries the press needs, or None: while pending, those inside
+        the window ``[point - window, point)``; while pressing again, the chunk's last
+        ``window`` rows (decoded tokens)."""
         st = req.press
-        if st is None or not st.press.window or num_computed + num_new < st.point:
-            return 0
-        if st.applied and st.every is None:
-            return 0
-        return min(st.press.window, num_new)
+        if st is None or not st.press.window:
+            return None
+        window = st.press.window
+        if st.pending:
+            lo = max(num_computed, st.point - window) - num_computed
+            hi = min(num_computed + num_new, st.point) - num_computed
+            return (lo, hi) if hi > lo else None
+        if st.every is None:
+            return None
+        return (num_new - min(window, num_new), num_new)
 
     # ------------------------------------------------------------------ engine: after the step
     def after_step(self, requests: Iterable[Request], queries: Mapping[str, Queries]) -> None:
@@ -187,11 +222,31 @@ class PressCoordinator:
                 continue
             q = queries.get(req.request_id)
             if st.pending:
+                if q is not None:
+                    st.observed = append_window(st.observed, q, st.press.window)
                 if req.num_computed_tokens >= st.point:
-                    res = self._press(req, st, q, None)
+                    held, st.observed = st.observed, None
+                    res = self._press_prompt(req, st, held)
                     st.budget = res.kept if res is not None else req.num_kv_tokens
             elif st.every is not None:
                 self._hold_budget(req, st, q)
+
+    def _press_prompt(
+        self, req: Request, st: PressState, queries: Queries | None
+    ) -> PressResult | None:
+        """The first press, once the point is computed, with the whole prompt window."""
+        window = st.press.window
+        if window:
+            rows = None if queries is None else int(queries[0].shape[0])
+            if rows != min(window, st.point):
+                logger.warning(
+                    "press %s of %s skipped: %s of the %d window queries were computed",
+                    st.press.name, req.request_id, rows or 0, min(window, st.point),
+                )  # fmt: skip
+                st.applied = True
+                self.counters.skipped[SKIP_WINDOW_INCOMPLETE] += 1
+                return None
+        return self._press(req, st, queries, None)
 
     def _hold_budget(self, req: Request, st: PressState, queries: Queries | None) -> None:
         """Keep the queries of the request's last ``window`` tokens; once its slots reach
@@ -217,6 +272,11 @@ class PressCoordinator:
             logger.exception("press %s failed on %s; left unpressed", st.press.name, req.request_id)
             st.applied = True
             st.every = None
+            st.observed = None
+            self.counters.skipped[SKIP_ERROR] += 1
+            return None
+        if res is not None and res.skipped is not None:
+            self.counters.skipped[res.skipped] += 1
             return None
         if res is not None:
             c = self.counters

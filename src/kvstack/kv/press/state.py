@@ -19,7 +19,11 @@ Invariants:
 * ``layer_lens`` is None or one kept-token count per layer, not all equal (the request
   uses ``max(layer_lens)`` slots, layer ``l`` masks slots ``layer_lens[l] ..``);
 * ``window`` is None or per layer ``[w, heads, head_dim]`` float32 queries with
-  ``1 <= w <= press.window``, held only while re-pressing (``every`` set).
+  ``1 <= w <= press.window``, held only while re-pressing (``every`` set);
+* ``observed`` is None or per layer ``[w, heads, head_dim]`` float32 queries with
+  ``1 <= w <= min(press.window, point)``, held only while pending: the queries of the
+  prompt's last ``press.window`` tokens before the press point computed so far (they may
+  arrive over several prefill chunks; the scheduler never adopts them from the cache).
 
 Plain Python: no torch import at runtime (the query windows are opaque here).
 """
@@ -47,6 +51,8 @@ class PressState:
     layer_lens: list[int] | None = None  # kept tokens per layer when budgets differ
     # Re-pressing: the queries of the last ``press.window`` tokens, per layer.
     window: list[torch.Tensor] | None = field(default=None, repr=False)
+    # Pending: the queries of the window before ``point`` computed so far, per layer.
+    observed: list[torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def pending(self) -> bool:
@@ -65,6 +71,7 @@ class PressState:
         self.num_dropped = 0
         self.layer_lens = None
         self.window = None
+        self.observed = None
 
     def check(self) -> None:
         """Assert the invariants of the module docstring."""
@@ -73,6 +80,13 @@ class PressState:
         if not self.applied:
             assert self.num_dropped == 0 and self.layer_lens is None and self.budget == 0
             assert self.window is None, "a pending press holds no query window"
+        else:
+            assert self.observed is None, "an applied press holds no prompt window"
+        if self.observed is not None:
+            rows = {int(q.shape[0]) for q in self.observed}
+            assert len(rows) == 1, f"prompt windows of different lengths {rows}"
+            w = rows.pop()
+            assert 1 <= w <= min(self.press.window, self.point), f"prompt window of {w} rows"
         assert self.num_dropped >= 0
         if self.layer_lens is not None:
             assert min(self.layer_lens) < max(self.layer_lens), "even layer_lens must be None"

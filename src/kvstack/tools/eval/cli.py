@@ -90,9 +90,10 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--corpus",
         default="prose",
-        choices=("prose", "generated"),
+        choices=("prose", "real", "generated"),
         help="texts for (a) and (b): seeded synthetic prose (default; perplexity ~50, flat "
-        "distributions) or text the model generates itself first (perplexity ~1.6)",
+        "distributions), real English shipped with Python (the Language Reference's prose "
+        "in pydoc_data.topics), or text the model generates itself first (perplexity ~1.6)",
     )
     parser.add_argument("--output", default="eval-results.json", help="JSON results file")
     parser.add_argument("--plot", default=None, help="write a quality-vs-memory PNG here")

@@ -144,6 +144,27 @@ def needle_summary(
     }
 
 
+def needle_calibration(baseline: dict[str, Any]) -> dict[str, Any]:
+    """The needle task's calibration measured in this run: the uncompressed baseline's
+    accuracy overall and per prompt length (a needle a variant misses only counts if the
+    baseline finds it)."""
+    nd = baseline["needle"]
+    by_length: dict[str, dict[str, Any]] = {}
+    for r in baseline["raw"]["needle"]:
+        cell = by_length.setdefault(str(r["length"]), {"correct": 0, "total": 0})
+        cell["correct"] += bool(r["correct"])
+        cell["total"] += 1
+    for cell in by_length.values():
+        cell["accuracy"] = cell["correct"] / cell["total"]
+    return {
+        "variant": baseline["label"],
+        "accuracy": nd["accuracy"],
+        "correct": nd["correct"],
+        "total": nd["total"],
+        "by_length": by_length,
+    }
+
+
 def model_info(mc: Any) -> dict[str, Any]:
     """The model's name and the shapes that decide its KV size (a ``ModelConfig``)."""
     return {
@@ -163,12 +184,45 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu_model": _cpu_model(),
+        "commit": _commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name (Linux ``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _commit() -> str | None:
+    """The kvstack source's git commit (``+dirty`` with uncommitted changes), or None
+    outside a git checkout."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None
 
 
 # ---------------------------------------------------------------------------- table
@@ -250,9 +304,17 @@ def _caption(report: dict[str, Any]) -> str:
         f"{len(report['corpus']['texts'])} text(s) ({report['corpus']['kind']}), "
         f"{c['greedy_tokens']} greedy tokens per text, needle lengths "
         f"{','.join(map(str, c['needle_lengths']))} x depths "
-        f"{','.join(map(str, c['needle_depths']))} x {c['needle_trials']} keys, "
-        f"decode batch {c['batch']}; {report['wall_s']:.0f} s"
+        f"{','.join(map(str, c['needle_depths']))} x {c['needle_trials']} keys"
+        f"{_calibration(report)}, decode batch {c['batch']}; {report['wall_s']:.0f} s"
     )
+
+
+def _calibration(report: dict[str, Any]) -> str:
+    """`` (baseline finds 9/9)``: the needle calibration this run measured."""
+    cal = report.get("needle_task", {}).get("calibration")
+    if not cal:
+        return ""
+    return f" (the baseline finds {cal['correct']}/{cal['total']})"
 
 
 def format_markdown(report: dict[str, Any]) -> str:

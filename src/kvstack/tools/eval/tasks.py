@@ -1,13 +1,22 @@
 """Inputs of ``kvstack eval``: the text corpus and the needle (passkey) retrieval task.
 
-Corpus
-    Seeded synthetic English prose from :class:`~kvstack.tools.workloads.text.TextMaker`
-    (fixed word lists and sentence templates, so license-clean and identical on every
-    machine), cut to exactly the requested number of tokens. It is not natural text: the
-    words are random within a handful of templates, so the model's perplexity on it is high
-    (tens) and the teacher-forced metrics measure how a codec perturbs the model on prose
-    whose *syntax* is predictable in context and whose *content* is not. Generating
-    model-natural prose instead would cost minutes of CPU decoding per text.
+Corpus (``--corpus``)
+    ``prose`` (default): seeded synthetic English prose from
+    :class:`~kvstack.tools.workloads.text.TextMaker` (fixed word lists and sentence
+    templates, so license-clean and identical on every machine), cut to exactly the
+    requested number of tokens. It is not natural text: the words are random within a
+    handful of templates, so the model's perplexity on it is high (tens) and the
+    teacher-forced metrics measure how a codec perturbs the model on prose whose *syntax*
+    is predictable in context and whose *content* is not.
+
+    ``real``: real human-written English shipped offline with every Python: the prose of
+    the Python Language Reference as the standard library's ``pydoc_data.topics`` holds it
+    (what ``help("assignment")`` prints; PSF license), its indented code and grammar
+    blocks left out (:func:`real_corpus`). The text is fixed per Python version (the
+    report records it).
+
+    ``generated``: text the model writes itself (:func:`generated_corpus`; perplexity
+    ~1.6), which costs minutes of CPU decoding per text.
 
 Needle (passkey) retrieval
     RULER's ``niah_single`` (Hsieh et al., 2024) after the passkey test of Mohtashami &
@@ -19,15 +28,17 @@ Needle (passkey) retrieval
     number mentioned in the text is:" (style ``chat-prefix``); a case is correct when the
     5-digit key appears in the 12 greedy tokens that follow.
 
-    Calibration on SmolLM2-135M-Instruct (bf16, no codec, depths 0.1/0.5/0.9, 4-6 keys
-    per depth): this setting scores 100 % at 512, 1024, 2048 and 4096 tokens (also with
-    no chat template). Landmark's own needle ("The pass key is 68219. Remember it. 68219
+    Why this setting (a one-off study on SmolLM2-135M-Instruct, bf16, no codec, depths
+    0.1/0.5/0.9, 4-6 keys per depth): it scored 100 % at 512, 1024, 2048 and 4096 tokens
+    (also with no chat template). Landmark's own needle ("The pass key is 68219. Remember it. 68219
     is the pass key.") works only up to 1024 tokens (100 %) and drops to 44-75 % at
     2048-4096: the model answers "the pass key" instead of the number. With the chat
     template and that needle it already fails at 1024 (33-50 %). A TextMaker-prose
     haystack (whose sentences contain small numbers, distractors) works at 1024 and 2048
     (100 %) but fails at depth 0.1 from 4096 on (67 % at 4096 and 7680), answering one of
-    the distractors. So the default lengths stop at 4096.
+    the distractors. So the default lengths stop at 4096. Every run measures its own
+    calibration: the baseline's accuracy per length, in the report's ``needle_task``
+    (:func:`~kvstack.tools.eval.report.needle_calibration`), never a fixed claim.
 """
 
 from __future__ import annotations
@@ -44,12 +55,6 @@ from kvstack.tools.workloads.text import TextMaker, TokenizerLike
 if TYPE_CHECKING:
     from kvstack.llm import LLM
     from kvstack.request import SamplingParams
-
-NEEDLE_FINDINGS = (
-    "SmolLM2-135M-Instruct, bf16, no codec: this needle scores 100% at 512-4096 tokens, "
-    "depths 0.1/0.5/0.9; the Landmark pass-key phrasing only up to 1024 tokens; a prose "
-    "haystack with numeric distractors fails at depth 0.1 from 4096 tokens on"
-)
 
 HAYSTACK_REPEAT = (
     "The grass is green.",
@@ -78,11 +83,10 @@ PHRASINGS = {
 DECODE_PROMPT_TOKENS = 512  # the speed test: a batch of these prompts ...
 DECODE_OUTPUT_TOKENS = 64  # ... generating this many tokens each
 NEEDLE_STYLE, NEEDLE_HAYSTACK, NEEDLE_PHRASING = "chat-prefix", "repeat", "magic-number"
-NEEDLE_TASK = {  # what the report says about the needle task
+NEEDLE_TASK = {  # what the report says about the needle task (plus its measured calibration)
     "style": NEEDLE_STYLE,
     "haystack": NEEDLE_HAYSTACK,
     "phrasing": NEEDLE_PHRASING,
-    "findings": NEEDLE_FINDINGS,
 }
 NEEDLE_STYLES = ("completion", "chat", "chat-prefix")
 HAYSTACKS = ("repeat", "prose")
@@ -145,6 +149,59 @@ def make_corpus(
         for i in range(num_texts):
             rng = random.Random(f"kvstack-eval-{seed}-{ctx}-{i}")
             out.append(EvalText(ctx, i, make_text_ids(tokenizer, ctx, rng)))
+    return out
+
+
+REAL_SOURCE = "the Python Language Reference (pydoc_data.topics), prose only"
+MIN_PARAGRAPH_WORDS = 10
+
+
+def reference_manual_text() -> str:
+    """The prose of the Python Language Reference shipped with this Python, one string.
+
+    Topics in sorted order, each from ``pydoc_data.topics``; lines indented (code,
+    grammar, tables) or made of ``*``/``=``/``-`` underlines are left out, and so are
+    paragraphs of fewer than ``MIN_PARAGRAPH_WORDS`` words (headings, command lists), so
+    what remains is the manual's English paragraphs, separated by blank lines.
+    """
+    from pydoc_data.topics import topics
+
+    parts = []
+    for name in sorted(topics):
+        lines = [
+            line
+            for line in topics[name].splitlines()
+            if not line.strip() or (not line.startswith((" ", "\t")) and line.strip("*=-~^ "))
+        ]
+        paragraphs = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip().split("\n\n")
+        parts += [p for p in paragraphs if len(p.split()) >= MIN_PARAGRAPH_WORDS]
+    return "\n\n".join(parts)
+
+
+def real_corpus(
+    tokenizer: TokenizerLike, contexts: list[int], num_texts: int, seed: int = 0
+) -> list[EvalText]:
+    """``num_texts`` texts of every length in ``contexts`` cut from the reference manual's
+    prose (:func:`reference_manual_text`), each starting at a paragraph chosen by
+    (seed, length, i) and wrapping around; exactly ``context`` tokens each."""
+    text = reference_manual_text()
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    out = []
+    for ctx in contexts:
+        for i in range(num_texts):
+            rng = random.Random(f"kvstack-eval-real-{seed}-{ctx}-{i}")
+            start = rng.randrange(len(paragraphs))
+            ids: list[int] = []
+            j = start
+            while len(ids) < ctx:
+                chunk = paragraphs[j % len(paragraphs)] + "\n\n"
+                ids += tokenizer.encode(chunk, add_special_tokens=False)
+                j += 1
+                if j - start > len(paragraphs):  # the whole manual is shorter than ctx
+                    break
+            if len(ids) < ctx:
+                raise ValueError(f"the reference manual has fewer than {ctx} tokens")
+            out.append(EvalText(ctx, i, ids[:ctx]))
     return out
 
 
