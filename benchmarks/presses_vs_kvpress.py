@@ -83,6 +83,7 @@ def run_kvpress(
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    transformers.utils.logging.disable_progress_bar()  # the weight-loading bar, per tensor
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32).eval()
     out = []
