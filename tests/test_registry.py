@@ -26,6 +26,7 @@ def test_registry_keeps_order_and_rejects_duplicates() -> None:
 def test_every_extension_point_has_one_registry() -> None:
     """The CLI choices come from the registries (no second hand-typed list)."""
     from kvstack.cli import build_parser
+    from kvstack.config import VLLM_KV_CACHE_DTYPES
     from kvstack.kv.codecs import CODECS
     from kvstack.kv.layouts import KV_LAYOUTS
     from kvstack.kv.manager import PREFIX_CACHES
@@ -43,8 +44,9 @@ def test_every_extension_point_has_one_registry() -> None:
     }
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {opt: a for a in serve._actions for opt in a.option_strings}
+    aliases = {"--kv-cache-dtype": tuple(VLLM_KV_CACHE_DTYPES)}  # vLLM's spellings, mapped
     for flag, reg in regs.items():
-        assert tuple(flags[flag].choices) == reg.names(), flag
+        assert tuple(flags[flag].choices) == reg.names() + aliases.get(flag, ()), flag
     assert tuple(flags["--policy"].choices) == ROUTING_POLICIES.names()
     assert TIERS.names() == ("host", "disk", "redis")
     assert all(isinstance(r, Registry) for r in [*regs.values(), ROUTING_POLICIES, TIERS])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,7 @@ def test_chat_streams_and_exits_on_eof(
 
 # Non-default values of every engine option, as (flag arguments, expected value). Two
 # command lines: the contiguous layout excludes the presses, codecs and offload tiers.
+KEY_FILE = Path(tempfile.gettempdir()) / "kvstack-test-cli-tier.key"  # written by the test
 NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
     {
         "model": (["/models/m.gguf"], "/models/m.gguf"),
@@ -135,6 +137,7 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "kv_press_ratio": (["0.5"], 0.5),
         "kv_press_every": (["16"], 16),
         "kv_offload": (["host:64MiB"], "host:64MiB"),
+        "kv_offload_key_file": ([str(KEY_FILE)], str(KEY_FILE)),
         "max_num_seqs": (["4"], 4),
         "max_num_batched_tokens": (["512"], 512),
         "max_model_len": (["1024"], 1024),
@@ -166,6 +169,7 @@ def test_engine_config_from_cli_args_round_trips_every_option() -> None:
     from kvstack.config import EngineConfig
     from kvstack.options import option_specs
 
+    KEY_FILE.write_bytes(b"k" * 32)  # --kv-offload-key-file is read when the config is built
     covered = set().union(*NON_DEFAULT)
     assert covered == {s.name for s in option_specs(EngineConfig)}
     flags = {s.name: s.flag for s in option_specs(EngineConfig)}
