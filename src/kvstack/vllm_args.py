@@ -52,15 +52,16 @@ def _gpu_memory_utilization(value: Any, out: dict[str, Any]) -> None:
 
 def available_memory() -> int:
     """Bytes of RAM the kernel says are available now (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     import os
 
+    try:
+        with open("/proc/meminfo") as f:
+            lines = f.readlines()
+    except OSError:  # no /proc (not Linux): free pages instead
+        lines = []
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 

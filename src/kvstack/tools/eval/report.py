@@ -197,11 +197,12 @@ def machine_info() -> dict[str, Any]:
 def _cpu_model() -> str:
     """The CPU's marketing name (Linux ``/proc/cpuinfo``), else ``platform.processor()``."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # no /proc (not Linux)
+        lines = []
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor()
 
 
