@@ -99,8 +99,8 @@ class ServerOptions:
     )
     max_connections: int = option(
         2048,
-        "open connections (streams included) past which new requests get 503 "
-        "(uvicorn's limit_concurrency)",
+        "open connections (streams included) served at once; a request on one more "
+        "gets 503 (uvicorn's limit_concurrency, which counts the asking connection)",
         group=SERVER,
     )
     role: str = option(
@@ -357,7 +357,9 @@ def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
         root_path=o.root_path or "",
         timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
         http=header_deadline_protocol(o.header_timeout),
-        limit_concurrency=o.max_connections,
+        # uvicorn refuses when len(connections) >= limit, the asking one included:
+        # + 1 makes --max-connections N serve N connections and refuse the N + 1st.
+        limit_concurrency=o.max_connections + 1,
     )
 
 
