@@ -21,14 +21,15 @@ was prefilled in chunks of any size:
 * the scheduler adopts cached blocks only up to ``point - window`` (rounded down to a
   block): the window's tokens are always recomputed, so their queries exist. This is
   the "recompute" choice rather than keeping hidden states with the prefix blocks. Cost:
-  a prefix hit computes up to ``window + block_size - 1`` more tokens (SnapKV / PyramidKV
-  64 + 15, DefensiveKV 32 + 15, H2O 256 + 15 with 16-token blocks), only for requests
-  whose press is pending; nothing extra is stored per cached block;
+  a prefix hit recomputes up to ``window + block_size - 1`` tokens instead of up to
+  ``block_size`` (SnapKV / PyramidKV 64 + 15, DefensiveKV 32 + 15, H2O 256 + 15 with
+  16-token blocks), only for requests whose press is pending; nothing extra is stored
+  per cached block;
 * ``capture_rows`` asks the runner for every row of a chunk inside the window, and
   ``after_step`` appends them to ``PressState.observed`` until the point is computed, so
   a window split over chunks is whole when the press runs. Cost: the window's queries,
   ``window x layers x heads x head_dim`` float32, held between the chunks of a pending
-  request (SmolLM2-135M: 4.4 MiB for a 64-query window, 17.7 MiB for H2O's 256).
+  request (SmolLM2-135M: 4.2 MiB for a 64-query window, 16.9 MiB for H2O's 256).
 
 ``after_step`` presses each request whose press point this step computed
 (``kv/press/compact.py`` compacts its survivors into fresh blocks), and presses again a
