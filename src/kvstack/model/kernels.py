@@ -32,6 +32,7 @@ SOURCES = (
     "fused_ops.cpp",
     "token_mask.cpp",
     "argmax.cpp",
+    "amx_linear.cpp",
 )
 _lock = threading.Lock()
 _module: Any = None  # torch.ops.kvstack once loaded

@@ -4,7 +4,9 @@
 0.14 ms vs 0.27 ms for a decode-size GEMM); float32 uses plain ``F.linear`` so fp32
 results stay bit-comparable with the reference. A bf16 weight that cannot be prepacked
 runs through ``F.linear`` and is counted (``kvstack:kernel_fallback_total{kernel=
-"onednn_prepack"}``).
+"onednn_prepack"}``). On a CPU with AMX, bf16 inputs of up to ``AMX_MAX_ROWS`` rows (decode
+batches, short chunks) go to kvstack's own AMX kernel instead (``model/amx_linear.py``),
+which streams the weights at decode sizes where oneDNN is compute-starved.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvstack.model.kernels import note_fallback
+from kvstack.model import amx_linear
+from kvstack.model.kernels import Kernels, note_fallback
 from kvstack.model_config import RopeScaling
 
 
@@ -34,8 +37,12 @@ class Linear:
         self.weight = weight.to(dtype).contiguous()
         self.out_features = self.weight.shape[0]
         self.packed: torch.Tensor | None = None
+        self.amx: torch.Tensor | None = None  # amx_linear's tile order, when AMX runs here
+        self._amx_ops: Kernels | None = None
         if not (prepack and dtype == torch.bfloat16):
             return
+        if amx_linear.packable(self.weight) and (ops := amx_linear.amx_kernels()) is not None:
+            self.amx, self._amx_ops = amx_linear.pack_weight(self.weight), ops
         if not _mkldnn_bf16_ok():  # counted: kvstack:kernel_fallback_total
             note_fallback("onednn_prepack", "bf16_unsupported")
             return
@@ -45,6 +52,8 @@ class Linear:
             note_fallback("onednn_prepack", "reorder_failed")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and x.dtype == torch.bfloat16 and amx_linear.fits(x):
+            return self._amx_ops.amx_linear(x, self.amx, self.out_features)  # type: ignore[union-attr]
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

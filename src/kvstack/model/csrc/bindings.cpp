@@ -23,4 +23,6 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("greedy_argmax(Tensor logits) -> Tensor", &greedy_argmax);
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
         &apply_token_bitmask);
+  m.def("amx_linear_available() -> bool", &amx_linear_available);
+  m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &amx_linear);
 }

@@ -19,3 +19,5 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor greedy_argmax(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+bool amx_linear_available();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);

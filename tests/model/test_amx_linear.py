@@ -1,0 +1,88 @@
+"""The AMX bf16 linear (``csrc/amx_linear.cpp``, ``model/amx_linear.py``) against a float32
+matmul of the same bf16 values: every row count a tile boundary can split (1, 15, 16, 17,
+31, 32, 33, past the 256-row chunk), odd column-pair counts, row-strided inputs; the
+packing round trip; ``Linear`` routing decode-sized inputs to it and long ones to oneDNN;
+and a clear error for shapes or CPUs the kernel cannot take. On a CPU without AMX the
+kernel reports itself unavailable and ``Linear`` keeps oneDNN: the tests check that
+instead of skipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstack.model import amx_linear
+from kvstack.model.kernels import Kernels
+from kvstack.model.layers import Linear
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() @ w.float().T
+
+
+def assert_rounded_once(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is ref rounded to bf16, up to float32 summation order: within one bf16 ulp."""
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    ulp = ref.abs().clamp_min(1e-2) * torch.finfo(torch.bfloat16).eps
+    assert bool(((y.float() - ref).abs() <= ulp + 1e-4).all())
+    assert float((y == ref.bfloat16()).float().mean()) > 0.98  # nearly all exactly rounded
+
+
+@pytest.fixture(scope="module")
+def amx(kernels: Kernels) -> bool:
+    return bool(kernels.amx_linear_available())
+
+
+def test_pack_round_trip() -> None:
+    w = torch.randn(48, 96).bfloat16()
+    packed = amx_linear.pack_weight(w)
+    assert packed.shape == (3, 3, 16, 16, 2)
+    assert torch.equal(amx_linear.unpack_weight(packed), w)
+    assert packed[1, 2, 5, 7, 1] == w[16 + 7, 64 + 2 * 5 + 1]  # the layout of the docstring
+    assert not amx_linear.packable(torch.randn(48, 80).bfloat16())  # K % 32 != 0
+    assert not amx_linear.packable(torch.randn(40, 96).bfloat16())  # N % 16 != 0
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 100, 300])
+def test_kernel_matches_float32_matmul(kernels: Kernels, amx: bool, rows: int) -> None:
+    torch.manual_seed(rows)
+    n, k = 80, 96  # five 16-column blocks: two pairs and a lone block
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    if not amx:
+        with pytest.raises(RuntimeError, match="AMX is not available"):
+            kernels.amx_linear(x, amx_linear.pack_weight(w), n)
+        return
+    assert_rounded_once(kernels.amx_linear(x, amx_linear.pack_weight(w), n), reference(x, w))
+
+
+def test_row_strided_input(kernels: Kernels, amx: bool) -> None:
+    if not amx:
+        assert amx_linear.amx_kernels() is None
+        return
+    w, wide = torch.randn(32, 64).bfloat16(), torch.randn(20, 160).bfloat16()
+    x = wide[:, 32:96]  # rows 160 apart: the kernel reads x in place
+    assert x.stride() == (160, 1)
+    assert_rounded_once(kernels.amx_linear(x, amx_linear.pack_weight(w), 32), reference(x, w))
+
+
+def test_bad_shapes_are_refused(kernels: Kernels, amx: bool) -> None:
+    w = torch.randn(32, 64).bfloat16()
+    packed = amx_linear.pack_weight(w)
+    with pytest.raises(RuntimeError, match="amx_linear"):
+        kernels.amx_linear(torch.randn(4, 64), packed, 32)  # float32 input
+    with pytest.raises(RuntimeError, match="amx_linear"):
+        kernels.amx_linear(torch.randn(4, 64).bfloat16(), packed, 48)  # wrong out_features
+
+
+def test_linear_routes_by_rows(amx: bool) -> None:
+    """Decode-sized inputs take the AMX kernel where it runs, long ones oneDNN; both give
+    the once-rounded product."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    lin = Linear(w, torch.bfloat16)
+    assert (lin.amx is not None) == amx
+    for rows in (3, amx_linear.AMX_MAX_ROWS + 5):
+        x = torch.randn(rows, 96).bfloat16()
+        assert amx_linear.fits(x) == (rows <= amx_linear.AMX_MAX_ROWS)
+        assert_rounded_once(lin(x), reference(x, w.bfloat16()))
+    assert Linear(w, torch.float32).amx is None  # float32 stays bit-comparable (F.linear)
