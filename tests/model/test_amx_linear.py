@@ -74,15 +74,21 @@ def test_bad_shapes_are_refused(kernels: Kernels, amx: bool) -> None:
         kernels.amx_linear(torch.randn(4, 64).bfloat16(), packed, 48)  # wrong out_features
 
 
-def test_linear_routes_by_rows(amx: bool) -> None:
-    """Decode-sized inputs take the AMX kernel where it runs, long ones oneDNN; both give
-    the once-rounded product."""
+def test_linear_routes_by_shape(amx: bool) -> None:
+    """Decode-sized inputs take the AMX kernel where it runs, long ones oneDNN unless the
+    input is deep (a down projection); both give the once-rounded product."""
     torch.manual_seed(0)
     w = torch.randn(64, 96)
     lin = Linear(w, torch.bfloat16)
     assert (lin.amx is not None) == amx
-    for rows in (3, amx_linear.AMX_MAX_ROWS + 5):
+    for rows in (3, 64, amx_linear.AMX_MAX_ROWS + 5):
         x = torch.randn(rows, 96).bfloat16()
-        assert amx_linear.fits(x) == (rows <= amx_linear.AMX_MAX_ROWS)
+        assert amx_linear.use_amx(x, 64) == (rows <= amx_linear.AMX_MAX_ROWS)
         assert_rounded_once(lin(x), reference(x, w.bfloat16()))
+    rows = amx_linear.AMX_MAX_ROWS + 5
+    wide = torch.empty(64, 96).bfloat16()
+    assert not amx_linear.use_amx(wide, amx_linear.WIDE_OUT + 16)  # lm_head at 64 rows
+    assert amx_linear.use_amx(wide[:8], amx_linear.WIDE_OUT + 16)  # but not at 8
+    assert amx_linear.use_amx(torch.empty(rows, amx_linear.DEEP_IN).bfloat16(), 64)
+    assert not amx_linear.use_amx(torch.empty(8, 96), 64)  # float32
     assert Linear(w, torch.float32).amx is None  # float32 stays bit-comparable (F.linear)

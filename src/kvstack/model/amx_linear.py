@@ -4,9 +4,19 @@ oneDNN (``mkldnn._linear_pointwise`` on prepacked weights) runs a linear at M = 
 rows well below the speed of reading its weights once: at M = 32 on the 2-core AMX Xeon
 of issue 15 it reached ~217 GFLOP/s for two cores where one core's TDPBF16PS peak is
 ~1.7 TFLOP/s (``benchmarks/profile_step.py`` measures both). ``amx_linear`` streams each
-weight tile once per 32 rows with a plain K loop; ``Linear`` sends a bf16 input of at
-most ``AMX_MAX_ROWS`` rows to it and longer ones (prefill) to oneDNN, which is faster
-there (its blocking is tuned for large M).
+weight tile once per 32 rows with a plain K loop. ``Linear`` asks ``use_amx`` which
+kernel takes an input; the rule follows one-thread measurements on that Xeon (minimum of
+15-30 repetitions, GFLOP/s, oneDNN vs AMX, ``README``: Performance):
+
+    rows (M)   576->960   576->576   576->3072   1536->576   576->49152 (lm_head)
+    32         1.76x      2.17x      1.34x       1.55x       1.63x
+    128        1.26x      1.32x      1.01x       2.36x       0.84x
+    2048       0.82x      2.26x      0.64x       ~2.5x       -
+
+so: every input of up to 32 rows; up to ``AMX_MAX_ROWS`` rows unless the layer is wider
+than ``WIDE_OUT`` (the lm_head, where oneDNN's blocking wins from 128 rows); and any
+number of rows when the layer's input is at least ``DEEP_IN`` wide (a down projection:
+oneDNN ran 1536 -> 576 at 410-470 GFLOP/s for 2,048 rows, AMX at ~1,000-1,100).
 
 Weight layout (``pack_weight``; the kernel's comment has the derivation)::
 
@@ -27,7 +37,10 @@ import torch
 
 from kvstack.model.kernels import Kernels, load_kernels
 
-AMX_MAX_ROWS = 128  # rows (tokens) up to which amx_linear beats oneDNN (measured, see README)
+AMX_MAX_ROWS = 128  # rows (tokens) up to which amx_linear beats oneDNN (table above)
+ALWAYS_ROWS = 32  # up to this many rows AMX wins for every shape measured
+WIDE_OUT = 8192  # out_features past which oneDNN wins beyond ALWAYS_ROWS rows
+DEEP_IN = 1024  # in_features from which AMX wins at every row count measured
 
 _available: bool | None = None
 
@@ -61,6 +74,11 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
 
 
-def fits(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes to the AMX kernel: 2-D bf16, contiguous rows, <= AMX_MAX_ROWS."""
-    return x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS and x.stride(1) == 1
+def use_amx(x: torch.Tensor, out_features: int) -> bool:
+    """Whether ``x`` (2-D bf16, rows contiguous) goes to the AMX kernel (rule above)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+        return False
+    rows, in_features = x.shape
+    if rows <= ALWAYS_ROWS or in_features >= DEEP_IN:
+        return True
+    return rows <= AMX_MAX_ROWS and out_features <= WIDE_OUT

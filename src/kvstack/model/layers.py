@@ -6,7 +6,8 @@ results stay bit-comparable with the reference. A bf16 weight that cannot be pre
 runs through ``F.linear`` and is counted (``kvstack:kernel_fallback_total{kernel=
 "onednn_prepack"}``). On a CPU with AMX, bf16 inputs of up to ``AMX_MAX_ROWS`` rows (decode
 batches, short chunks) go to kvstack's own AMX kernel instead (``model/amx_linear.py``),
-which streams the weights at decode sizes where oneDNN is compute-starved.
+which streams the weights at decode sizes where oneDNN is compute-starved
+(``amx_linear.use_amx`` decides per input).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Linear:
             note_fallback("onednn_prepack", "reorder_failed")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx is not None and x.dtype == torch.bfloat16 and amx_linear.fits(x):
+        if self.amx is not None and amx_linear.use_amx(x, self.out_features):
             return self._amx_ops.amx_linear(x, self.amx, self.out_features)  # type: ignore[union-attr]
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
