@@ -3,7 +3,8 @@
 ``csrc/`` holds the paged decode attention (K/V read in place through block tables) and
 the fused per-token ops of a layer (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm,
 SiLU-and-mul, RoPE + KV-cache write). The build takes ~30-90 s once per machine and is
-cached under ``~/.cache/kvstack`` (or ``$KVSTACK_KERNEL_DIR``). ``KVSTACK_NO_KERNELS=1``
+cached under ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one
+directory per CPU model and flag set. ``KVSTACK_NO_KERNELS=1``
 forces the PyTorch path (tests compare both).
 
 Fallbacks are never silent: every time the engine takes the PyTorch path where a kernel
@@ -16,6 +17,7 @@ reason}``. Reasons: ``build_failed`` (compiler or headers missing), ``disabled``
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -44,9 +46,20 @@ def kernels_disabled() -> bool:
     return os.environ.get("KVSTACK_NO_KERNELS", "") not in ("", "0")
 
 
+def cpu_signature() -> str:
+    """A short hash of this CPU's model and ISA flags: the build uses ``-march=native``,
+    so a build made on another CPU (an AMX Xeon's cache reused on an EPYC) must not load."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: one directory for the machine, as before
+        return "any"
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:12]
+
+
 def build_dir() -> Path:
     base = os.environ.get("KVSTACK_KERNEL_DIR") or str(Path.home() / ".cache" / "kvstack")
-    path = Path(base) / "kernels"
+    path = Path(base) / f"kernels-{cpu_signature()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
