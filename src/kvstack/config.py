@@ -135,6 +135,19 @@ class CacheConfig:
         "pinned prefixes may hold at most this fraction of the KV blocks (default 0.5)",
         group=KV,
     )
+    kv_cache_metrics: bool = option(
+        False,
+        "export vLLM's KV block residency histograms (vllm:kv_block_lifetime_seconds, "
+        "vllm:kv_block_idle_before_evict_seconds, vllm:kv_block_reuse_gap_seconds) over "
+        "a sample of the blocks (vLLM's flag; paged layout)",
+        group=KV,
+    )
+    kv_cache_metrics_sample: float = option(
+        0.01,
+        "the share of block allocations --kv-cache-metrics follows, in (0, 1] (vLLM's "
+        "default 0.01)",
+        group=KV,
+    )
     kv_layout: str = option(
         "paged",
         "'paged' blocks (default); the era-1 baselines reserve one contiguous slab per "
@@ -222,6 +235,12 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         self._check_press()
+        if not 0.0 < self.kv_cache_metrics_sample <= 1.0:
+            raise ConfigError(
+                f"--kv-cache-metrics-sample must be in (0, 1], got {self.kv_cache_metrics_sample}"
+            )
+        if self.kv_cache_metrics and self.kv_layout != "paged":
+            raise ConfigError("--kv-cache-metrics needs the paged layout (--kv-layout paged)")
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
         if self.kv_offload_key_file is not None:

@@ -22,6 +22,7 @@ from kvstack.kv.events import KVEventLog
 from kvstack.kv.layouts import KVLayoutParams, build_kv_manager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
+from kvstack.kv.residency import BlockResidency
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.fingerprint import model_fingerprint
@@ -72,6 +73,8 @@ class LLMEngine:
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
         )
+        # vLLM's --kv-cache-metrics: block residency samples, drained by the server.
+        self.residency = BlockResidency(cc.kv_cache_metrics_sample) if cc.kv_cache_metrics else None
         self.kv_manager: KVManager = build_kv_manager(
             cc.kv_layout,
             KVLayoutParams(
@@ -82,6 +85,7 @@ class LLMEngine:
                 eviction_policy=cc.eviction_policy,
                 max_pinned_fraction=cc.max_pinned_fraction,
                 model_id=mc.name,
+                residency=self.residency,
             ),
         )
         if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
@@ -374,6 +378,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
+            num_waiting_deferred=sched.num_waiting_deferred,
             max_num_running=sched.max_num_running,
             num_preemptions=sched.num_preemptions_total,
             prefill_tokens_computed=sched.num_prefill_tokens_computed,

@@ -336,6 +336,8 @@ class AsyncEngine:
         self.stats = s = self._llm_engine.stats(kv)
         if self.metrics is not None:
             self.metrics.update_engine(s, kv)
+            if self._llm_engine.residency is not None:
+                self.metrics.on_residency(self._llm_engine.residency.drain())
         now = time.monotonic()
         dt = now - self._last_log
         if dt >= LOG_INTERVAL_S and (s.num_running or s.num_waiting or self._gen_tokens):

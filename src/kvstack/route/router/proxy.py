@@ -30,15 +30,22 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Collection, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from starlette.responses import JSONResponse, Response
 
-from kvstack.route.policy import Decision, NoReplicaError, RouteRequest, RoutingPolicy
+from kvstack.route.policy import (
+    Decision,
+    KVEventsPolicy,
+    NoReplicaError,
+    RouteRequest,
+    RoutingPolicy,
+)
 from kvstack.route.policy.prompt import prompt_info
 from kvstack.route.router.backends import Backend, BackendPool
+from kvstack.route.router.event_sources import EventEndpoints, EventFeeds
 from kvstack.route.router.metrics import RouterMetrics
 from kvstack.route.router.relay import relay_response
 from kvstack.serve.protocol import error_body
@@ -62,6 +69,9 @@ class ProxyConfig:
     # on a backend that accepted and went quiet (issue 20, finding 5).
     idle_timeout_s: float | None = 600.0
     connect_timeout_s: float = 10.0
+    # ``--policy kv_events``: the backends followed over ZMQ (the others: SSE), the topic.
+    event_endpoints: EventEndpoints = field(default_factory=EventEndpoints)
+    event_topic: str = ""
 
 
 # Answers that say the backend cannot serve (a gateway in front of it failed, it is
@@ -140,9 +150,11 @@ class Router:
 
     def _install(self, policy: RoutingPolicy) -> None:
         self._policy = policy
-        index = getattr(policy, "index", None)
-        if index is not None:
-            self.pool.follow_events(index)
+        if isinstance(policy, KVEventsPolicy):
+            self.pool.follow_events(
+                EventFeeds(policy.index, policy.vllm_index, self.config.event_endpoints,
+                           self.config.event_topic)
+            )  # fmt: skip
 
     def _forget(self, replica_id: str) -> None:
         # Ejected or removed: it may come back restarted with an empty cache.
