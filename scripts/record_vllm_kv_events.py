@@ -89,7 +89,7 @@ def record(algo: str, workdir: str) -> dict[str, object]:
     step()
     frames = []
     while sub.poll(2000):
-        topic, seq, payload = sub.recv_multipart()
+        _topic, seq, payload = sub.recv_multipart()
         frames.append({"seq": int.from_bytes(seq, "big"), "payload": payload.hex()})
         if len(frames) == 6:
             break

@@ -211,6 +211,8 @@ class AsyncEngine:
         """
         with self._lock:
             if self.stats.num_waiting + self._pending_adds >= self.max_waiting:
+                if self.metrics is not None:
+                    self.metrics.admission_rejections["max_num_queued_reqs"].inc()
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
         info.params = params

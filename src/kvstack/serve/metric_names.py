@@ -45,6 +45,7 @@ VLLM_FAMILIES = frozenset(
         "prompt_tokens_cached_by_source",
         "generation_tokens",
         "request_success",
+        "admission_rejections",
         # histograms
         "request_prompt_tokens",
         "request_generation_tokens",
@@ -69,6 +70,8 @@ VLLM_FAMILIES = frozenset(
     }
 )
 
+#: ``vllm:admission_rejections``'s ``reason`` values (vLLM's ``ADMISSION_REASONS``).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 #: ``vllm:num_requests_waiting_by_reason``'s ``reason`` values (vLLM's order).
 WAITING_REASONS = ("capacity", "deferred")
 #: ``vllm:prompt_tokens_by_source``'s ``source`` values (``PromptTokenStats.ALL_SOURCES``).

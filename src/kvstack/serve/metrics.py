@@ -20,6 +20,9 @@ with vLLM v1's definitions (``vllm/v1/metrics/stats.py``):
   is ``external_unspecified``; kvstack has no ``p2p``). Both at the first token, with
   ``prompt_tokens`` (vLLM counts the second at admission: a preempted request's
   re-admission hits count there, not here);
+* ``admission_rejections{reason}`` (labels ``model_name`` and ``reason`` only, as
+  vLLM's): ``max_num_queued_reqs`` counts the 429s of ``--max-waiting``;
+  ``max_num_queued_tokens`` stays 0 (kvstack has no queued-token limit);
 * ``kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds`` (``--kv-cache-metrics``
   only, as in vLLM): the engine's ``kv/residency.py`` samples, drained after each step.
 
@@ -38,6 +41,7 @@ from kvstack.kv.base import KVCacheStats
 from kvstack.kv.residency import ResidencySample
 from kvstack.request import RequestOutput
 from kvstack.serve.metric_names import (
+    ADMISSION_REASONS,
     CACHE_HIT_SOURCES,
     ENGINE_INDEX,
     INTER_TOKEN_LATENCY_BUCKETS,
@@ -192,6 +196,13 @@ class ServerMetrics:
         )  # fmt: skip
         self.cached_by_source = {k: cached_by.labels(*values, k) for k in CACHE_HIT_SOURCES}
         self.residency = _residency_histograms(r, values) if kv_cache_metrics else None
+        rejections = Counter(
+            metric_name("admission_rejections"),
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"], registry=r,
+        )  # fmt: skip
+        # --max-waiting is vLLM's max_num_queued_reqs; kvstack has no token limit (0).
+        self.admission_rejections = {k: rejections.labels(model_name, k) for k in ADMISSION_REASONS}
         success = Counter(
             metric_name("request_success"), "Count of successfully processed requests.",
             [*labels, "finished_reason"], registry=r,

@@ -19,7 +19,8 @@ is matched by the policy's approximate index instead. Only KV cache group 0 is i
 (a hybrid model's other groups repeat the same prefix under other groups).
 
 Invariants (``check_integrity``): every hash is ``bytes``; a view that knows its block
-size has ``block_size >= 1``; a stale view may keep blocks (resumed after a replay).
+size has ``block_size >= 1``; a view holds at most ``max_blocks`` hashes (more empties
+it, counted in ``num_overflows``); a stale view may keep blocks (resumed after a replay).
 Plain bookkeeping, not thread-safe: the router's event loop calls it.
 """
 
@@ -46,9 +47,11 @@ class _View:
 class VllmEventIndex:
     """Per-replica block sets fed by decoded vLLM events (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int = 1 << 21) -> None:
         self._views: dict[str, _View] = {}
+        self.max_blocks = max_blocks  # per replica: past it the view is cleared (counted)
         self.num_ignored_groups = 0  # events of a KV cache group other than 0
+        self.num_overflows = 0
 
     def _view(self, replica_id: str) -> _View:
         return self._views.setdefault(replica_id, _View())
@@ -75,6 +78,9 @@ class VllmEventIndex:
                     blocks = view.mediums.setdefault(ev.medium, set())
                 view.block_size, view.int_hashes = ev.block_size, ev.int_hashes
             blocks.update(ev.block_hashes)
+            if sum(len(b) for b in view.mediums.values()) > self.max_blocks:
+                view.mediums.clear()  # a publisher that never removes: forget, never grow
+                self.num_overflows += 1
 
     def clear(self, replica_id: str) -> None:
         """Forget the replica's blocks (a loss the replay could not repair, a restart)."""
@@ -121,6 +127,7 @@ class VllmEventIndex:
     def check_integrity(self) -> None:
         for rid, view in self._views.items():
             assert view.block_size is None or view.block_size >= 1, f"{rid}: block size"
+            assert sum(len(b) for b in view.mediums.values()) <= self.max_blocks, rid
             for medium, blocks in view.mediums.items():
                 assert isinstance(medium, str), f"{rid}: medium {medium!r}"
                 assert all(isinstance(h, bytes) for h in blocks), f"{rid}: a hash not bytes"

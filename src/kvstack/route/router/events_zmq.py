@@ -27,8 +27,9 @@ blocks on a peer):
 * ``AllBlocksCleared`` empties the view (``VllmEventIndex.apply``); a malformed batch is
   counted and treated as a loss.
 
-Invariants: the task never raises (errors are counted, logged once per kind and turn
-into stale or clear); ``stop`` closes every socket; seqs are applied in increasing order.
+Invariants: the task never ends by itself (an error is logged, makes the replica stale
+and the sockets are made again after a backoff of 0.5 s doubling to 5 s); ``stop``
+closes every socket; seqs are applied in increasing order.
 """
 
 from __future__ import annotations
@@ -141,6 +142,22 @@ class ZmqEventFollower:
     # -- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug or a ZMQ error: stale, say why, start over
+                self.last_error = f"{type(e).__name__}: {e}"
+                logger.exception("kv events (zmq) of %s failed; reconnecting", self.replica_id)
+                self.index.suspend(self.replica_id)
+            self.connected = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _follow(self) -> None:
+        """One SUB socket (ZMQ reconnects it by itself) until an error or cancellation."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -153,9 +170,9 @@ class ZmqEventFollower:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        probe_ms = None if self.probe_s is None else int(self.probe_s * 1000)
         try:
             sub.connect(self.endpoint.endpoint)
-            probe_ms = None if self.probe_s is None else int(self.probe_s * 1000)
             while True:
                 ready = dict(await poller.poll(probe_ms))
                 if not ready and self.connected and self.endpoint.replay_endpoint is not None:
@@ -165,12 +182,6 @@ class ZmqEventFollower:
                     await self._on_monitor(parse_monitor_message(await monitor.recv_multipart()))
                 if sub in ready:
                     await self._on_frames(await sub.recv_multipart())
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug or a ZMQ error: stale, and say why
-            self.last_error = f"{type(e).__name__}: {e}"
-            logger.exception("kv events (zmq) of %s stopped", self.replica_id)
-            self.index.suspend(self.replica_id)
         finally:
             self.connected = False
             with contextlib.suppress(zmq.ZMQError):
