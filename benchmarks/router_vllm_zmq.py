@@ -11,7 +11,8 @@ default ``--prefix-caching-hash-algo sha256``, then ``kvstack router`` with
    ``BlockStored`` events, and the same prefix sent through the router is routed by
    ``affinity`` with every block matched: the router recomputed vLLM's own hashes from
    the token ids (same algorithm, block size learned from the events, NONE_HASH seed);
-3. the same with a ``cache_salt``: a salted prefix matches only under its salt.
+3. the same with a ``cache_salt``: a salted prefix matches only under its salt (vLLM
+   0.32's tagged first-block extra key, recomputed by the router).
 
     python benchmarks/router_vllm_zmq.py [--bench-venvs /work/main/.bench-venvs]
 
@@ -121,7 +122,7 @@ def main() -> int:
             "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(vport), "--served-model-name", "smollm2", "--max-model-len", "2048",
             "--max-num-seqs", "4", "--dtype", "bfloat16", "--enable-prefix-caching",
-            "--block-size", "16", "--prefix-caching-hash-algo", "sha256",
+            "--prefix-caching-hash-algo", "sha256",
             "--kv-events-config", json.dumps(kv_cfg)]  # fmt: skip
     router_env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     router = [sys.executable, "-m", "kvstack.cli", "router", "--backend", vllm_url,
@@ -143,7 +144,10 @@ def main() -> int:
             wait(lambda: state()["healthy"] and state()["events"]["fresh"], 120,
                  "router healthy, ZMQ follower fresh", rp)  # fmt: skip
             checks["follower_fresh"] = True
-            prefix = list(range(1000, 1000 + 16 * 12))  # twelve blocks of token ids
+            # 512 token ids: 32 of the router's blocks, whatever vLLM's block size (its
+            # default on CPU, announced in its events); the first routed request is the
+            # proof (the router never sent the prefix; later ones it also remembers).
+            prefix = list(range(1000, 1512))
             for salt in (None, "tenant-1"):
                 extra = {} if salt is None else {"cache_salt": salt}
                 before = state()["events"]["batches"]

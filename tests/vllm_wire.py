@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any
 
 import msgspec
@@ -107,10 +106,11 @@ class FakePublisher:
                 op, seq, payload = self._ops.get()
                 if op == "forget":
                     self.buffer.pop(seq, None)
-                    continue
-                self.buffer[seq] = payload
+                else:
+                    self.buffer[seq] = payload
                 if op == "send":
                     self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+                self._ops.task_done()
         self.pub.close(0)
         self.replay.close(0)
 
@@ -125,9 +125,7 @@ class FakePublisher:
 
     def settle(self) -> None:
         """Wait until every queued operation ran."""
-        while not self._ops.empty():
-            time.sleep(0.005)
-        time.sleep(0.02)
+        self._ops.join()
 
     def close(self) -> None:
         """Closes both sockets: the subscriber's connection drops (a dead publisher)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -73,8 +75,9 @@ def run(coro: Callable[[], Awaitable[None]]) -> None:
 
 @pytest.mark.parametrize("run_", DATA["runs"], ids=lambda r: r["algo"])
 def test_batches_recorded_from_vllm_are_indexed_under_recomputed_hashes(
-    run_: dict[str, Any],
+    run_: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # vLLM recorded with its fixed seed
     algo, frames = run_["algo"], run_["frames"]
     a, c, salt = DATA["prompts"]["A"], DATA["prompts"]["C"], DATA["salt"]
     assert DATA["block_size"] == BS and [f["seq"] for f in frames] == list(range(6))
@@ -90,6 +93,7 @@ def test_batches_recorded_from_vllm_are_indexed_under_recomputed_hashes(
     async def go() -> None:
         pub, index = FakePublisher(DATA["topic"]), VllmEventIndex()
         pub.send(0, payloads[0])  # before the router subscribes: it comes by replay
+        pub.settle()
         f = follow(pub, index)
         f.start()
         try:
@@ -164,6 +168,7 @@ def test_a_gap_is_replayed_and_an_unfillable_gap_empties_the_view() -> None:
             assert [index.match("r", hashes("sha256", p)) for p in (x, y, z)] == [2, 2, 2]
             pub.send(3, stored(w), skip=True)
             pub.forget(3)  # evicted from the replay buffer: the loss cannot be repaired
+            pub.settle()
             pub.send(4, stored(w))
             await until(lambda: f.counts["gaps_unfilled"] == 1, "the unfillable gap")
             await until(lambda: f.next_seq == 5, "batch 4")
@@ -175,11 +180,19 @@ def test_a_gap_is_replayed_and_an_unfillable_gap_empties_the_view() -> None:
     run(go)
 
 
-def test_a_dead_publisher_degrades_to_the_fallback_and_a_restart_resyncs(tmp_path: Path) -> None:
+@pytest.fixture
+def ipc_dir() -> Iterator[Path]:
+    """A short directory for ipc:// sockets (a unix socket path has at most 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="kvz-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_dead_publisher_degrades_to_the_fallback_and_a_restart_resyncs(ipc_dir: Path) -> None:
     p = list(range(500, 564))
     policy = KVEventsPolicy(BlockHasher(BS, ""), BalanceConfig(), recent_blocks=1)
     replicas = [Replica("a"), Replica("b")]
-    ends = (f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+    ends = (f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay")
 
     async def go() -> None:
         pub = FakePublisher(endpoints=ends)
@@ -260,11 +273,11 @@ def bg() -> Iterator[BgLoop]:
 
 
 def test_router_sends_a_prefix_to_the_real_replica_whose_zmq_events_hold_it(
-    bg: BgLoop, tmp_path: Path
+    bg: BgLoop, tmp_path: Path, ipc_dir: Path
 ) -> None:
     cfg = tiny_llama_config()
     model = write_hf_folder(tmp_path / "hf", cfg, random_llama_weights(cfg))
-    ends = {n: ZmqEndpoint(f"ipc://{tmp_path}/{n}.pub", f"ipc://{tmp_path}/{n}.replay")
+    ends = {n: ZmqEndpoint(f"ipc://{ipc_dir}/{n}.pub", f"ipc://{ipc_dir}/{n}.replay")
             for n in "ab"}  # fmt: skip
 
     def server(n: str) -> ServerProcess:
@@ -284,9 +297,10 @@ def test_router_sends_a_prefix_to_the_real_replica_whose_zmq_events_hold_it(
             for srv, base in ((b, 100), (a, 200)):  # (the tiny model's vocabulary is 320)
                 prefix = [base + i for i in range(96)]  # six blocks
                 body = {"prompt": prefix, "max_tokens": 1}
+                before = router.replica(srv.url)["events"]["batches"]
                 httpx.post(srv.url + "/v1/completions", json=body, timeout=60).raise_for_status()
-                wait_until(lambda s=srv: router.replica(s.url)["events"]["batches"] >= 1, 30,
-                           "the replica's BlockStored")  # fmt: skip
+                wait_until(lambda s=srv, n=before: router.replica(s.url)["events"]["batches"] > n,
+                           30, "the replica's BlockStored")  # fmt: skip
                 for k in range(3):  # the router never sent this prefix anywhere
                     r = router.complete([*prefix, 7, 8, 9, k], max_tokens=1)
                     r.raise_for_status()

@@ -157,7 +157,9 @@ class ServerOptions:
         "block hashes the ZMQ KV events carry, computed as vLLM computes its prefix-cache "
         "hashes so an external indexer can recompute them from token ids: sha256 (vLLM's "
         "default, SHA-256 of a pickle), sha256_cbor (SHA-256 of canonical CBOR, "
-        "language-neutral) or builtin (kvstack's own BLAKE2b chain, what the router uses)",
+        "language-neutral), xxhash / xxhash_cbor (XXH3-128; seeded at random per "
+        "process unless PYTHONHASHSEED is set, as in vLLM) or builtin (kvstack's own "
+        "BLAKE2b chain, as GET /v1/kv_events has it)",
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
 

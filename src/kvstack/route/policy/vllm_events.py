@@ -85,7 +85,7 @@ def decode_batch(payload: bytes) -> VllmBatch:
     """The batch of one PUB (or replay) payload; ``MalformedBatchError`` if it is not one."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise MalformedBatchError(f"not msgpack: {e}") from None
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         raise MalformedBatchError("a KVEventBatch is an array [ts, events, dp_rank]")

@@ -43,7 +43,9 @@ from kvstack.route.policy import (
     RouteRequest,
     RoutingPolicy,
 )
+from kvstack.route.policy.kv_index import EventIndex
 from kvstack.route.policy.prompt import prompt_info
+from kvstack.route.policy.vllm_index import VllmEventIndex
 from kvstack.route.router.backends import Backend, BackendPool
 from kvstack.route.router.event_sources import EventEndpoints, EventFeeds
 from kvstack.route.router.metrics import RouterMetrics
@@ -120,6 +122,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self._policy: RoutingPolicy | None = None
         self._factory: PolicyFactory | None = None
+        self._feeds: EventFeeds | None = None
         if isinstance(policy, RoutingPolicy):
             self._install(policy)
         else:
@@ -150,11 +153,17 @@ class Router:
 
     def _install(self, policy: RoutingPolicy) -> None:
         self._policy = policy
-        if isinstance(policy, KVEventsPolicy):
-            self.pool.follow_events(
-                EventFeeds(policy.index, policy.vllm_index, self.config.event_endpoints,
-                           self.config.event_topic)
-            )  # fmt: skip
+        if not isinstance(policy, KVEventsPolicy):
+            return
+        if self._feeds is not None:  # following since start(): the policy adopts the indexes
+            policy.index, policy.vllm_index = self._feeds.sse_index, self._feeds.vllm_index
+        else:
+            self._follow(policy.index, policy.vllm_index)
+
+    def _follow(self, sse_index: EventIndex, vllm_index: VllmEventIndex) -> None:
+        cfg = self.config
+        self._feeds = EventFeeds(sse_index, vllm_index, cfg.event_endpoints, cfg.event_topic)
+        self.pool.follow_events(self._feeds)
 
     def _forget(self, replica_id: str) -> None:
         # Ejected or removed: it may come back restarted with an empty cache.
@@ -174,6 +183,10 @@ class Router:
                     sock_read=self.config.idle_timeout_s,
                 ),
             )
+        if self._policy is None and self.config.event_endpoints.any and self._feeds is None:
+            # ZMQ backends (vLLM's) have no /load to build the policy from: follow their
+            # events from the start; the policy, once built, adopts these indexes.
+            self._follow(EventIndex(), VllmEventIndex())
         await self.pool.start()
 
     async def stop(self) -> None:
