@@ -41,9 +41,12 @@ DATA = json.loads((Path(__file__).parent / "data" / "vllm_kv_events.json").read_
 BS = 16
 
 
-def hashes(algo: str, ids: list[int], salt: str | None = None, bs: int = BS) -> tuple[bytes, ...]:
-    """What the router computes for a prompt (``RequestHashes``, vLLM's keyspace)."""
-    return RequestHashes(RouteRequest(ids, salt), BlockHasher(BS, ""), algo).vllm(bs, False)
+def hashes(
+    algo: str, ids: list[int], salt: str | None = None, ints: bool = False
+) -> tuple[bytes, ...]:
+    """What the router computes for a prompt (``RequestHashes``, vLLM's keyspace; an int
+    hash keyed as its 8 bytes)."""
+    return RequestHashes(RouteRequest(ids, salt), BlockHasher(BS, ""), algo).vllm(BS, ints)
 
 
 async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -85,7 +88,9 @@ def test_batches_recorded_from_vllm_are_indexed_under_recomputed_hashes(
     first = DECODER.decode(payloads[0])  # vLLM 0.32's layout, as the independent codec reads it
     salted = next(e for e in first.events if isinstance(e, BlockStored) and e.extra_keys[0])
     assert salted.extra_keys == [(salt,), None, None] and salted.group_idx == 0
-    assert list(salted.block_hashes) == list(hashes(algo, a, salt))  # vLLM's = recomputed
+    # vLLM 0.32 publishes the low 64 bits as ints by default (VLLM_KV_EVENTS_USE_INT_...).
+    want_ints = [int.from_bytes(h, "big") for h in hashes(algo, a, salt, ints=True)]
+    assert list(salted.block_hashes) == want_ints  # vLLM's = recomputed
     want = {  # after each batch: leading blocks held of A, A salted, C
         0: (3, 3, 2), 1: (3, 3, 3), 2: (0, 0, 0), 3: (3, 0, 2), 4: (0, 0, 0), 5: (2, 0, 3),
     }  # fmt: skip
@@ -105,11 +110,11 @@ def test_batches_recorded_from_vllm_are_indexed_under_recomputed_hashes(
                     pub.send(seq, payload)
                 await until(lambda s=seq: f.counts["batches"] == s + 1, f"batch {seq}")
                 got = tuple(
-                    index.match("r", hashes(algo, ids, s))
+                    index.match("r", hashes(algo, ids, s, ints=True))
                     for ids, s in ((a, None), (a, salt), (c, None))
                 )
                 assert got == want[seq], seq
-            assert index.keyspace("r") == (BS, False) and f.counts["malformed"] == 0
+            assert index.keyspace("r") == (BS, True) and f.counts["malformed"] == 0
             index.check_integrity()
         finally:
             await f.stop()

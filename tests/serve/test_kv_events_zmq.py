@@ -21,8 +21,9 @@ import zmq
 from kvstack import LLM, SamplingParams
 from kvstack.errors import ConfigError
 from kvstack.kv.events import AllBlocksCleared as KvAllCleared
+from kvstack.kv.events import BlockRemoved as KvRemoved
 from kvstack.kv.events import BlockStored as KvStored
-from kvstack.kv.vllm_hashing import hash_prompt, none_hash, sha256, sha256_cbor
+from kvstack.kv.vllm_hashing import hash_block_tokens, hash_prompt, none_hash, sha256, sha256_cbor
 from kvstack.serve.kv_events_config import KVEventsConfig
 from kvstack.serve.kv_events_vllm import VllmEventTranslator
 from kvstack.serve.kv_events_zmq import END_SEQ, ZmqKVEventPublisher
@@ -51,8 +52,20 @@ def test_hashes_equal_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     n = none_hash(sha256_cbor)
     assert n.hex() == "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
     assert sha256_cbor((n, (1, 2, 3, 4), None)).hex().startswith("58d0879dff3800f6")
-    assert sha256_cbor((n, (1, 2, 3, 4), ("salt",))).hex().startswith("2b995b09f33e315e")
     assert sha256((n, (1, 2, 3, 4), None)).hex().startswith("250f0efb99449b77")
+    # vLLM 0.32's hash_block_tokens(fn, None, (1, 2, 3, 4), (("cache_salt", "salt"),)):
+    salted = (("cache_salt", "salt"),)
+    assert (
+        hash_block_tokens(sha256_cbor, n, (1, 2, 3, 4), salted)
+        .hex()
+        .startswith("f6e0156f627fccb75f469a5d")
+    )
+    assert (
+        hash_block_tokens(sha256, none_hash(sha256), (1, 2, 3, 4), salted)
+        .hex()
+        .startswith("ea3c4408f0636c8042423e5a")
+    )
+    assert hash_prompt("sha256_cbor", [1, 2, 3, 4], 4, "salt")[0].hex().startswith("f6e0156f")
     ids = list(range(100, 150))
     assert hash_prompt("sha256_cbor", ids, BS) == scratch_sha256_cbor(ids)
     assert hash_prompt("sha256_cbor", ids, BS, "s") == scratch_sha256_cbor(ids, "s")
@@ -220,6 +233,30 @@ def test_vllm_spelling_parses_and_an_endpoint_that_cannot_bind_is_a_clear_error(
                                 VllmEventTranslator("builtin"))  # fmt: skip
     finally:
         first.close()
+
+
+def test_int_block_hashes_are_vllms_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 publishes each hash's low 64 bits as an int unless
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (what llm-d keys by); so does kvstack."""
+    from kvstack.serve.kv_events_vllm import int_block_hashes_from_env
+
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    assert int_block_hashes_from_env() is True
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert int_block_hashes_from_env() is False
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(ConfigError, match="must be 0 or 1"):
+        int_block_hashes_from_env()
+    ids = list(range(32))
+    tr = VllmEventTranslator("sha256_cbor", int_hashes=True)
+    first = tr.translate(KvStored([b"\x01" * 16], None, ids[:BS], BS, cache_salt="s"))
+    second = tr.translate(KvStored([b"\x02" * 16], b"\x01" * 16, ids[BS:], BS))
+    want = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in scratch_sha256_cbor(ids, "s")]
+    assert first is not None and second is not None
+    assert first["block_hashes"] == want[:1] and first["extra_keys"] == [["s"]]
+    assert second["block_hashes"] == want[1:] and second["parent_block_hash"] == want[0]
+    removed = tr.translate(KvRemoved([b"\x02" * 16]))
+    assert removed is not None and removed["block_hashes"] == want[1:]
 
 
 def test_untranslatable_and_builtin(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ whose first key is ``type``, fields in declaration order, fields at their defaul
 out)::
 
     KVEventBatch     = [ts: float64 (Unix seconds), events: [event, ...], data_parallel_rank: 0]
-    BlockStored      = {"type": "BlockStored", "block_hashes": [bin, ...],
-                        "parent_block_hash": bin | nil, "token_ids": [int, ...],
+    BlockStored      = {"type": "BlockStored", "block_hashes": [uint64 | bin, ...],
+                        "parent_block_hash": uint64 | bin | nil, "token_ids": [int, ...],
                         "block_size": int, "lora_id": nil, "medium": str, "lora_name": nil,
                         "extra_keys": [[salt] | nil, ...], "group_idx": 0}
-    BlockRemoved     = {"type": "BlockRemoved", "block_hashes": [bin, ...], "medium": str,
+    BlockRemoved     = {"type": "BlockRemoved", "block_hashes": [uint64 | bin, ...], "medium": str,
                         "group_idx": 0}
     AllBlocksCleared = {"type": "AllBlocksCleared"}
 
@@ -18,6 +18,10 @@ out)::
 (``to_event_extra_keys``): ``[salt]`` for the first block of a salted prompt, nil
 otherwise. vLLM's other optional fields (``kv_cache_spec_*``, ``locality``,
 ``ownership``, ``session_id``) stay at their default and are omitted, as vLLM omits them.
+
+Block hashes go out as vLLM 0.32 sends them by default: the low 64 bits of the hash as
+an unsigned int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, vLLM's default, what llm-d's
+indexer keys by); with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` the whole hash as bytes.
 
 ``medium``: the engine's pool is vLLM's ``"GPU"`` (the primary KV pool, in RAM on this
 CPU engine), the host tier ``"CPU"``, the disk and Redis tiers ``"STORAGE"``.
@@ -32,19 +36,23 @@ unchanged. Not thread-safe: one publisher thread calls it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from kvstack.errors import ConfigError
 from kvstack.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstack.kv.vllm_hashing import hash_block_tokens, hash_function, none_hash, salt_extra_keys
 
+INT_HASH_MASK = (1 << 64) - 1
 MEDIUMS = {"device": "GPU", "host": "CPU", "disk": "STORAGE", "redis": "STORAGE"}
 
 
 class VllmEventTranslator:
     """kvstack ``KVEvent`` -> vLLM event maps (in vLLM's field order), or None to skip."""
 
-    def __init__(self, algo: str) -> None:
+    def __init__(self, algo: str, int_hashes: bool = False) -> None:
         self.algo = algo
+        self.int_hashes = int_hashes
         self._fn = None if algo == "builtin" else hash_function(algo)
         self._none = none_hash(self._fn, algo) if self._fn is not None else b""
         self._ext: dict[str, dict[bytes, bytes]] = {}  # medium -> kvstack hash -> vLLM's
@@ -55,6 +63,14 @@ class VllmEventTranslator:
         self._ext.clear()
 
     def translate(self, ev: KVEvent) -> dict[str, Any] | None:
+        out = self._translate(ev)
+        if out is not None and self.int_hashes:
+            out["block_hashes"] = [_as_int(h) for h in out["block_hashes"]]
+            if out.get("parent_block_hash") is not None:
+                out["parent_block_hash"] = _as_int(out["parent_block_hash"])
+        return out
+
+    def _translate(self, ev: KVEvent) -> dict[str, Any] | None:
         medium = MEDIUMS.get(ev.medium, ev.medium.upper())
         if isinstance(ev, AllBlocksCleared):
             return self._cleared(ev.medium, medium)
@@ -136,3 +152,19 @@ class VllmEventTranslator:
             device[h] = parent
             out.append(parent)
         return out
+
+
+def _as_int(h: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash``: the low 64 bits of the big-endian integer."""
+    return int.from_bytes(h, "big") & INT_HASH_MASK
+
+
+def int_block_hashes_from_env() -> bool:
+    """``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` as vLLM reads it (unset: 1, ints)."""
+    raw = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise ConfigError(
+            f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be 0 or 1, got {raw!r}"
+        ) from None

@@ -308,9 +308,12 @@ def build_server(
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)
     if pub is not None:
-        from kvstack.serve.kv_events_vllm import VllmEventTranslator
+        from kvstack.serve.kv_events_vllm import VllmEventTranslator, int_block_hashes_from_env
 
-        pub.start(VllmEventTranslator(options.prefix_caching_hash_algo), llm.engine.kv_events)
+        translator = VllmEventTranslator(
+            options.prefix_caching_hash_algo, int_block_hashes_from_env()
+        )
+        pub.start(translator, llm.engine.kv_events)
         metrics.kv_events_dropped = lambda: pub.num_dropped
     app.state.kv_events_publisher = pub
     return llm, engine, app, name
@@ -328,10 +331,12 @@ def bind_kv_events(options: ServerOptions) -> Any:
     if not config.publishes:
         return None
     from kvstack.kv.vllm_hashing import hash_function
+    from kvstack.serve.kv_events_vllm import int_block_hashes_from_env
     from kvstack.serve.kv_events_zmq import ZmqKVEventPublisher
 
     if options.prefix_caching_hash_algo != "builtin":
         hash_function(options.prefix_caching_hash_algo)  # xxhash without its package: now
+    int_block_hashes_from_env()  # a malformed VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: now
     return ZmqKVEventPublisher(config)
 
 
