@@ -18,7 +18,7 @@ import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.errors import ConfigError
 from kvstack.model_config import ModelConfig, RopeScaling
@@ -32,6 +32,9 @@ from kvstack.options import (
     option_specs,
 )
 from kvstack.units import parse_size
+
+if TYPE_CHECKING:
+    from kvstack.kv.layouts import KVLayoutParams
 
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY",
@@ -208,6 +211,19 @@ class CacheConfig:
         "tier need the same file (SECURITY.md)",
         group=KV, metavar="FILE",
     )  # fmt: skip
+
+    def layout_params(self, num_blocks: int, max_model_len: int, model_id: str) -> KVLayoutParams:
+        """What ``--kv-layout``'s factory builds the KV manager from, with vLLM's
+        ``--kv-cache-metrics`` block residency sampler when asked for."""
+        from kvstack.kv.layouts import KVLayoutParams
+        from kvstack.kv.residency import BlockResidency
+
+        sampler = BlockResidency(self.kv_cache_metrics_sample) if self.kv_cache_metrics else None
+        return KVLayoutParams(
+            num_blocks, self.block_size, max_model_len, prefix_cache=self.prefix_cache,
+            eviction_policy=self.eviction_policy, max_pinned_fraction=self.max_pinned_fraction,
+            model_id=model_id, residency=sampler,
+        )  # fmt: skip
 
     def offload_key(self) -> bytes | None:
         """The secret of ``kv_offload_key_file`` (``ConfigError`` if unreadable or short)."""

@@ -19,10 +19,9 @@ from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
-from kvstack.kv.layouts import KVLayoutParams, build_kv_manager
+from kvstack.kv.layouts import build_kv_manager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
-from kvstack.kv.residency import BlockResidency
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.fingerprint import model_fingerprint
@@ -73,21 +72,9 @@ class LLMEngine:
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
         )
-        # vLLM's --kv-cache-metrics: block residency samples, drained by the server.
-        self.residency = BlockResidency(cc.kv_cache_metrics_sample) if cc.kv_cache_metrics else None
-        self.kv_manager: KVManager = build_kv_manager(
-            cc.kv_layout,
-            KVLayoutParams(
-                num_blocks,
-                cc.block_size,
-                max_len,
-                prefix_cache=cc.prefix_cache,
-                eviction_policy=cc.eviction_policy,
-                max_pinned_fraction=cc.max_pinned_fraction,
-                model_id=mc.name,
-                residency=self.residency,
-            ),
-        )
+        params = cc.layout_params(num_blocks, max_len, mc.name)
+        self.residency = params.residency  # vLLM's --kv-cache-metrics sampler, or None
+        self.kv_manager: KVManager = build_kv_manager(cc.kv_layout, params)
         if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
             self.kv_manager.set_block_free_hook(codec.on_block_freed)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)

@@ -14,11 +14,13 @@ backend's PUB socket, gaps filled from its ROUTER replay socket, vLLM's block ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -292,7 +294,11 @@ def test_router_sends_a_prefix_to_the_real_replica_whose_zmq_events_hold_it(
                 str(BS), "--kv-events-config", json.dumps(kv)]  # fmt: skip
         return ServerProcess(args, tmp_path / f"{n}.log")
 
-    with server("a") as a, server("b") as b:
+    a, b = server("a"), server("b")
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as ex:
+        for srv in (a, b):
+            stack.callback(lambda s=srv: s.proc is not None and s.stop())
+        list(ex.map(ServerProcess.__enter__, (a, b)))  # both load at once
         endpoints = EventEndpoints({a.url: ends["a"], b.url: ends["b"]})
         router = RouterUnderTest(bg, [a.url, b.url], policy="kv_events", event_endpoints=endpoints)
         try:

@@ -100,6 +100,7 @@ def test_every_vllm_family_is_exported_with_vllms_type_and_labels(scraped: dict[
             "num_requests_waiting_by_reason": {"reason"},
             "prompt_tokens_by_source": {"source"},
             "prompt_tokens_cached_by_source": {"source"},
+            "request_success": {"finished_reason"},
         }.get(family, set())
         for s in fam.samples:  # vLLM's cache_config_info has the config's labels + engine
             if family == "admission_rejections":  # vLLM's has no engine label
@@ -258,7 +259,11 @@ def _stats(**kw: Any) -> Any:
 
     from kvstack.stats import EngineStats
 
-    base = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING}
+    required = [
+        f for f in dataclasses.fields(EngineStats)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]  # fmt: skip
+    base: dict[str, Any] = {f.name: 0 for f in required}
     base.update(prefix_hit_rate=0.0, kv_usage=0.0, kv_usage_avg=0.0, kv_waste_avg=0.0,
                 kv_waste_peak=0.0)  # fmt: skip
     return EngineStats(**{**base, **kw})
