@@ -32,6 +32,7 @@ import aiohttp
 
 from kvstack.errors import ConfigError
 from kvstack.registry import Registry
+from kvstack.route.policy.kv_index import EventIndex
 from kvstack.route.policy.vllm_index import VllmEventIndex
 from kvstack.route.router.discovery import normalize_url
 from kvstack.route.router.events_client import EventFollower, EventSink
@@ -188,7 +189,7 @@ class EventFeeds:
     """The indexes of a ``kv_events`` policy and the endpoints: ``source`` builds each
     backend's follower (``BackendPool.follow_events`` calls it)."""
 
-    sse_index: EventSink
+    sse_index: EventIndex
     vllm_index: VllmEventIndex
     endpoints: EventEndpoints = field(default_factory=EventEndpoints)
     topic: str = ""

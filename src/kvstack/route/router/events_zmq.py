@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +190,7 @@ class ZmqEventFollower:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _on_monitor(self, event: dict[str, Any]) -> None:
+    async def _on_monitor(self, event: Mapping[str, Any]) -> None:
         if event["event"] == HANDSHAKE:
             self.connected = True
             self.counts["connects"] += 1
