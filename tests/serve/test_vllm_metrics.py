@@ -267,3 +267,30 @@ def _stats(**kw: Any) -> Any:
     base.update(prefix_hit_rate=0.0, kv_usage=0.0, kv_usage_avg=0.0, kv_waste_avg=0.0,
                 kv_waste_peak=0.0)  # fmt: skip
     return EngineStats(**{**base, **kw})
+
+
+def test_admission_rejections_count_the_max_waiting_429s(tmp_path: Any) -> None:
+    """vLLM's ``max_num_queued_reqs`` reason is kvstack's ``--max-waiting`` (the 429)."""
+    import asyncio
+    import dataclasses
+
+    from kvstack import LLM
+    from kvstack.request import SamplingParams
+    from kvstack.serve.async_engine import AsyncEngine, QueueFullError
+    from kvstack.serve.metrics import ServerMetrics
+    from kvstack.serve.output_stream import RequestInfo
+
+    cfg = tiny_llama_config()
+    llm = LLM(str(write_hf_folder(tmp_path / "hf", cfg, random_llama_weights(cfg))),
+              dtype="float32", num_blocks=16)  # fmt: skip
+    m = ServerMetrics("tiny")
+    engine = AsyncEngine(llm.engine, max_waiting=2, metrics=m)  # its loop is not started
+    engine.stats = dataclasses.replace(engine.stats, num_waiting=2)  # two already wait
+    sp, info = SamplingParams(max_tokens=1), RequestInfo("completions")
+    for _ in range(3):
+        with pytest.raises(QueueFullError):
+            asyncio.run(engine.add("r", [1, 2], sp, info))
+    fams = {f.name: f for f in text_string_to_metric_families(_render(m))}
+    got = {s.labels["reason"]: s.value for s in fams["vllm:admission_rejections"].samples
+           if s.name.endswith("_total")}  # fmt: skip
+    assert got == {"max_num_queued_reqs": 3, "max_num_queued_tokens": 0}
