@@ -31,6 +31,7 @@ from kvstack.model.registry import build_model, load_tokenizer, resolve_model_pa
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
 from kvstack.model.structured import StructuredOutputManager
 from kvstack.output_processor import OutputProcessor, ParentState
+from kvstack.prompts import check_cache_salt
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
 from kvstack.sched.scheduler import Scheduler
@@ -169,8 +170,9 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Raises ``InvalidRequestError``.
 
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
-        salt share cached KV.
+        salt share cached KV; it must pass vLLM's ``validate_cache_salt``.
         """
+        check_cache_salt(cache_salt)
         sp = replace(sampling_params or self.default_sampling_params())
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.outputs.parents:
