@@ -322,5 +322,7 @@ def test_router_sends_a_prefix_to_the_real_replica_whose_zmq_events_hold_it(
             for rep in router.state()["replicas"]:
                 ev = rep["events"]
                 assert ev["source"] == "zmq" and ev["malformed"] == 0 and ev["gaps_unfilled"] == 0
+                assert (ev["block_size"], ev["int_hashes"]) == (BS, True)  # vLLM's default
+                assert ev["blocks"] >= 6
         finally:
             router.stop()

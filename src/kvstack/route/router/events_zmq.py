@@ -133,11 +133,14 @@ class ZmqEventFollower:
         self.start()
 
     def state(self) -> dict[str, Any]:
+        space = self.index.keyspace(self.replica_id)  # what the events taught the router
         return {
             "source": "zmq", "endpoint": self.endpoint.endpoint,
             "replay_endpoint": self.endpoint.replay_endpoint, "connected": self.connected,
             "fresh": self.fresh, "next_seq": self.next_seq, **self.counts,
-            "last_error": self.last_error,
+            "block_size": space[0] if space else None,
+            "int_hashes": space[1] if space else None,
+            "blocks": self.index.num_blocks(self.replica_id), "last_error": self.last_error,
         }  # fmt: skip
 
     # -- the loop --------------------------------------------------------------------------
