@@ -49,4 +49,7 @@ def test_every_extension_point_has_one_registry() -> None:
         assert tuple(flags[flag].choices) == reg.names() + aliases.get(flag, ()), flag
     assert tuple(flags["--policy"].choices) == ROUTING_POLICIES.names()
     assert TIERS.names() == ("host", "disk", "redis")
+    from kvstack.route.router.event_sources import EVENT_SOURCES
+
+    assert EVENT_SOURCES.names() == ("sse", "zmq")  # --kv-events-endpoint picks zmq
     assert all(isinstance(r, Registry) for r in [*regs.values(), ROUTING_POLICIES, TIERS])

@@ -18,7 +18,7 @@ import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.errors import ConfigError
 from kvstack.model_config import ModelConfig, RopeScaling
@@ -32,6 +32,9 @@ from kvstack.options import (
     option_specs,
 )
 from kvstack.units import parse_size
+
+if TYPE_CHECKING:
+    from kvstack.kv.layouts import KVLayoutParams
 
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY",
@@ -135,6 +138,19 @@ class CacheConfig:
         "pinned prefixes may hold at most this fraction of the KV blocks (default 0.5)",
         group=KV,
     )
+    kv_cache_metrics: bool = option(
+        False,
+        "export vLLM's KV block residency histograms (vllm:kv_block_lifetime_seconds, "
+        "vllm:kv_block_idle_before_evict_seconds, vllm:kv_block_reuse_gap_seconds) over "
+        "a sample of the blocks (vLLM's flag; paged layout)",
+        group=KV,
+    )
+    kv_cache_metrics_sample: float = option(
+        0.01,
+        "the share of block allocations --kv-cache-metrics follows, in (0, 1] (vLLM's "
+        "default 0.01)",
+        group=KV,
+    )
     kv_layout: str = option(
         "paged",
         "'paged' blocks (default); the era-1 baselines reserve one contiguous slab per "
@@ -196,6 +212,19 @@ class CacheConfig:
         group=KV, metavar="FILE",
     )  # fmt: skip
 
+    def layout_params(self, num_blocks: int, max_model_len: int, model_id: str) -> KVLayoutParams:
+        """What ``--kv-layout``'s factory builds the KV manager from, with vLLM's
+        ``--kv-cache-metrics`` block residency sampler when asked for."""
+        from kvstack.kv.layouts import KVLayoutParams
+        from kvstack.kv.residency import BlockResidency
+
+        sampler = BlockResidency(self.kv_cache_metrics_sample) if self.kv_cache_metrics else None
+        return KVLayoutParams(
+            num_blocks, self.block_size, max_model_len, prefix_cache=self.prefix_cache,
+            eviction_policy=self.eviction_policy, max_pinned_fraction=self.max_pinned_fraction,
+            model_id=model_id, residency=sampler,
+        )  # fmt: skip
+
     def offload_key(self) -> bytes | None:
         """The secret of ``kv_offload_key_file`` (``ConfigError`` if unreadable or short)."""
         if self.kv_offload_key_file is None:
@@ -222,6 +251,12 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         self._check_press()
+        if not 0.0 < self.kv_cache_metrics_sample <= 1.0:
+            raise ConfigError(
+                f"--kv-cache-metrics-sample must be in (0, 1], got {self.kv_cache_metrics_sample}"
+            )
+        if self.kv_cache_metrics and self.kv_layout != "paged":
+            raise ConfigError("--kv-cache-metrics needs the paged layout (--kv-layout paged)")
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ConfigError("--kv-cache-dtype needs the paged layout (--kv-layout paged)")
         if self.kv_offload_key_file is not None:

@@ -19,7 +19,7 @@ from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
-from kvstack.kv.layouts import KVLayoutParams, build_kv_manager
+from kvstack.kv.layouts import build_kv_manager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
@@ -31,6 +31,7 @@ from kvstack.model.registry import build_model, load_tokenizer, resolve_model_pa
 from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
 from kvstack.model.structured import StructuredOutputManager
 from kvstack.output_processor import OutputProcessor, ParentState
+from kvstack.prompts import check_cache_salt
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
 from kvstack.sched.scheduler import Scheduler
@@ -72,18 +73,9 @@ class LLMEngine:
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
         )
-        self.kv_manager: KVManager = build_kv_manager(
-            cc.kv_layout,
-            KVLayoutParams(
-                num_blocks,
-                cc.block_size,
-                max_len,
-                prefix_cache=cc.prefix_cache,
-                eviction_policy=cc.eviction_policy,
-                max_pinned_fraction=cc.max_pinned_fraction,
-                model_id=mc.name,
-            ),
-        )
+        params = cc.layout_params(num_blocks, max_len, mc.name)
+        self.residency = params.residency  # vLLM's --kv-cache-metrics sampler, or None
+        self.kv_manager: KVManager = build_kv_manager(cc.kv_layout, params)
         if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
             self.kv_manager.set_block_free_hook(codec.on_block_freed)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
@@ -178,8 +170,9 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Raises ``InvalidRequestError``.
 
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
-        salt share cached KV.
+        salt share cached KV; it must pass vLLM's ``validate_cache_salt``.
         """
+        check_cache_salt(cache_salt)
         sp = replace(sampling_params or self.default_sampling_params())
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.outputs.parents:
@@ -374,6 +367,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
+            num_waiting_deferred=sched.num_waiting_deferred,
             max_num_running=sched.max_num_running,
             num_preemptions=sched.num_preemptions_total,
             prefill_tokens_computed=sched.num_prefill_tokens_computed,

@@ -62,6 +62,7 @@ def parse_prompt(p: Any) -> PromptInput:
     salt = p.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise InvalidRequestError("cache_salt must be a string")
+    check_cache_salt(salt)
     if "prompt_token_ids" in p:
         _only(p, TOKENS_KEYS, "TokensPrompt")
         ids = p["prompt_token_ids"]
@@ -89,3 +90,22 @@ def _is_token_list(x: Any) -> bool:
     return isinstance(x, list | tuple) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in x
     ) and bool(x)  # fmt: skip
+
+
+MAX_CACHE_SALT_LENGTH = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def check_cache_salt(v: str | None) -> str | None:
+    """vLLM 0.32's ``validate_cache_salt``: a non-empty string of at most 128 characters
+    without ``@ / \\`` or NUL (an empty salt would hash like none: vLLM refuses it)."""
+    if v is None:
+        return v
+    if not v:
+        raise InvalidRequestError("'cache_salt' must be a non-empty string if provided")
+    if len(v) > MAX_CACHE_SALT_LENGTH or CACHE_SALT_FORBIDDEN & set(v):
+        raise InvalidRequestError(
+            "'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL"
+        )
+    return v

@@ -53,6 +53,8 @@ class EngineStats:
     # PyTorch fallbacks where a C++ kernel was meant to run: [kernel, reason, count]
     # (``model/kernels.py``; in this process, since it started).
     kernel_fallbacks: list[list[Any]] = field(default_factory=list)
+    # Of num_waiting, those waiting on an offload-tier lookup (vLLM's "deferred" reason).
+    num_waiting_deferred: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

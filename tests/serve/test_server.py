@@ -16,6 +16,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstack import LLM, SamplingParams
 from kvstack.serve.app import ServerConfig, create_app
@@ -393,8 +394,20 @@ def test_queue_limit_timeout_and_graceful_shutdown(tmp_path: Path) -> None:
 
         codes = [r.status_code for r in asyncio.run(burst())]
         assert 429 in codes and 200 in codes, codes
-        limited = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+        second = asyncio.run(burst())
+        limited = next(r for r in second if r.status_code == 429)
         assert limited.headers.get("retry-after") and limited.json()["error"]["type"]
+        # vLLM's vllm:admission_rejections: --max-waiting is its max_num_queued_reqs.
+        rejected = codes.count(429) + sum(r.status_code == 429 for r in second)
+        metrics = httpx.get(s.url + "/metrics").text
+        counted = {
+            smp.labels["reason"]: smp.value
+            for fam in text_string_to_metric_families(metrics)
+            if fam.name == "vllm:admission_rejections"
+            for smp in fam.samples
+            if smp.name.endswith("_total")
+        }
+        assert counted == {"max_num_queued_reqs": rejected, "max_num_queued_tokens": 0}
         slow = httpx.post(s.url + "/v1/completions", timeout=60, json={**body, "max_tokens": 900})
         assert slow.status_code == 408 and "timed out" in slow.json()["error"]["message"]
         # SIGTERM while a request streams: it finishes, then the process exits 0.

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstack.kv.residency import BlockResidency
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -109,7 +111,12 @@ class BlockPool:
     free queue's tail.
     """
 
-    def __init__(self, num_blocks: int, cache: PrefixCacheLike | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        cache: PrefixCacheLike | None = None,
+        residency: BlockResidency | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -120,6 +127,9 @@ class BlockPool:
         # Called with a block id when a block goes back to the free queue (its contents
         # are dead): KV codecs with per-block state (KIVI's residual) listen.
         self.on_plain_free: Callable[[int], None] | None = None
+        # vLLM's --kv-cache-metrics: every handed-out block is an eviction of its last
+        # use then an allocation; every touch an access (``kv/residency.py``).
+        self.residency = residency
 
     @property
     def num_free_blocks(self) -> int:
@@ -152,6 +162,9 @@ class BlockPool:
         for block in out:
             assert block.ref_cnt == 0 and block.block_hash is None
             block.ref_cnt = 1
+            if self.residency is not None:
+                self.residency.on_evicted(block.block_id)
+                self.residency.on_allocated(block.block_id)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -161,6 +174,8 @@ class BlockPool:
                 assert self.cache is not None and block.block_hash is not None
                 self.cache.on_acquire(block)
             block.ref_cnt += 1
+            if self.residency is not None:
+                self.residency.on_accessed(block.block_id)
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero become available.

@@ -10,6 +10,9 @@ engine holds by consuming this stream instead of polling. The shapes follow vLLM
   tokens for the device pool, and is empty for an offload tier's store (``medium`` =
   "host", "disk", "redis": tiers keep no token ids, and their blocks need not be
   consecutive).
+  ``cache_salt`` is the request's salt when the run starts at the sequence's first block
+  (``parent_block_hash`` None), so a publisher can hash it as vLLM does (vLLM puts the
+  salt in the first block's extra keys); ``to_dict`` (the SSE stream) leaves it out.
 * ``BlockRemoved``: these hashes are no longer served by ``medium`` (evicted or dropped).
 * ``AllBlocksCleared``: the medium's cache was reset.
 
@@ -34,6 +37,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = "device"
+    cache_salt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         parent = self.parent_block_hash

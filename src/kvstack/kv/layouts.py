@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvstack.kv.base import KVManager
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.residency import BlockResidency
 from kvstack.registry import Registry
 
 
@@ -28,6 +29,7 @@ class KVLayoutParams:
     eviction_policy: str = "lru"
     max_pinned_fraction: float = 0.5
     model_id: str = ""
+    residency: BlockResidency | None = None  # paged only: --kv-cache-metrics
 
 
 KVLayoutFactory = Callable[[KVLayoutParams], KVManager]
@@ -42,6 +44,7 @@ def _paged(p: KVLayoutParams) -> KVManager:
         eviction_policy=p.eviction_policy,
         max_pinned_fraction=p.max_pinned_fraction,
         model_id=p.model_id,
+        residency=p.residency,
     )
 
 

@@ -45,6 +45,7 @@ from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvstack.kv.policies import EvictionPolicy, make_policy
 from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
 from kvstack.kv.radix import RadixPrefixCache
+from kvstack.kv.residency import BlockResidency
 from kvstack.registry import Registry
 from kvstack.request import Request
 
@@ -70,9 +71,11 @@ class KVCacheManager:
         model_id: str = "",
         events: KVEventLog | None = None,
         policy: EvictionPolicy | None = None,
+        residency: BlockResidency | None = None,
     ) -> None:
         """``policy``: an already built eviction policy used instead of the one named
-        ``eviction_policy`` (``kvstack analyze`` passes its Belady oracle)."""
+        ``eviction_policy`` (``kvstack analyze`` passes its Belady oracle); ``residency``
+        samples block lifetimes (vLLM's ``--kv-cache-metrics``)."""
         cls = PREFIX_CACHES.get(prefix_cache)
         self.block_size = block_size
         self.events = events if events is not None else KVEventLog()
@@ -81,7 +84,7 @@ class KVCacheManager:
         self.cache: PrefixCache | None = (
             cls(block_size, policy, self.events) if cls is not None else None
         )
-        self.pool = BlockPool(num_blocks, self.cache)
+        self.pool = BlockPool(num_blocks, self.cache, residency)
         self.model_id = model_id
         self.max_pinned_fraction = max_pinned_fraction
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -219,7 +222,9 @@ class KVCacheManager:
         start = self._num_inserted.get(rid, 0)
         new = self._new_cached
         fresh = [b.block_hash is None for b in blocks[start:num_full]] if new is not None else []
-        self.cache.insert(request.all_token_ids, hashes, blocks, self.root_of(request))
+        self.cache.insert(
+            request.all_token_ids, hashes, blocks, self.root_of(request), request.cache_salt
+        )
         self._num_inserted[rid] = num_full
         if new is not None:
             first, end = self._external.get(rid, (0, 0))
@@ -366,6 +371,8 @@ class KVCacheManager:
         self.pins.clear()
         self.pool.reclaim(self.cache.reset())
         self._num_inserted.clear()
+        if self.pool.residency is not None:
+            self.pool.residency.reset()
         self._external.clear()
 
     # ------------------------------------------------------------------ introspection

@@ -80,8 +80,10 @@ class PrefixCache(abc.ABC):
         hashes: Sequence[BlockHash],
         blocks: Sequence[KVCacheBlock],
         root: BlockHash,
+        cache_salt: str | None = None,
     ) -> None:
         """Make ``blocks[i]`` reusable as the KV of block ``i`` (``i < len(hashes)``).
+        ``cache_salt`` (in ``root`` already) goes into the events of runs from block 0.
 
         The blocks are held by the caller. Blocks already cached are skipped; a block
         whose prefix another block already serves stays uncached (a duplicate computed
@@ -145,6 +147,7 @@ class PrefixCache(abc.ABC):
         hashes: Sequence[BlockHash],
         first: int,
         last: int,
+        cache_salt: str | None = None,
     ) -> None:
         """Publish a ``BlockStored`` for chain blocks ``first .. last - 1``."""
         if last <= first:
@@ -156,6 +159,7 @@ class PrefixCache(abc.ABC):
                 parent_block_hash=hashes[first - 1] if first > 0 else None,
                 token_ids=list(token_ids[first * bs : last * bs]),
                 block_size=bs,
+                cache_salt=cache_salt if first == 0 else None,
             )
         )
 
@@ -202,6 +206,7 @@ class HashPrefixCache(PrefixCache):
         hashes: Sequence[BlockHash],
         blocks: Sequence[KVCacheBlock],
         root: BlockHash,
+        cache_salt: str | None = None,
     ) -> None:
         run_start = -1  # first block of the current run of newly stored blocks
         for i, h in enumerate(hashes):
@@ -214,10 +219,10 @@ class HashPrefixCache(PrefixCache):
                 if run_start < 0:
                     run_start = i
             elif run_start >= 0:
-                self._stored(token_ids, hashes, run_start, i)
+                self._stored(token_ids, hashes, run_start, i, cache_salt)
                 run_start = -1
         if run_start >= 0:
-            self._stored(token_ids, hashes, run_start, len(hashes))
+            self._stored(token_ids, hashes, run_start, len(hashes), cache_salt)
 
     def on_release(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None

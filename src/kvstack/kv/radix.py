@@ -120,6 +120,7 @@ class RadixPrefixCache(PrefixCache):
         hashes: Sequence[BlockHash],
         blocks: Sequence[KVCacheBlock],
         root: BlockHash,
+        cache_salt: str | None = None,
     ) -> None:
         node = self.roots.setdefault(root, RadixNode(None))
         n = len(hashes)
@@ -127,7 +128,7 @@ class RadixPrefixCache(PrefixCache):
         while i < n:
             child = node.children.get(self._chunk(token_ids, i))
             if child is None:
-                self._add_leaf(node, token_ids, hashes, blocks, i, n)
+                self._add_leaf(node, token_ids, hashes, blocks, i, n, cache_salt)
                 return
             k = 0
             while k < len(child.chunks) and i + k < n:
@@ -149,6 +150,7 @@ class RadixPrefixCache(PrefixCache):
         blocks: Sequence[KVCacheBlock],
         start: int,
         end: int,
+        cache_salt: str | None = None,
     ) -> None:
         if parent.parent is not None and parent.is_leaf:
             tail = parent.blocks[-1].block_hash
@@ -164,7 +166,7 @@ class RadixPrefixCache(PrefixCache):
             self.by_hash[hashes[i]] = block
             self.policy.on_insert(hashes[i])
         parent.children[leaf.chunks[0]] = leaf
-        self._stored(token_ids, hashes, start, end)
+        self._stored(token_ids, hashes, start, end, cache_salt)
 
     def _is_leaf_tail(self, block: KVCacheBlock) -> bool:
         node = self.node_of[block.block_id]

@@ -262,6 +262,14 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_waiting_deferred(self) -> int:
+        """Waiting requests skipped for a transient reason: an offload-tier lookup still
+        in flight (vLLM's ``deferred`` reason: KV transfer); the rest wait for capacity."""
+        if self.connector is None:
+            return 0
+        return sum(1 for r in self.waiting if self.connector.is_loading(r))
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running_ids = {r.request_id for r in self.running}

@@ -211,6 +211,8 @@ class AsyncEngine:
         """
         with self._lock:
             if self.stats.num_waiting + self._pending_adds >= self.max_waiting:
+                if self.metrics is not None:
+                    self.metrics.admission_rejections["max_num_queued_reqs"].inc()
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
         info.params = params
@@ -336,6 +338,8 @@ class AsyncEngine:
         self.stats = s = self._llm_engine.stats(kv)
         if self.metrics is not None:
             self.metrics.update_engine(s, kv)
+            if self._llm_engine.residency is not None:
+                self.metrics.on_residency(self._llm_engine.residency.drain())
         now = time.monotonic()
         dt = now - self._last_log
         if dt >= LOG_INTERVAL_S and (s.num_running or s.num_waiting or self._gen_tokens):

@@ -48,18 +48,20 @@ class ZmqKVEventPublisher:
     """Publishes ``events`` on vLLM's wire until ``close()``.
 
     Sockets are bound (or connected) in the constructor, so an endpoint that cannot bind
-    is a ``ConfigError`` at startup, not a dead thread later.
+    is a ``ConfigError`` at once: ``kvstack serve`` builds the publisher before the model
+    loads (like the HTTP socket) and calls ``start`` once the engine exists. Given a
+    ``translator``, the constructor starts at once.
     """
 
     def __init__(
         self,
         config: KVEventsConfig,
-        translator: VllmEventTranslator,
+        translator: VllmEventTranslator | None = None,
         events: KVEventLog | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.config = config
-        self.translator = translator
+        self.translator = VllmEventTranslator("builtin")
         self.num_dropped = 0  # events the full queue refused
         self.num_batches = 0
         self._pending_reset = False
@@ -80,12 +82,25 @@ class ZmqKVEventPublisher:
         except ConfigError:
             self._close_sockets()
             raise
+        self._running = False
+        self._thread: threading.Thread | None = None
+        if translator is not None:
+            self.start(translator, events)
+
+    def start(self, translator: VllmEventTranslator, events: KVEventLog | None = None) -> None:
+        """Start the publisher thread (once): translate with ``translator``, follow ``events``."""
+        if self._thread is not None:
+            return
+        self.translator = translator
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="kvstack-kv-events", daemon=True)
         self._thread.start()
         if events is not None:
             events.subscribe(self.put)
-        logger.info("KV events: ZMQ PUB on %s (replay %s)", self.endpoint, config.replay_endpoint)
+        logger.info(
+            "KV events: ZMQ PUB on %s (replay %s), %s hashes", self.endpoint,
+            self.config.replay_endpoint, translator.algo,
+        )  # fmt: skip
 
     def put(self, event: KVEvent) -> None:
         """Queue one event; never blocks (a full queue drops it and counts the drop)."""
@@ -98,10 +113,13 @@ class ZmqKVEventPublisher:
     def close(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (for up to ``timeout_s``), stop the thread, close sockets."""
         deadline = time.monotonic() + timeout_s
-        while not self._queue.empty() and time.monotonic() < deadline:
+        while self._thread is not None and not self._queue.empty():
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.01)
         self._running = False
-        self._thread.join(timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
         self._close_sockets()
 
     # ------------------------------------------------------------------ publisher thread

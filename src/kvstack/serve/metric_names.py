@@ -30,6 +30,7 @@ VLLM_FAMILIES = frozenset(
         # scheduler state
         "num_requests_running",
         "num_requests_waiting",
+        "num_requests_waiting_by_reason",
         "kv_cache_usage_perc",
         "cache_config_info",
         # counters
@@ -39,9 +40,12 @@ VLLM_FAMILIES = frozenset(
         "external_prefix_cache_hits",
         "num_preemptions",
         "prompt_tokens",
+        "prompt_tokens_by_source",
         "prompt_tokens_cached",
+        "prompt_tokens_cached_by_source",
         "generation_tokens",
         "request_success",
+        "admission_rejections",
         # histograms
         "request_prompt_tokens",
         "request_generation_tokens",
@@ -59,8 +63,24 @@ VLLM_FAMILIES = frozenset(
         "request_decode_time_seconds",
         "request_num_preemptions",
         "request_prefill_kv_computed_tokens",
+        # KV block residency (--kv-cache-metrics)
+        "kv_block_lifetime_seconds",
+        "kv_block_idle_before_evict_seconds",
+        "kv_block_reuse_gap_seconds",
     }
 )
+
+#: ``vllm:admission_rejections``'s ``reason`` values (vLLM's ``ADMISSION_REASONS``).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+#: ``vllm:num_requests_waiting_by_reason``'s ``reason`` values (vLLM's order).
+WAITING_REASONS = ("capacity", "deferred")
+#: ``vllm:prompt_tokens_by_source``'s ``source`` values (``PromptTokenStats.ALL_SOURCES``).
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+#: ``vllm:prompt_tokens_cached_by_source``'s ``source`` values (``CacheHitSource``), and
+#: where each kvstack tier counts: Redis is a remote store, vLLM's ``external_unspecified``.
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+TIER_HIT_SOURCE = {"device": "device", "host": "host", "disk": "disk",
+                   "redis": "external_unspecified"}  # fmt: skip
 
 
 def metric_name(family: str) -> str:
@@ -85,6 +105,10 @@ INTER_TOKEN_LATENCY_BUCKETS = (
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+KV_CACHE_RESIDENCY_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300,
+    600, 1200, 1800,
+)  # fmt: skip
 
 
 def request_tokens_buckets(max_model_len: int) -> list[float]:

@@ -12,7 +12,19 @@ with vLLM v1's definitions (``vllm/v1/metrics/stats.py``):
 * ``prompt_tokens`` counts a request's prompt, and ``prompt_tokens_cached`` its cached
   part (device + tiers), when its first token arrives; ``generation_tokens`` each token;
 * ``external_prefix_cache_{queries,hits}``: with offload tiers, the prompt's tokens and
-  the part the tiers supplied (vLLM's KV-connector counters); 0 without tiers.
+  the part the tiers supplied (vLLM's KV-connector counters); 0 without tiers;
+* ``prompt_tokens_by_source``: the prompt split into ``local_compute`` (computed),
+  ``local_cache_hit`` (the device prefix cache) and ``external_kv_transfer`` (offload
+  tiers), so the three sum to ``prompt_tokens``; ``prompt_tokens_cached_by_source``:
+  the cached part by vLLM's ``CacheHitSource`` (``device``, ``host``, ``disk``; Redis
+  is ``external_unspecified``; kvstack has no ``p2p``). Both at the first token, with
+  ``prompt_tokens`` (vLLM counts the second at admission: a preempted request's
+  re-admission hits count there, not here);
+* ``admission_rejections{reason}`` (labels ``model_name`` and ``reason`` only, as
+  vLLM's): ``max_num_queued_reqs`` counts the 429s of ``--max-waiting``;
+  ``max_num_queued_tokens`` stays 0 (kvstack has no queued-token limit);
+* ``kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds`` (``--kv-cache-metrics``
+  only, as in vLLM): the engine's ``kv/residency.py`` samples, drained after each step.
 
 Operators scale on ``vllm:kv_cache_usage_perc`` (it rises before the queue does) and
 ``vllm:num_requests_waiting``.
@@ -21,18 +33,25 @@ Operators scale on ``vllm:kv_cache_usage_perc`` (it rises before the queue does)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstack.kv.base import KVCacheStats
+from kvstack.kv.residency import ResidencySample
 from kvstack.request import RequestOutput
 from kvstack.serve.metric_names import (
+    ADMISSION_REASONS,
+    CACHE_HIT_SOURCES,
     ENGINE_INDEX,
     INTER_TOKEN_LATENCY_BUCKETS,
     ITERATION_TOKENS_BUCKETS,
+    KV_CACHE_RESIDENCY_BUCKETS,
+    PROMPT_TOKEN_SOURCES,
     REQUEST_LATENCY_BUCKETS,
     REQUEST_NUM_PREEMPTIONS_BUCKETS,
     REQUEST_PARAMS_N_BUCKETS,
+    TIER_HIT_SOURCE,
     TIME_TO_FIRST_TOKEN_BUCKETS,
     VLLM_LABELS,
     metric_name,
@@ -79,6 +98,25 @@ def _histograms(max_model_len: int) -> list[tuple[str, str, Sequence[float]]]:
     ]  # fmt: skip
 
 
+def _residency_histograms(r: CollectorRegistry, values: Sequence[str]) -> tuple[Any, Any, Any]:
+    """vLLM's three ``--kv-cache-metrics`` histograms (names, docs and buckets as vLLM's)."""
+    sampled = "Sampled metrics (controlled by --kv-cache-metrics-sample)."
+    docs = {
+        "kv_block_lifetime_seconds": "Histogram of KV cache block lifetime from allocation "
+        f"to eviction. {sampled}",
+        "kv_block_idle_before_evict_seconds": "Histogram of idle time before KV cache block "
+        f"eviction. {sampled}",
+        "kv_block_reuse_gap_seconds": "Histogram of time gaps between consecutive KV cache "
+        f"block accesses. Only the most recent accesses are recorded (ring buffer). {sampled}",
+    }
+    lifetime, idle, gap = (
+        Histogram(metric_name(k), doc, list(VLLM_LABELS), buckets=KV_CACHE_RESIDENCY_BUCKETS,
+                  registry=r).labels(*values)
+        for k, doc in docs.items()
+    )  # fmt: skip
+    return lifetime, idle, gap
+
+
 class ServerMetrics:
     """One registry per server (tests run several in one process).
 
@@ -91,6 +129,7 @@ class ServerMetrics:
         model_name: str,
         max_model_len: int = 8192,
         cache_info: Mapping[str, str] | None = None,
+        kv_cache_metrics: bool = False,
     ) -> None:
         self.model_name = model_name
         self.cache_info = dict(cache_info or {})
@@ -142,6 +181,28 @@ class ServerMetrics:
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.",
         )
+        by_source = Counter(
+            metric_name("prompt_tokens_by_source"), "Number of prompt tokens by source.",
+            [*labels, "source"], registry=r,
+        )  # fmt: skip
+        self.prompt_by_source = {k: by_source.labels(*values, k) for k in PROMPT_TOKEN_SOURCES}
+        cached_by = Counter(
+            metric_name("prompt_tokens_cached_by_source"),
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local "
+            "HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM "
+            "instance) or external_unspecified. Counted at admission; sums to "
+            "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+            [*labels, "source"], registry=r,
+        )  # fmt: skip
+        self.cached_by_source = {k: cached_by.labels(*values, k) for k in CACHE_HIT_SOURCES}
+        self.residency = _residency_histograms(r, values) if kv_cache_metrics else None
+        rejections = Counter(
+            metric_name("admission_rejections"),
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"], registry=r,
+        )  # fmt: skip
+        # --max-waiting is vLLM's max_num_queued_reqs; kvstack has no token limit (0).
+        self.admission_rejections = {k: rejections.labels(model_name, k) for k in ADMISSION_REASONS}
         success = Counter(
             metric_name("request_success"), "Count of successfully processed requests.",
             [*labels, "finished_reason"], registry=r,
@@ -162,6 +223,17 @@ class ServerMetrics:
     def update_engine(self, stats: EngineStats, kv: KVCacheStats) -> None:
         self.stats, self.kv = stats, kv
 
+    def on_residency(self, samples: Sequence[ResidencySample]) -> None:
+        """Block residency samples the engine drained after a step (``--kv-cache-metrics``)."""
+        if self.residency is None:
+            return
+        lifetime, idle, gap = self.residency
+        for sample in samples:
+            lifetime.observe(sample.lifetime_s)
+            idle.observe(sample.idle_s)
+            for g in sample.reuse_gaps_s:
+                gap.observe(g)
+
     def on_step(self, num_tokens: int) -> None:
         """One engine step ran ``num_tokens`` (prefill chunks + decodes)."""
         if num_tokens > 0:
@@ -174,12 +246,19 @@ class ServerMetrics:
         self.generation_tokens.inc(new)
         if info.first_token is None:
             self.ttft.observe(now - info.arrival)
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
-            self.prompt_cached.inc(out.num_cached_tokens)
-            tiers = out.cached_tokens_by_tier
-            if tiers is not None:
-                self.ext_queries.inc(len(out.prompt_token_ids))
-                self.ext_hits.inc(sum(n for t, n in tiers.items() if t != "device"))
+            n_prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+            self.prompt_tokens.inc(n_prompt)
+            self.prompt_cached.inc(cached)
+            tiers = out.cached_tokens_by_tier or {"device": cached}
+            external = sum(n for t, n in tiers.items() if t != "device")
+            if out.cached_tokens_by_tier is not None:
+                self.ext_queries.inc(n_prompt)
+                self.ext_hits.inc(external)
+            self.prompt_by_source["local_compute"].inc(max(0, n_prompt - cached))
+            self.prompt_by_source["local_cache_hit"].inc(cached - external)
+            self.prompt_by_source["external_kv_transfer"].inc(external)
+            for tier, n in tiers.items():
+                self.cached_by_source[TIER_HIT_SOURCE.get(tier, "external_unspecified")].inc(n)
         elif info.last_token is not None:
             self.itl.observe(now - info.last_token)
 

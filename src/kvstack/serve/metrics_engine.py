@@ -2,8 +2,9 @@
 
 ``AsyncEngine`` publishes an ``EngineStats`` + ``KVCacheStats`` snapshot after every
 step; this collector turns the latest one into families: vLLM's (``vllm:`` with
-``model_name`` and ``engine`` labels: queue lengths, KV usage, prefix-cache counters,
-preemptions, ``cache_config_info``) and kvstack's own (``kvstack:`` with
+``model_name`` and ``engine`` labels: queue lengths, the waiting ones by reason
+(``deferred``: an offload-tier lookup in flight, vLLM's KV-transfer wait), KV usage,
+prefix-cache counters, preemptions, ``cache_config_info``) and kvstack's own (``kvstack:`` with
 ``model_name``: block counts, waste, codec capacity, presses, tiers, kernel
 fallbacks). Names come from ``serve/metric_names.py`` only.
 """
@@ -23,7 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvstack.kv.tiers.base import LOAD_LATENCY_BUCKETS, TierStats
-from kvstack.serve.metric_names import ENGINE_INDEX, VLLM_LABELS, metric_name
+from kvstack.serve.metric_names import ENGINE_INDEX, VLLM_LABELS, WAITING_REASONS, metric_name
 
 if TYPE_CHECKING:
     from kvstack.serve.metrics import ServerMetrics
@@ -51,6 +52,18 @@ class EngineCollector(Collector):
             g = GaugeMetricFamily(metric_name(key), doc, labels=VLLM_LABELS)
             g.add_metric(vllm, float(value))
             yield g
+        by_reason = GaugeMetricFamily(
+            metric_name("num_requests_waiting_by_reason"),
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA "
+            "budget, KV transfer, blocked status). Sum of all reasons equals "
+            "vllm:num_requests_waiting.",
+            labels=[*VLLM_LABELS, "reason"],
+        )
+        deferred = s.num_waiting_deferred
+        for reason, n in zip(WAITING_REASONS, (s.num_waiting - deferred, deferred), strict=True):
+            by_reason.add_metric([*vllm, reason], float(n))
+        yield by_reason
         vllm_counters = {
             "prefix_cache_queries": ("Prefix cache queries, in terms of number of queried "
                                      "tokens.", s.prefix_query_tokens),

@@ -27,6 +27,7 @@ from pydantic import (
 from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import join_text_parts, template_role
 from kvstack.model.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer
+from kvstack.prompts import check_cache_salt
 from kvstack.request import SamplingParams
 from kvstack.serve.documents import MAX_DOCUMENTS, with_documents
 from kvstack.serve.protocol_tools import (
@@ -110,6 +111,11 @@ class _Sampling(_Strict, StructuredFields):
     kv_press: str | None = None
     kv_press_ratio: float | None = None
     kv_press_every: StrictInt | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v: str | None) -> str | None:
+        return check_cache_salt(v)
 
     @field_validator("stop")
     @classmethod
@@ -423,6 +429,8 @@ class PinRequest(_Strict):
     prompt: str | list[StrictInt] | None = None
     messages: list[ChatMessage] | None = None
     cache_salt: str | None = None
+
+    _salt = field_validator("cache_salt")(check_cache_salt)
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
     from kvstack.llm import LLM
     from kvstack.serve.async_engine import AsyncEngine
-    from kvstack.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("kvstack.serve")
 SERVER = "server"
@@ -158,7 +157,9 @@ class ServerOptions:
         "block hashes the ZMQ KV events carry, computed as vLLM computes its prefix-cache "
         "hashes so an external indexer can recompute them from token ids: sha256 (vLLM's "
         "default, SHA-256 of a pickle), sha256_cbor (SHA-256 of canonical CBOR, "
-        "language-neutral) or builtin (kvstack's own BLAKE2b chain, what the router uses)",
+        "language-neutral), xxhash / xxhash_cbor (XXH3-128; seeded at random per "
+        "process unless PYTHONHASHSEED is set, as in vLLM) or builtin (kvstack's own "
+        "BLAKE2b chain, as GET /v1/kv_events has it)",
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
 
@@ -265,9 +266,10 @@ def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
 
 
 def build_server(
-    engine_config: EngineConfig, options: ServerOptions
+    engine_config: EngineConfig, options: ServerOptions, kv_events: Any = None
 ) -> tuple[LLM, AsyncEngine, FastAPI, str]:
-    """Check the options, load the model and build ``(llm, async engine, app, name)``."""
+    """Check the options, load the model and build ``(llm, async engine, app, name)``.
+    ``kv_events``: the ZMQ publisher ``bind_kv_events`` bound before the load, if any."""
     from kvstack.llm import LLM
     from kvstack.serve.app import ServerConfig, create_app
     from kvstack.serve.async_engine import AsyncEngine
@@ -279,8 +281,9 @@ def build_server(
     name = names[0]
     eng = llm.engine
     metrics = ServerMetrics(
-        name, eng.max_model_len, cache_config_info(engine_config, eng.kv_manager.num_blocks)
-    )
+        name, eng.max_model_len, cache_config_info(engine_config, eng.kv_manager.num_blocks),
+        kv_cache_metrics=engine_config.cache.kv_cache_metrics,
+    )  # fmt: skip
     engine = AsyncEngine(
         llm.engine, max_waiting=options.max_waiting, metrics=metrics,
         request_log=options.request_log,
@@ -303,12 +306,23 @@ def build_server(
             enable_auto_tool_choice=options.enable_auto_tool_choice,
         ),
     )
-    app.state.kv_events_publisher = _kv_events_publisher(options, llm, metrics)
+    pub = kv_events if kv_events is not None else bind_kv_events(options)
+    if pub is not None:
+        from kvstack.serve.kv_events_vllm import VllmEventTranslator, int_block_hashes_from_env
+
+        translator = VllmEventTranslator(
+            options.prefix_caching_hash_algo, int_block_hashes_from_env()
+        )
+        pub.start(translator, llm.engine.kv_events)
+        metrics.kv_events_dropped = lambda: pub.num_dropped
+    app.state.kv_events_publisher = pub
     return llm, engine, app, name
 
 
-def _kv_events_publisher(options: ServerOptions, llm: LLM, metrics: ServerMetrics) -> Any:
-    """vLLM's ZMQ publisher of the engine's KV events, if ``--kv-events-config`` asks."""
+def bind_kv_events(options: ServerOptions) -> Any:
+    """vLLM's ZMQ publisher, its sockets bound (not started), if ``--kv-events-config``
+    asks for one; an endpoint that cannot bind is a ``ConfigError`` now, before the model
+    loads, as a port in use is (``bind_http``)."""
     from kvstack.serve.kv_events_config import KVEventsConfig
 
     if options.kv_events_config is None:
@@ -316,14 +330,14 @@ def _kv_events_publisher(options: ServerOptions, llm: LLM, metrics: ServerMetric
     config = KVEventsConfig.parse(options.kv_events_config)
     if not config.publishes:
         return None
-    from kvstack.serve.kv_events_vllm import VllmEventTranslator
+    from kvstack.kv.vllm_hashing import hash_function
+    from kvstack.serve.kv_events_vllm import int_block_hashes_from_env
     from kvstack.serve.kv_events_zmq import ZmqKVEventPublisher
 
-    kv = llm.engine.kv_manager
-    translator = VllmEventTranslator(options.prefix_caching_hash_algo, kv.routing_info().model_id)
-    pub = ZmqKVEventPublisher(config, translator, llm.engine.kv_events)
-    metrics.kv_events_dropped = lambda: pub.num_dropped
-    return pub
+    if options.prefix_caching_hash_algo != "builtin":
+        hash_function(options.prefix_caching_hash_algo)  # xxhash without its package: now
+    int_block_hashes_from_env()  # a malformed VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: now
+    return ZmqKVEventPublisher(config)
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -370,9 +384,13 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     logging.getLogger("kvstack").setLevel(logging.INFO)
     o = options
     sock = bind_http(o.host, o.port)  # a port in use fails now, not after the model loads
+    pub = None
     try:
-        llm, engine, app, name = build_server(engine_config, o)
+        pub = bind_kv_events(o)  # so does a ZMQ endpoint that cannot bind
+        llm, engine, app, name = build_server(engine_config, o, pub)
     except BaseException:
+        if pub is not None:
+            pub.close()
         sock.close()
         raise
     logger.info("kvstack serving %s on http://%s:%d (role %s)", name, o.host, o.port, o.role)

@@ -5,6 +5,8 @@
 * ``load``: ``round_robin``, ``least_load``;
 * ``prefix``: the KV-aware ``prefix`` and ``kv_events`` policies and their rule;
 * ``kv_index``: the block-hash indexes the KV-aware policies match against;
+* ``vllm_events`` / ``vllm_index``: vLLM's ZMQ ``KVEventBatch`` decoded, and the index
+  of it keyed by vLLM's block hashes;
 * ``prompt``: the token ids a replica will see for an OpenAI body (router-side tokenizing).
 
 Every policy is registered by name in ``ROUTING_POLICIES`` (``kvstack router --policy``,
@@ -43,15 +45,18 @@ def make_policy(
     model_id: str = "",
     balance: BalanceConfig | None = None,
     capacity_blocks: int = 65536,
+    hash_algo: str = "sha256",
 ) -> RoutingPolicy:
     """The policy registered as ``name``; ``ConfigError`` naming the valid choices if none.
 
     ``block_size`` and ``model_id`` must be the replicas' (their ``/load``), or the
-    KV-aware policies never match anything.
+    KV-aware policies never match anything; ``hash_algo`` is the ZMQ publishers'
+    ``--prefix-caching-hash-algo`` (``kv_events`` only).
     """
     return ROUTING_POLICIES.get(name).create(
-        block_size=block_size, model_id=model_id, balance=balance, capacity_blocks=capacity_blocks
-    )
+        block_size=block_size, model_id=model_id, balance=balance,
+        capacity_blocks=capacity_blocks, hash_algo=hash_algo,
+    )  # fmt: skip
 
 
 __all__ = [

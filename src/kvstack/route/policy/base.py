@@ -108,11 +108,11 @@ class RoutingPolicy(abc.ABC):
     @classmethod
     def create(
         cls, *, block_size: int, model_id: str, balance: BalanceConfig | None,
-        capacity_blocks: int,
+        capacity_blocks: int, hash_algo: str = "sha256",
     ) -> RoutingPolicy:  # fmt: skip
         """The policy for replicas with these hash parameters (``make_policy``'s options);
         policies that do not hash prompts ignore them."""
-        del block_size, model_id, balance, capacity_blocks
+        del block_size, model_id, balance, capacity_blocks, hash_algo
         return cls()
 
     def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:

@@ -33,13 +33,15 @@ Where the matches come from:
   and Ray Serve's ``PrefixCacheAffinityRouter``: a router-side LRU of the block hashes the
   router itself sent to each replica (``ApproxPrefixIndex``).
 * ``kv_events``: precise, like llm-d's KV-cache indexer fed by vLLM KV events: the
-  replicas' own event streams (``EventIndex``); a replica whose stream is stale falls back
-  to the approximate index, which keeps being recorded, so degrading is seamless.
+  replicas' own event streams, kvstack's SSE stream (``EventIndex``, kvstack's hashes)
+  or a ZMQ PUB socket on vLLM's wire (``VllmEventIndex``, the publisher's hashes,
+  recomputed per request by ``RequestHashes``); a replica whose stream is stale falls
+  back to the approximate index, which keeps being recorded, so degrading is seamless.
+  Matches are counted in the router's blocks (``BlockHasher.block_size``): a ZMQ
+  replica's match in its own block size is converted by tokens.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from kvstack.route.policy.base import (
     BalanceConfig,
@@ -49,6 +51,7 @@ from kvstack.route.policy.base import (
     RoutingPolicy,
 )
 from kvstack.route.policy.kv_index import ApproxPrefixIndex, BlockHasher, EventIndex
+from kvstack.route.policy.vllm_index import RequestHashes, VllmEventIndex
 
 
 class PrefixPolicy(RoutingPolicy):
@@ -65,27 +68,30 @@ class PrefixPolicy(RoutingPolicy):
         hasher: BlockHasher,
         balance: BalanceConfig | None = None,
         capacity_blocks: int = 65536,
+        hash_algo: str = "sha256",
     ) -> None:
         super().__init__()
         self.hasher = hasher
+        self.hash_algo = hash_algo
         self.balance = balance if balance is not None else BalanceConfig()
         self.approx = ApproxPrefixIndex(capacity_blocks)
 
     @classmethod
     def create(
         cls, *, block_size: int, model_id: str, balance: BalanceConfig | None,
-        capacity_blocks: int,
+        capacity_blocks: int, hash_algo: str = "sha256",
     ) -> RoutingPolicy:  # fmt: skip
-        return cls(BlockHasher(block_size, model_id), balance, capacity_blocks)
+        return cls(BlockHasher(block_size, model_id), balance, capacity_blocks, hash_algo)
 
-    def match(self, replica_id: str, hashes: Sequence[bytes]) -> int:
-        """Leading ``hashes`` the replica is believed to cache."""
-        return self.approx.match(replica_id, hashes)
+    def match(self, replica_id: str, keys: RequestHashes) -> int:
+        """Leading blocks of the request the replica is believed to cache."""
+        return self.approx.match(replica_id, keys.kvstack)
 
     def _choose(self, req: RouteRequest, healthy: list[Replica]) -> Decision:
-        hashes = tuple(self.hasher.hashes(req.token_ids, req.cache_salt))
+        keys = RequestHashes(req, self.hasher, self.hash_algo)
+        hashes = keys.kvstack
         total = len(hashes)
-        matches = {r.id: self.match(r.id, hashes) for r in healthy} if total else {}
+        matches = {r.id: self.match(r.id, keys) for r in healthy} if total else {}
         best_len = max(matches.values(), default=0)
         cfg = self.balance
 
@@ -117,9 +123,10 @@ class PrefixPolicy(RoutingPolicy):
 
 class KVEventsPolicy(PrefixPolicy):
     """Cache affinity on the replicas' own KV events (llm-d's KV-cache indexer): matches
-    come from ``index`` for fresh replicas and from the approximate index (still recorded
-    by ``on_routed``) for stale ones. The router feeds ``index.apply`` from each replica's
-    ``GET /v1/kv_events`` stream and calls ``index.mark_stale`` when a stream drops."""
+    come from ``vllm_index`` (ZMQ) or ``index`` (SSE) for fresh replicas and from the
+    approximate index (still recorded by ``on_routed``) for stale ones. The router feeds
+    ``index.apply`` from each replica's ``GET /v1/kv_events`` stream, ``vllm_index``
+    from its ZMQ PUB socket, and marks a replica stale when its stream drops."""
 
     name = "kv_events"
 
@@ -128,21 +135,29 @@ class KVEventsPolicy(PrefixPolicy):
         hasher: BlockHasher,
         balance: BalanceConfig | None = None,
         capacity_blocks: int = 65536,
+        hash_algo: str = "sha256",
         recent_blocks: int = 256,
     ) -> None:
-        super().__init__(hasher, balance, capacity_blocks)
+        super().__init__(hasher, balance, capacity_blocks, hash_algo)
         self.index = EventIndex()
+        self.vllm_index = VllmEventIndex()
         # Events trail the routing by a step plus the stream's poll interval: a burst of
         # requests with one new prefix would all be misses (and spread) before the first
         # replica announces the blocks. The last ``recent_blocks`` hashes routed to a
         # replica count as held there too, so a burst follows its first request.
         self.recent = ApproxPrefixIndex(recent_blocks)
 
-    def match(self, replica_id: str, hashes: Sequence[bytes]) -> int:
-        if self.index.is_fresh(replica_id):
-            exact = self.index.match(replica_id, hashes)
-            return max(exact, self.recent.match(replica_id, hashes))
-        return self.approx.match(replica_id, hashes)
+    def match(self, replica_id: str, keys: RequestHashes) -> int:
+        hashes = keys.kvstack
+        space = self.vllm_index.keyspace(replica_id)
+        if space is not None:  # a ZMQ replica: its own hashes, its own block size
+            n = self.vllm_index.match(replica_id, keys.vllm(*space))
+            exact = n * space[0] // self.hasher.block_size
+        elif self.index.is_fresh(replica_id) or self.vllm_index.is_fresh(replica_id):
+            exact = self.index.match(replica_id, hashes)  # (a fresh ZMQ view with no block: 0)
+        else:
+            return self.approx.match(replica_id, hashes)
+        return max(exact, self.recent.match(replica_id, hashes))
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
         super().on_routed(req, decision)
@@ -151,9 +166,11 @@ class KVEventsPolicy(PrefixPolicy):
     def remove_replica(self, replica_id: str) -> None:
         super().remove_replica(replica_id)
         self.index.remove_replica(replica_id)
+        self.vllm_index.remove_replica(replica_id)
         self.recent.remove_replica(replica_id)
 
     def check_integrity(self) -> None:
         super().check_integrity()
         self.index.check_integrity()
+        self.vllm_index.check_integrity()
         self.recent.check_integrity()

@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import kvstack
 from kvstack.route.policy import RoutingPolicy
 from kvstack.route.router.backends import BackendPool
+from kvstack.route.router.event_sources import EventEndpoints
 from kvstack.route.router.proxy import SERVING_ROLES, PolicyFactory, ProxyConfig, Router
 from kvstack.serve.http_errors import ApiError, check_bearer, install_error_handlers, read_body
 
@@ -49,6 +50,9 @@ class RouterConfig:
     body_timeout_s: float | None = 30.0  # a client's whole body (408 past it)
     status_interval_s: float | None = 10.0  # None: no periodic status line
     policy_name: str | None = None  # shown by /router/state before a factory builds it
+    # --policy kv_events: backends followed over ZMQ (event_sources.py), and the topic.
+    event_endpoints: EventEndpoints = field(default_factory=EventEndpoints)
+    event_topic: str = ""
 
 
 def status_line(router: Router) -> str:
@@ -87,7 +91,13 @@ def create_router_app(
         pool,
         policy,
         tokenizer,
-        ProxyConfig(cfg.request_timeout_s, cfg.prefill_timeout_s, cfg.idle_timeout_s),
+        ProxyConfig(
+            cfg.request_timeout_s,
+            cfg.prefill_timeout_s,
+            cfg.idle_timeout_s,
+            event_endpoints=cfg.event_endpoints,
+            event_topic=cfg.event_topic,
+        ),
     )
 
     @asynccontextmanager

@@ -18,12 +18,13 @@ kept out of the pool (logged) since its cache could never match. A vLLM backend 
 ``/load`` (404): its load comes from vLLM's ``/metrics`` (``vllm_load.py``).
 
 ``discover_dns="svc:8000"`` adds and removes backends as a name's A/AAAA records change
-(``discovery.DnsDiscovery``; a Kubernetes headless Service). With an events index
-(:meth:`follow_events`), every backend also gets an ``events_client.EventFollower``.
+(``discovery.DnsDiscovery``; a Kubernetes headless Service). With event feeds
+(:meth:`follow_events`), every backend also gets an ``event_sources.EventSource``: its
+SSE stream, or its ZMQ publisher where the feeds know an endpoint for it.
 
 Invariants (:meth:`check_integrity`): ``backends[url].replica.id == url``; ``healthy`` iff
 its ``down`` event is clear; a healthy backend has fewer than ``fail_threshold``
-consecutive failures and no model mismatch; with an events index every backend has a
+consecutive failures and no model mismatch; with event feeds every backend has a
 follower. Not thread-safe: one event loop owns the pool.
 """
 
@@ -48,7 +49,7 @@ from kvstack.route.router.discovery import (
     Resolver,
     normalize_url,
 )
-from kvstack.route.router.events_client import EventFollower, EventSink
+from kvstack.route.router.event_sources import EventFeeds, EventSource
 from kvstack.route.router.vllm_load import load_from_metrics
 from kvstack.serve.server import ROLES
 
@@ -112,7 +113,7 @@ class Backend:
     mismatch: str | None = None
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while not healthy
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # recheck now
-    follower: EventFollower | None = None
+    follower: EventSource | None = None
     task: asyncio.Task[None] | None = None
 
     @property
@@ -161,7 +162,7 @@ class BackendPool:
         self.backends: dict[str, Backend] = {}
         self.block_size: int | None = None
         self.model_id: str | None = None
-        self.events_index: EventSink | None = None
+        self.feeds: EventFeeds | None = None
         self.on_model_info: list[Callable[[int, str], None]] = []
         self.on_ejected: list[Callable[[str], None]] = []
         self.on_removed: list[Callable[[str], None]] = []
@@ -237,21 +238,20 @@ class BackendPool:
             await self.session.close()
             self.session = None
 
-    def follow_events(self, index: EventSink) -> None:
-        """Feed ``index`` from every backend's ``/v1/kv_events`` (now and when added)."""
-        self.events_index = index
+    def follow_events(self, feeds: EventFeeds) -> None:
+        """Feed the policy's indexes from every backend's events (now and when added)."""
+        self.feeds = feeds
         if self.session is not None:
             for b in self.backends.values():
                 self._start_follower(b)
 
     def _start_follower(self, b: Backend) -> None:
-        if self.events_index is None:
+        if self.feeds is None:
             return
         if b.follower is None:
-            b.follower = EventFollower(
-                b.id, b.url, self.events_index, session=self.session, headers=self.headers,
-                idle_timeout=self.events_idle_timeout,
-            )  # fmt: skip
+            b.follower = self.feeds.source(
+                b.url, self.session, self.headers, self.events_idle_timeout
+            )
         b.follower.start()
 
     def _start_backend(self, b: Backend) -> None:
@@ -410,9 +410,7 @@ class BackendPool:
             row = {k: getattr(b, k) for k in _STATE_FIELDS}
             row.update(id=b.id, healthy=r.healthy, load=r.load, inflight=r.inflight,
                        running=r.running, waiting=r.waiting, kv_usage=r.kv_usage)  # fmt: skip
-            row["events"] = None
-            if b.follower is not None and self.events_index is not None:
-                row["events"] = {"fresh": self.events_index.is_fresh(b.id), **b.follower.state()}
+            row["events"] = None if b.follower is None else b.follower.state()
             out.append(row)
         return out
 
@@ -425,5 +423,5 @@ class BackendPool:
             if b.healthy:
                 assert b.admitted and b.mismatch is None, f"{url}: healthy but not admitted"
                 assert b.consecutive_failures < self.fail_threshold, f"{url}: should be ejected"
-            if self.events_index is not None and self.session is not None:
+            if self.feeds is not None and self.session is not None:
                 assert b.follower is not None, f"{url}: no event follower"

@@ -2,6 +2,8 @@
 
     kvstack router --backend http://10.0.0.5:8000 --backend http://10.0.0.6:8000
     kvstack router --discover-dns kvstack-engine-headless:8000 --policy kv_events
+    kvstack router --backend http://10.0.0.7:8000 \
+        --kv-events-endpoint http://10.0.0.7:8000=tcp://10.0.0.7:5557,tcp://10.0.0.7:5558
 
 It picks a replica per request (``route.policy``) and proxies; it never places, scales or
 restarts replicas. Bad options raise ``ConfigError`` before anything starts (the CLI prints
@@ -18,10 +20,11 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstack.errors import ConfigError
+from kvstack.kv.vllm_hashing import HASH_ALGOS, NON_CRYPTO_ALGOS, hash_function
 from kvstack.route.policy import ROUTING_POLICIES, BalanceConfig, RoutingPolicy, make_policy
 from kvstack.route.router.discovery import (
     MAX_DISCOVERED,
@@ -29,6 +32,7 @@ from kvstack.route.router.discovery import (
     parse_dns_target,
     parse_networks,
 )
+from kvstack.route.router.event_sources import EventEndpoints
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -117,10 +121,37 @@ def _add_routing_args(r: argparse._ArgumentGroup) -> None:
         "--prefix-capacity-blocks", type=int, default=65536,
         help="block hashes the approximate index remembers per replica (default 65536)",
     )  # fmt: skip
+    _add_event_args(r)
     r.add_argument(
         "--prefill-timeout", type=float, default=30.0,
         help="seconds the prefill step of a prefill/decode pair may take before the "
         "decode replica recomputes the prompt (default 30)",
+    )  # fmt: skip
+
+
+def _add_event_args(r: argparse._ArgumentGroup) -> None:
+    """Where ``--policy kv_events`` reads each backend's events (``event_sources.py``)."""
+    r.add_argument(
+        "--kv-events-endpoint", action="append", default=[], metavar="BACKEND=PUB[,REPLAY]",
+        help="follow BACKEND's ZMQ KV events (vLLM's KVEventBatch; a vLLM or kvstack "
+        "replica started with --kv-events-config) instead of its SSE stream, e.g. "
+        "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 (the second "
+        "endpoint: its replay socket); repeatable",
+    )  # fmt: skip
+    r.add_argument(
+        "--kv-events-port", default=None, metavar="PORT[,REPLAY_PORT]",
+        help="follow every other backend (--discover-dns ones included) over ZMQ at "
+        "tcp://<its host>:PORT (and its replay socket at REPLAY_PORT)",
+    )  # fmt: skip
+    r.add_argument(
+        "--kv-events-topic", default="",
+        help="ZMQ topic to subscribe to: the publishers' KVEventsConfig topic (default: all)",
+    )  # fmt: skip
+    r.add_argument(
+        "--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+        help="the ZMQ publishers' --prefix-caching-hash-algo: the router recomputes their "
+        "block hashes from each prompt (default sha256, vLLM's); with xxhash set the same "
+        "PYTHONHASHSEED as the engines",
     )  # fmt: skip
 
 
@@ -162,6 +193,7 @@ class RouterSettings:
 
     backends: tuple[str, ...]
     balance: BalanceConfig
+    event_endpoints: EventEndpoints = field(default_factory=EventEndpoints)
 
 
 def validate_router_args(a: argparse.Namespace) -> RouterSettings:
@@ -204,7 +236,25 @@ def validate_router_args(a: argparse.Namespace) -> RouterSettings:
     except ConfigError as e:
         msg = str(e).replace("balance_", "--balance-").replace("min_match_", "--min-match-")
         raise ConfigError(msg) from None
-    return RouterSettings(tuple(backends), balance)
+    return RouterSettings(tuple(backends), balance, _event_endpoints(a, backends))
+
+
+def _event_endpoints(a: argparse.Namespace, backends: list[str]) -> EventEndpoints:
+    ends = EventEndpoints.parse(a.kv_events_endpoint, a.kv_events_port)
+    if ends.any and a.policy != "kv_events":
+        raise ConfigError("--kv-events-endpoint / --kv-events-port need --policy kv_events")
+    for url in ends.explicit:
+        if url not in backends and not a.discover_dns:
+            raise ConfigError(f"--kv-events-endpoint: {url} is not a --backend")
+    algo = a.prefix_caching_hash_algo
+    if ends.any and algo in NON_CRYPTO_ALGOS and "PYTHONHASHSEED" not in os.environ:
+        raise ConfigError(
+            f"--prefix-caching-hash-algo {algo} seeds every process at random unless "
+            "PYTHONHASHSEED is set (vLLM's rule): set the engines' PYTHONHASHSEED here too"
+        )
+    if ends.any and algo != "builtin":
+        hash_function(algo)  # xxhash without its package: now
+    return ends
 
 
 def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[BackendPool, FastAPI]:
@@ -234,7 +284,7 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
                     model_id)  # fmt: skip
         return make_policy(
             a.policy, block_size=block_size, model_id=model_id, balance=settings.balance,
-            capacity_blocks=a.prefix_capacity_blocks,
+            capacity_blocks=a.prefix_capacity_blocks, hash_algo=a.prefix_caching_hash_algo,
         )  # fmt: skip
 
     app = create_router_app(
@@ -243,6 +293,7 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
             api_key=a.api_key, max_body_bytes=a.max_body_bytes,
             request_timeout_s=a.request_timeout, prefill_timeout_s=a.prefill_timeout,
             idle_timeout_s=a.idle_timeout, policy_name=a.policy,
+            event_endpoints=settings.event_endpoints, event_topic=a.kv_events_topic,
         ),
     )  # fmt: skip
     return pool, app

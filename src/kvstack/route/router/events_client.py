@@ -116,6 +116,10 @@ class EventFollower:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def fresh(self) -> bool:
+        return self.index.is_fresh(self.replica_id)
+
     def start(self) -> None:
         """Start following (idempotent); needs a running event loop."""
         if not self.running:
@@ -140,6 +144,8 @@ class EventFollower:
 
     def state(self) -> dict[str, Any]:
         return {
+            "source": "sse",
+            "fresh": self.fresh,
             "connected": self.connected,
             "connects": self.connects,
             "disconnects": self.disconnects,

@@ -30,15 +30,24 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Collection, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from starlette.responses import JSONResponse, Response
 
-from kvstack.route.policy import Decision, NoReplicaError, RouteRequest, RoutingPolicy
+from kvstack.route.policy import (
+    Decision,
+    KVEventsPolicy,
+    NoReplicaError,
+    RouteRequest,
+    RoutingPolicy,
+)
+from kvstack.route.policy.kv_index import EventIndex
 from kvstack.route.policy.prompt import prompt_info
+from kvstack.route.policy.vllm_index import VllmEventIndex
 from kvstack.route.router.backends import Backend, BackendPool
+from kvstack.route.router.event_sources import EventEndpoints, EventFeeds
 from kvstack.route.router.metrics import RouterMetrics
 from kvstack.route.router.relay import relay_response
 from kvstack.serve.protocol import error_body
@@ -62,6 +71,9 @@ class ProxyConfig:
     # on a backend that accepted and went quiet (issue 20, finding 5).
     idle_timeout_s: float | None = 600.0
     connect_timeout_s: float = 10.0
+    # ``--policy kv_events``: the backends followed over ZMQ (the others: SSE), the topic.
+    event_endpoints: EventEndpoints = field(default_factory=EventEndpoints)
+    event_topic: str = ""
 
 
 # Answers that say the backend cannot serve (a gateway in front of it failed, it is
@@ -110,6 +122,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self._policy: RoutingPolicy | None = None
         self._factory: PolicyFactory | None = None
+        self._feeds: EventFeeds | None = None
         if isinstance(policy, RoutingPolicy):
             self._install(policy)
         else:
@@ -140,9 +153,17 @@ class Router:
 
     def _install(self, policy: RoutingPolicy) -> None:
         self._policy = policy
-        index = getattr(policy, "index", None)
-        if index is not None:
-            self.pool.follow_events(index)
+        if not isinstance(policy, KVEventsPolicy):
+            return
+        if self._feeds is not None:  # following since start(): the policy adopts the indexes
+            policy.index, policy.vllm_index = self._feeds.sse_index, self._feeds.vllm_index
+        else:
+            self._follow(policy.index, policy.vllm_index)
+
+    def _follow(self, sse_index: EventIndex, vllm_index: VllmEventIndex) -> None:
+        cfg = self.config
+        self._feeds = EventFeeds(sse_index, vllm_index, cfg.event_endpoints, cfg.event_topic)
+        self.pool.follow_events(self._feeds)
 
     def _forget(self, replica_id: str) -> None:
         # Ejected or removed: it may come back restarted with an empty cache.
@@ -162,6 +183,10 @@ class Router:
                     sock_read=self.config.idle_timeout_s,
                 ),
             )
+        if self._policy is None and self.config.event_endpoints.any and self._feeds is None:
+            # ZMQ backends (vLLM's) have no /load to build the policy from: follow their
+            # events from the start; the policy, once built, adopts these indexes.
+            self._follow(EventIndex(), VllmEventIndex())
         await self.pool.start()
 
     async def stop(self) -> None:
