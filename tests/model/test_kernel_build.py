@@ -30,3 +30,14 @@ def test_build_dir_is_per_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     fake_cpuinfo(monkeypatch, "model name\t: EPYC\nflags\t\t: avx512f\n")
     b = kernels.build_dir()
     assert a != b and a.parent == b.parent == tmp_path and a.is_dir() and b.is_dir()
+
+
+def test_a_killed_builds_lock_is_cleared(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    assert not kernels.clear_stale_lock(tmp_path)  # none
+    lock.touch()
+    now = lock.stat().st_mtime
+    assert not kernels.clear_stale_lock(tmp_path, now + 60)  # a build may be running
+    assert lock.exists()
+    assert kernels.clear_stale_lock(tmp_path, now + kernels.STALE_LOCK_S + 1)
+    assert not lock.exists()

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,24 @@ def build_dir() -> Path:
     return path
 
 
+STALE_LOCK_S = 15 * 60  # a build takes ~1-3 min; an older lock is a killed build's
+
+
+def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """Remove ``directory/lock`` when it is older than ``STALE_LOCK_S``: torch's build
+    waits forever on the lock file a killed build left behind. Returns whether it did."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def note_fallback(kernel: str, reason: str, count: int = 1) -> None:
     """Count a use of the PyTorch path where ``kernel`` was meant to run."""
     key = (kernel, reason)
@@ -97,6 +116,7 @@ def load_kernels() -> Kernels | None:
             from torch.utils.cpp_extension import load
 
             logger.info("building kvstack C++ kernels (first use on this machine)...")
+            clear_stale_lock(build_dir())
             load(
                 name="kvstack_kernels",
                 is_python_module=False,

@@ -127,7 +127,16 @@ void amx_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
   configure_tiles();  // per task: oneDNN may have loaded another configuration
   const int64_t kblocks = K / 32, tile_elems = 512 * kblocks;  // one 16-column block
   alignas(64) float scratch[256];
-  std::vector<at::BFloat16> pad;  // zero-padded copy of a short row block
+  // The last row block, when it is not 16 or 32 rows, copied once into a zero-padded
+  // buffer (tile loads read whole 16-row tiles; re-padding per column pair cost more
+  // than the product at M = 1).
+  const int64_t tail = M % 32, tail_start = M - tail;
+  const bool pad_tail = tail != 0 && tail != 16;
+  std::vector<at::BFloat16> pad;
+  if (pad_tail) {
+    pad.assign((tail > 16 ? 32 : 16) * K, at::BFloat16(0.0f));
+    for (int64_t i = 0; i < tail; ++i) std::memcpy(&pad[i * K], x + (tail_start + i) * lda, 2 * K);
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m_end = std::min(M, m0 + kRowChunk);
     for (int64_t p = pair_begin; p < pair_end; ++p) {
@@ -136,15 +145,10 @@ void amx_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
       const at::BFloat16* b1 = nb + 1 < nblocks ? b0 + tile_elems : nullptr;
       for (int64_t r = m0; r < m_end; r += 32) {
         const int64_t rows = std::min<int64_t>(32, m_end - r);
-        const at::BFloat16* a = x + r * lda;
-        int64_t a_ld = lda;
-        if (rows != 32 && rows != 16) {  // tile loads read whole 16-row tiles
-          pad.assign(32 * K, at::BFloat16(0.0f));
-          for (int64_t i = 0; i < rows; ++i) std::memcpy(&pad[i * K], a + i * lda, 2 * K);
-          a = pad.data();
-          a_ld = K;
-        }
-        tile_block(a, a_ld, rows, b0, b1, kblocks, y + r * ldy + 16 * nb, ldy, scratch);
+        const bool padded = pad_tail && r == tail_start;
+        const at::BFloat16* a = padded ? pad.data() : x + r * lda;
+        tile_block(a, padded ? K : lda, rows, b0, b1, kblocks, y + r * ldy + 16 * nb, ldy,
+                   scratch);
       }
     }
   }
