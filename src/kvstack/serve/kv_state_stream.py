@@ -1,0 +1,113 @@
+"""``GET /v1/kv/state``: periodic snapshots of the KV cache as Server-Sent Events.
+
+The web view (``serve/static/``) reads this stream with ``fetch()`` (so the API key
+travels in an ``Authorization`` header, never in a URL) and redraws its block map,
+charts and request timeline from each frame. Wire format: one ``data: <json>`` line and
+a blank line per snapshot, the JSON being ``serve/kv_state.py``'s dict plus
+``"snapshot": n`` (the server-wide number of the snapshot: a gap means frames a slow
+reader never saw).
+
+Invariants:
+
+* No viewer, no work: snapshots are taken only for an open stream (``num_snapshots``
+  counts them; it stays 0 on a server nobody watches).
+* Throttled: at most one snapshot per ``min_interval_s`` for the whole server, shared by
+  every viewer (two viewers cost what one does); a stream sends at most one frame per
+  its ``interval_s`` (clamped to ``[min_interval_s, max_interval_s]``).
+* Bounded per connection: a stream holds one frame, the newest. The next snapshot is
+  taken only after the previous frame was handed to the transport, so a reader that
+  stops reading stalls its own stream (it then skips to the newest snapshot) and never
+  queues frames on the server.
+* At most ``max_viewers`` streams at once; ``open_stream`` returns None past it (429).
+* Snapshots run on the engine thread (``AsyncEngine.kv_state``); the JSON encoding of a
+  large one runs in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvstack.serve.async_engine import AsyncEngine, EngineDeadError
+
+
+def _encode(state: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(state, separators=(",", ":")).encode() + b"\n\n"
+
+
+class KVStateStream:
+    """Serves ``/v1/kv/state`` to at most ``max_viewers`` streams (module docstring)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        max_viewers: int = 4,
+        min_interval_s: float = 0.25,
+        max_interval_s: float = 10.0,
+        max_cells: int = 4096,
+    ) -> None:
+        self.engine = engine
+        self.max_viewers = max_viewers
+        self.min_interval_s = min_interval_s
+        self.max_interval_s = max_interval_s
+        self.max_cells = max_cells
+        self.num_snapshots = 0  # taken on the engine thread, ever
+        self.num_viewers = 0  # streams started and not ended (event loop only)
+        self._latest: tuple[float, bytes] | None = None  # (monotonic time taken, frame)
+        self._pending: asyncio.Future[bytes] | None = None  # the snapshot being taken
+
+    def clamp(self, interval_s: float) -> float:
+        return min(self.max_interval_s, max(self.min_interval_s, interval_s))
+
+    def open_stream(self, interval_s: float) -> AsyncIterator[bytes] | None:
+        """One viewer's stream, or None when ``max_viewers`` are open. The slot is held
+        until the stream object is gone (ended, or dropped unstarted)."""
+        if self.num_viewers >= self.max_viewers:
+            return None
+        self.num_viewers += 1
+        gen = self._stream(self.clamp(interval_s))
+        weakref.finalize(gen, self._release)
+        return gen
+
+    def _release(self) -> None:
+        self.num_viewers -= 1
+
+    def _snapshot(self) -> dict[str, Any]:  # engine thread
+        self.num_snapshots += 1
+        state = self.engine.kv_state(self.max_cells)
+        state["snapshot"] = self.num_snapshots
+        return state
+
+    async def _take(self) -> bytes:
+        state = await self.engine.run(self._snapshot)
+        frame = await asyncio.get_running_loop().run_in_executor(None, _encode, state)
+        self._latest = (time.monotonic(), frame)
+        return frame
+
+    async def frame(self) -> bytes:
+        """The newest frame: the shared one if it is younger than ``min_interval_s``,
+        else a new snapshot (one at a time for all viewers)."""
+        latest = self._latest
+        if latest is not None and time.monotonic() - latest[0] < self.min_interval_s:
+            return latest[1]
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(self._take())
+        return await asyncio.shield(self._pending)
+
+    async def _stream(self, interval_s: float) -> AsyncIterator[bytes]:
+        sent: bytes | None = None
+        while self.engine.alive:
+            started = time.monotonic()
+            try:
+                frame = await self.frame()
+            except EngineDeadError:
+                return
+            if frame is not sent:
+                yield frame
+                sent = frame
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -1,0 +1,67 @@
+"""The web view: the page at ``GET /`` (static files from ``serve/static/``), its state
+stream ``GET /v1/kv/state`` and the prefix list ``GET /v1/kv/prefixes``.
+
+The page and its scripts are static and hold no data, so they need no key; everything
+the page shows comes from the API routes, which need the API key like any other (the
+page asks for it, keeps it in memory and sends it as ``Authorization: Bearer``). The
+files are plain ES modules and CSS committed under the package: no CDN, no build step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from kvstack.serve.context import ServerContext
+from kvstack.serve.http_errors import ApiError
+from kvstack.serve.kv_state_stream import KVStateStream
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def _interval(raw: Request) -> float:
+    """``?interval_ms=`` as seconds (default 500 ms); 400 when not a number."""
+    value = raw.query_params.get("interval_ms", "500")
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ApiError(400, "interval_ms must be a number", param="interval_ms") from None
+    if not ms == ms or ms in (float("inf"), float("-inf")):
+        raise ApiError(400, "interval_ms must be finite", param="interval_ms")
+    return ms / 1000.0
+
+
+def ui_router(ctx: ServerContext, state: KVStateStream) -> APIRouter:
+    r = APIRouter()
+    engine = ctx.engine
+
+    @r.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @r.get("/v1/kv/state")
+    async def kv_state(raw: Request) -> Response:
+        """Snapshots of the KV cache as Server-Sent Events (``serve/kv_state_stream.py``)."""
+        ctx.check_auth(raw)
+        interval = _interval(raw)
+        if not engine.alive:
+            raise ApiError(503, "engine loop is not running", "server_error")
+        stream = state.open_stream(interval)
+        if stream is None:
+            raise ApiError(
+                429, f"{state.max_viewers} KV state streams are open already",
+                "rate_limit_error", headers={"Retry-After": "5"},
+            )  # fmt: skip
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+    return r
+
+
+def mount_ui(app: FastAPI, ctx: ServerContext, state: KVStateStream) -> None:
+    """Add the page, its static files and its API routes to ``app``."""
+    app.include_router(ui_router(ctx, state))
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
