@@ -44,6 +44,7 @@ from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.serve.kv_state import RecentRequests, build_state
 from kvstack.serve.metrics import ServerMetrics
+from kvstack.serve.prefix_view import PrefixTree, build_prefix_tree
 from kvstack.serve.output_stream import (
     OutputSlot,
     OutputStream,
@@ -216,6 +217,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
         info.params = params
+        info.salted = cache_salt is not None
         stream = StreamQueue(asyncio.get_running_loop(), OutputSlot(), info)
         self._streams[request_id] = stream
 
@@ -293,6 +295,11 @@ class AsyncEngine:
         """The web view's snapshot (``serve/kv_state.py``). Engine thread only."""
         assert threading.current_thread() is self._loop_thread, "engine thread only"
         return build_state(self._llm_engine, self.stats, self.recent, max_cells=max_cells)
+
+    def prefix_tree(self, limit: int) -> PrefixTree:
+        """The hottest cached prefixes (``serve/prefix_view.py``). Engine thread only."""
+        assert threading.current_thread() is self._loop_thread, "engine thread only"
+        return build_prefix_tree(self._llm_engine, self.recent, limit)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
@@ -401,7 +408,9 @@ class AsyncEngine:
         reason = out.outputs[0].finish_reason if out.outputs else None
         try:
             last = info.last_token or now
-            self.recent.add(out, info.endpoint, info.first_token, last, info.arrival, reason)
+            self.recent.add(
+                out, info.endpoint, info.first_token, last, info.arrival, reason, info.salted
+            )
             if self.metrics is not None:
                 self.metrics.on_finished(out, info, now, reason or "error")
             if self._request_log is not None:

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvstack.engine import LLMEngine
 from kvstack.kv.block_view import view_blocks
 from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.press import PRESSES
 from kvstack.request import RequestOutput
 from kvstack.stats import EngineStats
 
 MAX_RUNNING = 64  # running requests listed in one snapshot
 OUTPUT_CHARS = 200  # characters of a finished request's output kept
+PROMPT_HEAD_TOKENS = 1024  # prompt tokens kept per request for the prefix tree
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ class RecentRequest:
     itl_s: float | None  # mean inter-token latency of the request
     finish_reason: str | None
     output: str
+    salted: bool  # had a cache_salt: its prefix is a tenant's, never listed in the tree
+    # The first PROMPT_HEAD_TOKENS prompt ids (the prefix tree hashes them; not sent).
+    prompt_head: tuple[int, ...] = field(default=(), repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        del d["prompt_head"]
+        return d
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -69,7 +79,7 @@ class RecentRequests:
 
     def add(
         self, out: RequestOutput, endpoint: str, first: float | None, last: float | None,
-        arrival: float, reason: str | None,
+        arrival: float, reason: str | None, salted: bool = False,
     ) -> None:  # fmt: skip
         """Record a finished request (monotonic ``first``/``last`` token and ``arrival``)."""
         n_prompt = len(out.prompt_token_ids)
@@ -85,6 +95,7 @@ class RecentRequests:
                 out.request_id, endpoint, time.time(), n_prompt, device, by_tier,
                 max(0, n_prompt - out.num_cached_tokens), n_out,
                 None if first is None else first - arrival, itl, reason, text[:OUTPUT_CHARS],
+                salted, tuple(out.prompt_token_ids[:PROMPT_HEAD_TOKENS]),
             )
         )  # fmt: skip
 
@@ -98,7 +109,7 @@ class RecentRequests:
 
     def last(self, n: int) -> list[dict[str, Any]]:
         items = list(self.items)[-n:] if n > 0 else []
-        return [asdict(r) for r in items]
+        return [r.to_dict() for r in items]
 
 
 def _counters(s: EngineStats, recent: RecentRequests) -> dict[str, Any]:
@@ -130,6 +141,7 @@ def build_state(
         "prefix_cache": cc.prefix_cache if kv.enable_prefix_caching else "none",
         "eviction_policy": cc.eviction_policy,
         "kv_layout": cc.kv_layout,
+        "presses": list(PRESSES.names()),
         "tiers": {name: asdict(t) for name, t in stats.offload.items()},
         "counters": _counters(stats, recent),
         "running": [

@@ -9,7 +9,9 @@ files are plain ES modules and CSS committed under the package: no CDN, no build
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
@@ -20,6 +22,8 @@ from kvstack.serve.http_errors import ApiError
 from kvstack.serve.kv_state_stream import KVStateStream
 
 STATIC_DIR = Path(__file__).parent / "static"
+TEXT_TOKENS = 24  # tokens of each prefix node decoded for the page
+PREFIX_TREE_MIN_S = 1.0  # one tree per second at most, whoever asks
 
 
 def _interval(raw: Request) -> float:
@@ -32,6 +36,13 @@ def _interval(raw: Request) -> float:
     if not ms == ms or ms in (float("inf"), float("-inf")):
         raise ApiError(400, "interval_ms must be finite", param="interval_ms")
     return ms / 1000.0
+
+
+def _limit(raw: Request) -> int:
+    value = raw.query_params.get("limit", "40")
+    if not value.isdigit() or not 1 <= int(value) <= 200:
+        raise ApiError(400, "limit must be an integer in [1, 200]", param="limit")
+    return int(value)
 
 
 def ui_router(ctx: ServerContext, state: KVStateStream) -> APIRouter:
@@ -57,6 +68,28 @@ def ui_router(ctx: ServerContext, state: KVStateStream) -> APIRouter:
             )  # fmt: skip
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+    trees: dict[int, tuple[float, dict[str, Any]]] = {}  # limit -> (monotonic, tree)
+
+    @r.get("/v1/kv/prefixes")
+    async def prefixes(raw: Request) -> dict[str, Any]:
+        """The hottest cached prefixes as a tree (``serve/prefix_view.py``)."""
+        ctx.check_auth(raw)
+        limit = _limit(raw)
+        got = trees.get(limit)
+        if got is not None and time.monotonic() - got[0] < PREFIX_TREE_MIN_S:
+            return got[1]
+        tree = await engine.run(lambda: engine.prefix_tree(limit))
+
+        def decode() -> dict[str, Any]:
+            for n in tree.nodes:
+                n.text = ctx.tokenizer.decode(n.ids[:TEXT_TOKENS], skip_special_tokens=False)
+            return tree.to_dict()
+
+        out = await ctx.off_loop(decode)
+        trees.clear()  # one cached tree: bounded whatever limits clients send
+        trees[limit] = (time.monotonic(), out)
+        return out
 
     return r
 
