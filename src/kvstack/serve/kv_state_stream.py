@@ -29,10 +29,44 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from kvstack.serve.async_engine import AsyncEngine, EngineDeadError
+
+
+class ViewerStream:
+    """One viewer's frames; ``aclose`` (idempotent) ends them and frees the slot."""
+
+    def __init__(self, gen: AsyncGenerator[bytes, None], release: Callable[[], None]) -> None:
+        self._gen = gen
+        self._release = weakref.finalize(self, release)  # runs once: closed, or collected
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._gen
+
+    async def aclose(self) -> None:
+        self._release()
+        await self._gen.aclose()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its ``ViewerStream`` when it ends, however it
+    ends: Starlette cancels the sending task when the client disconnects and leaves the
+    generator suspended, which would hold the viewer's slot until garbage collection."""
+
+    def __init__(self, stream: ViewerStream, **kw: Any) -> None:
+        super().__init__(stream, **kw)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.aclose()
 
 
 def _encode(state: dict[str, Any]) -> bytes:
@@ -64,15 +98,14 @@ class KVStateStream:
     def clamp(self, interval_s: float) -> float:
         return min(self.max_interval_s, max(self.min_interval_s, interval_s))
 
-    def open_stream(self, interval_s: float) -> AsyncIterator[bytes] | None:
+    def open_stream(self, interval_s: float) -> ViewerStream | None:
         """One viewer's stream, or None when ``max_viewers`` are open. The slot is held
-        until the stream object is gone (ended, or dropped unstarted)."""
+        until the stream is closed (``ViewerStream.aclose``: the response ends or the
+        client left) or, for one never started, garbage collected."""
         if self.num_viewers >= self.max_viewers:
             return None
         self.num_viewers += 1
-        gen = self._stream(self.clamp(interval_s))
-        weakref.finalize(gen, self._release)
-        return gen
+        return ViewerStream(self._stream(self.clamp(interval_s)), self._release)
 
     def _release(self) -> None:
         self.num_viewers -= 1
@@ -99,7 +132,7 @@ class KVStateStream:
             self._pending = asyncio.ensure_future(self._take())
         return await asyncio.shield(self._pending)
 
-    async def _stream(self, interval_s: float) -> AsyncIterator[bytes]:
+    async def _stream(self, interval_s: float) -> AsyncGenerator[bytes, None]:
         sent: bytes | None = None
         while self.engine.alive:
             started = time.monotonic()

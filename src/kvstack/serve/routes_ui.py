@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from kvstack.serve.context import ServerContext
 from kvstack.serve.http_errors import ApiError
-from kvstack.serve.kv_state_stream import KVStateStream
+from kvstack.serve.kv_state_stream import ClosingStreamingResponse, KVStateStream
 
 STATIC_DIR = Path(__file__).parent / "static"
 TEXT_TOKENS = 24  # tokens of each prefix node decoded for the page
@@ -67,7 +67,7 @@ def ui_router(ctx: ServerContext, state: KVStateStream) -> APIRouter:
                 "rate_limit_error", headers={"Retry-After": "5"},
             )  # fmt: skip
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return ClosingStreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     trees: dict[int, tuple[float, dict[str, Any]]] = {}  # limit -> (monotonic, tree)
 
