@@ -108,7 +108,8 @@ def serve_uvicorn(app: Any, **options: Any) -> Iterator[str]:
 
     from kvstack.serve.server import ServerOptions, uvicorn_config
 
-    opts = ServerOptions(port=free_port(), **options)
+    options.setdefault("port", free_port())
+    opts = ServerOptions(**options)
     server = uvicorn.Server(uvicorn_config(app, opts))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()

@@ -19,6 +19,8 @@ Invariants:
   stops reading stalls its own stream (it then skips to the newest snapshot) and never
   queues frames on the server.
 * At most ``max_viewers`` streams at once; ``open_stream`` returns None past it (429).
+* ``close`` (the server's first SIGTERM) ends every stream within one interval, so a
+  graceful shutdown does not wait its whole grace period for an open page.
 * Snapshots run on the engine thread (``AsyncEngine.kv_state``); the JSON encoding of a
   large one runs in a worker thread, never on the event loop.
 """
@@ -94,6 +96,12 @@ class KVStateStream:
         self.num_viewers = 0  # streams started and not ended (event loop only)
         self._latest: tuple[float, bytes] | None = None  # (monotonic time taken, frame)
         self._pending: asyncio.Future[bytes] | None = None  # the snapshot being taken
+        self.closed = False  # set by ``close``: streams end within one interval
+
+    def close(self) -> None:
+        """End every stream within one interval and refuse new ones (server shutdown:
+        a stream never ends by itself, and uvicorn waits for open responses)."""
+        self.closed = True
 
     def clamp(self, interval_s: float) -> float:
         return min(self.max_interval_s, max(self.min_interval_s, interval_s))
@@ -102,7 +110,7 @@ class KVStateStream:
         """One viewer's stream, or None when ``max_viewers`` are open. The slot is held
         until the stream is closed (``ViewerStream.aclose``: the response ends or the
         client left) or, for one never started, garbage collected."""
-        if self.num_viewers >= self.max_viewers:
+        if self.num_viewers >= self.max_viewers or self.closed:
             return None
         self.num_viewers += 1
         return ViewerStream(self._stream(self.clamp(interval_s)), self._release)
@@ -134,7 +142,7 @@ class KVStateStream:
 
     async def _stream(self, interval_s: float) -> AsyncGenerator[bytes, None]:
         sent: bytes | None = None
-        while self.engine.alive:
+        while self.engine.alive and not self.closed:
             started = time.monotonic()
             try:
                 frame = await self.frame()

@@ -58,8 +58,8 @@ def ui_router(ctx: ServerContext, state: KVStateStream) -> APIRouter:
         """Snapshots of the KV cache as Server-Sent Events (``serve/kv_state_stream.py``)."""
         ctx.check_auth(raw)
         interval = _interval(raw)
-        if not engine.alive:
-            raise ApiError(503, "engine loop is not running", "server_error")
+        if not engine.alive or state.closed:
+            raise ApiError(503, "the server is shutting down", "server_error")
         stream = state.open_stream(interval)
         if stream is None:
             raise ApiError(
