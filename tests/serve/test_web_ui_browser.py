@@ -117,6 +117,10 @@ def js(driver: Any, script: str) -> Any:
     return driver.execute_script(script)
 
 
+def text(driver: Any, id_: str) -> str:
+    return str(js(driver, f"return document.getElementById('{id_}').textContent"))
+
+
 def visible(driver: Any, id_: str) -> bool:
     return bool(js(driver, f"return !document.getElementById('{id_}').hidden"))
 
@@ -124,6 +128,10 @@ def visible(driver: Any, id_: str) -> bool:
 def totals(driver: Any) -> dict[str, int]:
     raw = js(driver, "return document.getElementById('blockmap').dataset.totals || ''")
     return json.loads(raw) if raw else {}
+
+
+def hit_rate(driver: Any) -> float:
+    return float(js(driver, "return document.getElementById('summary').dataset.hitRate"))
 
 
 def severe_logs(driver: Any) -> list[str]:
@@ -134,7 +142,9 @@ def chat(driver: Any, text: str, system: str = "", max_tokens: int = 12) -> str:
     """Send one message; returns the reply once streamed, after checking it arrived in
     more than one piece (a MutationObserver counts the bubble's updates)."""
     n_before = js(driver, "return document.querySelectorAll('.msg.assistant').length")
-    js(driver, f"""
+    js(
+        driver,
+        f"""
         document.getElementById('system').value = {json.dumps(system)};
         document.getElementById('prompt').value = {json.dumps(text)};
         document.getElementById('opt-max_tokens').value = '{max_tokens}';
@@ -147,11 +157,18 @@ def chat(driver: Any, text: str, system: str = "", max_tokens: int = 12) -> str:
                 n, {{childList: true, characterData: true, subtree: true}});
         }}).observe(document.getElementById('chat'), {{childList: true}});
         document.getElementById('send').click();
-    """)
-    wait(lambda: js(driver, f"""
+    """,
+    )
+    wait(
+        lambda: js(
+            driver,
+            f"""
         const m = document.querySelectorAll('.msg.assistant');
         return m.length > {n_before} && !m[m.length - 1].classList.contains('streaming');
-    """), what="the reply to finish streaming")
+    """,
+        ),
+        what="the reply to finish streaming",
+    )
     reply = js(driver, "const m = document.querySelectorAll('.msg.assistant'); "
                        "return m[m.length - 1].textContent")  # fmt: skip
     assert "[error" not in reply, reply
@@ -159,14 +176,16 @@ def chat(driver: Any, text: str, system: str = "", max_tokens: int = 12) -> str:
     return str(reply)
 
 
-def test_web_view_end_to_end(server: Server, driver: Any, shots: Callable[[Any, str], Path]) -> None:
+def test_web_view_end_to_end(
+    server: Server, driver: Any, shots: Callable[[Any, str], Path]
+) -> None:
     driver.get(server.url + "/")
     # No key: the key prompt, and no data on the page.
     wait(lambda: visible(driver, "key-panel"), what="the key prompt")
     assert not visible(driver, "main") and totals(driver) == {}
     js(driver, "document.getElementById('key-input').value = 'wrong';"
                "document.getElementById('key-submit').click();")  # fmt: skip
-    wait(lambda: "refused" in js(driver, "return document.getElementById('key-message').textContent"))
+    wait(lambda: "refused" in text(driver, "key-message"))
     assert not visible(driver, "main") and totals(driver) == {}
     shots(driver, "key")
     driver.get_log("browser")  # drop the expected 401s of the refused keys
@@ -178,13 +197,12 @@ def test_web_view_end_to_end(server: Server, driver: Any, shots: Callable[[Any, 
     # A chat message streams in; the usage line gives the cached-token split.
     chat(driver, SYSTEM + "When do you open?")
     cached_before = wait(lambda: totals(driver)["cached"], what="the reply's cached blocks")
-    hit_before = float(js(driver, "return document.getElementById('summary').dataset.hitRate"))
+    hit_before = hit_rate(driver)
     # Two requests sharing a (long) prefix: the second one hits it.
     chat(driver, "And on Sundays?", system=SYSTEM * 2)
     chat(driver, "Can I see the lamp room?", system=SYSTEM * 2)
     assert int(js(driver, "return document.getElementById('usage').dataset.cached")) > 0
-    wait(lambda: float(js(driver, "return document.getElementById('summary').dataset.hitRate"))
-         > hit_before, what="the hit rate to rise")  # fmt: skip
+    wait(lambda: hit_rate(driver) > hit_before, what="the hit rate to rise")
     wait(lambda: totals(driver)["cached"] > cached_before, what="more cached blocks")
     rows = js(driver, "return document.querySelectorAll('#requests tbody tr').length")
     assert rows >= 3
@@ -205,11 +223,11 @@ def test_web_view_end_to_end(server: Server, driver: Any, shots: Callable[[Any, 
 
     # A server restart: the page says the stream dropped, then reconnects on its own.
     server.stop()
-    wait(lambda: "dropped" in js(driver, "return document.getElementById('notice').textContent")
+    wait(lambda: "dropped" in text(driver, "notice")
          and visible(driver, "notice"), what="the drop notice")  # fmt: skip
     shots(driver, "dropped")
     server.start()
-    wait(lambda: "reconnected" in js(driver, "return document.getElementById('notice').textContent"),
+    wait(lambda: "reconnected" in text(driver, "notice"),
          timeout_s=30, what="the reconnect notice")  # fmt: skip
     wait(lambda: totals(driver).get("free") == 96, what="the new server's empty pool")
     errors = [m for m in severe_logs(driver) if "/v1/kv/state" not in m]  # the drop's own

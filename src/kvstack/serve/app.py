@@ -31,10 +31,10 @@ import kvstack
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.context import ServerConfig, ServerContext
 from kvstack.serve.http_errors import install_error_handlers
+from kvstack.serve.kv_state_stream import KVStateStream
 from kvstack.serve.leniency import IgnoredFieldsHeader
 from kvstack.serve.openapi import publish_models
 from kvstack.serve.protocol import REQUEST_MODELS
-from kvstack.serve.kv_state_stream import KVStateStream
 from kvstack.serve.routes_cache import cache_router
 from kvstack.serve.routes_openai import OpenAIRoutes
 from kvstack.serve.routes_ops import ops_router

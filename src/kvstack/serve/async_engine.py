@@ -44,7 +44,6 @@ from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
 from kvstack.serve.kv_state import RecentRequests, build_state
 from kvstack.serve.metrics import ServerMetrics
-from kvstack.serve.prefix_view import PrefixTree, build_prefix_tree
 from kvstack.serve.output_stream import (
     OutputSlot,
     OutputStream,
@@ -52,6 +51,7 @@ from kvstack.serve.output_stream import (
     StreamQueue,
     deliver,
 )
+from kvstack.serve.prefix_view import PrefixTree, build_prefix_tree
 from kvstack.serve.request_log import RequestLog
 from kvstack.stats import EngineStats
 

@@ -146,10 +146,13 @@ def build_state(
         "counters": _counters(stats, recent),
         "running": [
             {
-                "id": r.request_id, "prompt_tokens": r.num_prompt_tokens,
-                "computed": r.num_computed_tokens, "cached_tokens": r.num_cached_tokens,
-                "pressed_tokens": r.num_dropped, "output_tokens": len(r.output_token_ids),
-            }  # fmt: skip
+                "id": r.request_id,
+                "prompt_tokens": r.num_prompt_tokens,
+                "computed": r.num_computed_tokens,
+                "cached_tokens": r.num_cached_tokens,
+                "pressed_tokens": r.num_dropped,
+                "output_tokens": len(r.output_token_ids),
+            }
             for r in running[:MAX_RUNNING]
         ],
         "recent": recent.last(num_recent),

@@ -123,8 +123,17 @@ def build_prefix_tree(engine: LLMEngine, recent: RecentRequests, limit: int) -> 
         start = b.index * bs
         parent = node_of[p] if p is not None else -1
         nodes.append(
-            PrefixNode(nid, parent, start, start + bs, list(b.ids), b.requests, b.hits,
-                       int((start + bs) * bpt), h in kv.pins)  # fmt: skip
+            PrefixNode(
+                nid,
+                parent,
+                start,
+                start + bs,
+                list(b.ids),
+                b.requests,
+                b.hits,
+                int((start + bs) * bpt),
+                h in kv.pins,
+            )
         )
         node_of[h] = nid
         last_hash.append(h)
