@@ -178,6 +178,29 @@ def test_a_stalled_reader_stays_throttled_and_others_go_on(live: Live) -> None:
         assert len(frames(live.url, 2)) == 2
 
 
+def test_a_100k_block_server_streams_a_few_thousand_cells(tmp_path: Path) -> None:
+    """A real server whose pool has 100k blocks (a 1-layer tiny model) sends an
+    aggregated map: at most 4096 cells per frame, and a frame of well under 1 MB."""
+    cfg = tiny_llama_config(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    path = tmp_path / "t.gguf"
+    write_gguf(path, cfg, random_llama_weights(cfg))
+    llm = LLM(str(path), dtype="float32", num_blocks=100_000, max_model_len=256)
+    app = create_app(AsyncEngine(llm.engine), ServerConfig(model_name="tiny", api_key=KEY))
+    with serve_uvicorn(app) as url:
+        complete(url, "a prompt of a few blocks " * 8)
+        t0 = time.monotonic()
+        with httpx.stream("GET", url + "/v1/kv/state", headers=AUTH, timeout=60) as r:
+            line = next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+        first_frame_s = time.monotonic() - t0
+    blocks = json.loads(line[6:])["blocks"]
+    assert blocks["num_blocks"] == 100_000 and blocks["group"] == 25
+    assert len(blocks["state"]) == len(blocks["counts"]) == 4000
+    cached = sum(c[STATES.index("cached")] for c in blocks["counts"])
+    assert cached > 0 and sum(map(sum, blocks["counts"])) == 100_000
+    assert len(line) < 1_000_000, len(line)
+    assert first_frame_s < 5.0, first_frame_s
+
+
 def test_a_100k_block_pool_is_aggregated() -> None:
     """The view of a 100k-block pool is at most max_cells cells, each cell's counts
     summing to its blocks, and the owners and states of held blocks survive."""

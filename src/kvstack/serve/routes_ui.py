@@ -9,6 +9,7 @@ files are plain ES modules and CSS committed under the package: no CDN, no build
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ def _interval(raw: Request) -> float:
         ms = float(value)
     except ValueError:
         raise ApiError(400, "interval_ms must be a number", param="interval_ms") from None
-    if not ms == ms or ms in (float("inf"), float("-inf")):
+    if not math.isfinite(ms):
         raise ApiError(400, "interval_ms must be finite", param="interval_ms")
     return ms / 1000.0
 

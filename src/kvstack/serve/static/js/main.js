@@ -47,6 +47,10 @@ function setConn(kind, text) {
 
 function hideData() {
   $("main").hidden = true;
+  const map = $("blockmap");
+  delete map.dataset.totals;
+  map.getContext("2d").clearRect(0, 0, map.width, map.height);
+  $("summary").textContent = "";
   $("requests").querySelector("tbody").replaceChildren();
   $("prefix-tree").replaceChildren();
 }
