@@ -19,7 +19,7 @@ from kvstack.kv.block_view import STATES, view_blocks
 from kvstack.kv.manager import KVCacheManager
 from kvstack.serve.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
-from kvstack.serve.kv_state_stream import KVStateStream
+from kvstack.serve.kv_state_stream import MAX_ENGINE_SHARE, KVStateStream
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from server_util import serve_uvicorn
 
@@ -190,8 +190,16 @@ def test_a_100k_block_server_streams_a_few_thousand_cells(tmp_path: Path) -> Non
         complete(url, "a prompt of a few blocks " * 8)
         t0 = time.monotonic()
         with httpx.stream("GET", url + "/v1/kv/state", headers=AUTH, timeout=60) as r:
-            line = next(ln for ln in r.iter_lines() if ln.startswith("data: "))
-        first_frame_s = time.monotonic() - t0
+            lines = (ln for ln in r.iter_lines() if ln.startswith("data: "))
+            line = next(lines)
+            first_frame_s = time.monotonic() - t0
+            while time.monotonic() - t0 < 3.0:
+                next(lines)
+        state: KVStateStream = app.state.kv_state
+        # The snapshots' engine-thread time stays within MAX_ENGINE_SHARE of the time.
+        budget = 3.0 * MAX_ENGINE_SHARE / max(state.last_cost_s, 1e-3) + 2
+        assert state.num_snapshots <= max(budget, 3.0 / state.min_interval_s + 2)
+        assert state.num_snapshots * state.last_cost_s <= 3.0 * MAX_ENGINE_SHARE * 2 + 0.5
     blocks = json.loads(line[6:])["blocks"]
     assert blocks["num_blocks"] == 100_000 and blocks["group"] == 25
     assert len(blocks["state"]) == len(blocks["counts"]) == 4000

@@ -13,7 +13,10 @@ Invariants:
   counts them; it stays 0 on a server nobody watches).
 * Throttled: at most one snapshot per ``min_interval_s`` for the whole server, shared by
   every viewer (two viewers cost what one does); a stream sends at most one frame per
-  its ``interval_s`` (clamped to ``[min_interval_s, max_interval_s]``).
+  its ``interval_s`` (clamped to ``[min_interval_s, max_interval_s]``). A snapshot that
+  took ``c`` seconds on the engine thread is reused for ``c / MAX_ENGINE_SHARE``: the
+  view never takes more than that share of the engine thread (a 100k-block pool's
+  ~0.1 s snapshot then comes every 2 s, not 4 times a second).
 * Bounded per connection: a stream holds one frame, the newest. The next snapshot is
   taken only after the previous frame was handed to the transport, so a reader that
   stops reading stalls its own stream (it then skips to the newest snapshot) and never
@@ -71,6 +74,9 @@ class ClosingStreamingResponse(StreamingResponse):
             await self._stream.aclose()
 
 
+MAX_ENGINE_SHARE = 0.05  # of the engine thread's time the snapshots may take
+
+
 def _encode(state: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(state, separators=(",", ":")).encode() + b"\n\n"
 
@@ -94,6 +100,7 @@ class KVStateStream:
         self.max_cells = max_cells
         self.num_snapshots = 0  # taken on the engine thread, ever
         self.num_viewers = 0  # streams started and not ended (event loop only)
+        self.last_cost_s = 0.0  # engine-thread seconds the last snapshot took
         self._latest: tuple[float, bytes] | None = None  # (monotonic time taken, frame)
         self._pending: asyncio.Future[bytes] | None = None  # the snapshot being taken
         self.closed = False  # set by ``close``: streams end within one interval
@@ -119,9 +126,11 @@ class KVStateStream:
         self.num_viewers -= 1
 
     def _snapshot(self) -> dict[str, Any]:  # engine thread
+        t0 = time.perf_counter()
         self.num_snapshots += 1
         state = self.engine.kv_state(self.max_cells)
         state["snapshot"] = self.num_snapshots
+        self.last_cost_s = time.perf_counter() - t0
         return state
 
     async def _take(self) -> bytes:
@@ -131,10 +140,12 @@ class KVStateStream:
         return frame
 
     async def frame(self) -> bytes:
-        """The newest frame: the shared one if it is younger than ``min_interval_s``,
-        else a new snapshot (one at a time for all viewers)."""
+        """The newest frame: the shared one if it is younger than ``min_interval_s`` (or
+        its cost's share, see the module docstring), else a new snapshot (one at a time
+        for all viewers)."""
         latest = self._latest
-        if latest is not None and time.monotonic() - latest[0] < self.min_interval_s:
+        fresh_s = max(self.min_interval_s, self.last_cost_s / MAX_ENGINE_SHARE)
+        if latest is not None and time.monotonic() - latest[0] < fresh_s:
             return latest[1]
         if self._pending is None or self._pending.done():
             self._pending = asyncio.ensure_future(self._take())
