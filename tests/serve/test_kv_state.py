@@ -90,6 +90,8 @@ def test_wrong_or_missing_key_is_401_with_an_openai_error(live: Live) -> None:
             err = r.json()["error"]
             assert err["code"] == "invalid_api_key" and {"message", "type", "param"} <= set(err)
     assert live.state.num_snapshots == 0
+    view = httpx.get(live.url + "/v1/kv/view", timeout=10)  # open: the page's first question
+    assert view.status_code == 200 and view.json() == {"api_key_required": True}
     bad = httpx.get(live.url + "/v1/kv/state?interval_ms=fast", headers=AUTH, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "interval_ms"
 

@@ -183,6 +183,8 @@ def test_web_view_end_to_end(
     # No key: the key prompt, and no data on the page.
     wait(lambda: visible(driver, "key-panel"), what="the key prompt")
     assert not visible(driver, "main") and totals(driver) == {}
+    time.sleep(0.5)
+    assert severe_logs(driver) == []  # the page asked first: no refused request yet
     js(driver, "document.getElementById('key-input').value = 'wrong';"
                "document.getElementById('key-submit').click();")  # fmt: skip
     wait(lambda: "refused" in text(driver, "key-message"))

@@ -1,5 +1,6 @@
 """The web view: the page at ``GET /`` (static files from ``serve/static/``), its state
-stream ``GET /v1/kv/state`` and the prefix list ``GET /v1/kv/prefixes``.
+stream ``GET /v1/kv/state``, the prefix list ``GET /v1/kv/prefixes`` and
+``GET /v1/kv/view`` (open: whether the page must ask for a key).
 
 The page and its scripts are static and hold no data, so they need no key; everything
 the page shows comes from the API routes, which need the API key like any other (the
@@ -53,6 +54,13 @@ def ui_router(ctx: ServerContext, state: KVStateStream) -> APIRouter:
     @r.get("/", include_in_schema=False)
     async def index() -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @r.get("/v1/kv/view")
+    async def view_info() -> dict[str, Any]:
+        """What the page needs before it has a key: whether the server wants one (no data:
+        any 401 says as much). The page then asks for the key before it sends a request
+        that would fail, so a fresh load logs no error in the browser's console."""
+        return {"api_key_required": ctx.config.api_key is not None}
 
     @r.get("/v1/kv/state")
     async def kv_state(raw: Request) -> Response:

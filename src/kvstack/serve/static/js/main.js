@@ -2,7 +2,7 @@
 // it), follows the state stream, and redraws the block map, charts, timeline and
 // prefix tree from each snapshot. The key stays in memory (api.js).
 
-import { setKey } from "./api.js";
+import { hasKey, request, setKey } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { Chart, ms, num, pct, Series } from "./charts.js";
 import { Playground } from "./playground.js";
@@ -173,4 +173,12 @@ $("key-panel").addEventListener("submit", (e) => {
 });
 $("key-button").addEventListener("click", () => askKey("Enter the API key:"));
 
-stream.start();
+// Ask for the key first when the server wants one; else (or if the probe fails) just
+// connect: a wrong or missing key still ends in the key prompt through a 401.
+request("/v1/kv/view")
+  .then((resp) => resp.json())
+  .then((info) => {
+    if (info.api_key_required && !hasKey()) askKey("This server needs an API key. It stays in this tab's memory only.");
+    else stream.start();
+  })
+  .catch(() => stream.start());
