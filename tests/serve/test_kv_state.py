@@ -211,6 +211,28 @@ def test_a_100k_block_server_streams_a_few_thousand_cells(tmp_path: Path) -> Non
     assert first_frame_s < 5.0, first_frame_s
 
 
+def test_host_tier_and_radix_tree_are_shown(tiny_gguf: Path) -> None:
+    """With a host tier and the radix prefix cache: the snapshot lists the tier's blocks
+    and the prefix tree is built for the radix cache too."""
+    llm = LLM(str(tiny_gguf), dtype="float32", num_blocks=64, max_model_len=256,
+              kv_offload="host:8MiB", prefix_cache="radix")  # fmt: skip
+    app = create_app(AsyncEngine(llm.engine), ServerConfig(model_name="tiny", api_key=KEY))
+    with serve_uvicorn(app) as url:
+        shared = "the radix tree keeps this long shared prefix of the two prompts " * 3
+        complete(url, shared + "one")
+        complete(url, shared + "two")
+        deadline = time.monotonic() + 20
+        while True:
+            snap = frames(url, 1)[0]
+            if snap["tiers"].get("host", {}).get("num_blocks", 0) > 0:
+                break
+            assert time.monotonic() < deadline, snap["tiers"]
+            time.sleep(0.3)
+        tree = httpx.get(url + "/v1/kv/prefixes", headers=AUTH, timeout=30).json()
+    assert snap["prefix_cache"] == "radix" and snap["tiers"]["host"]["stores"] > 0
+    assert tree["prefix_cache"] == "radix" and max(n["hits"] for n in tree["nodes"]) >= 1
+
+
 def test_a_100k_block_pool_is_aggregated() -> None:
     """The view of a 100k-block pool is at most max_cells cells, each cell's counts
     summing to its blocks, and the owners and states of held blocks survive."""
@@ -218,6 +240,7 @@ def test_a_100k_block_pool_is_aggregated() -> None:
     held = kv.allocate_blocks(3000)
     assert held is not None
     kv.req_blocks["req-a"] = [kv.pool.blocks[i] for i in held]
+    assert STATES[view_blocks(kv, 4096, pressed={"req-a"}).state[0]] == "pressed"
     view = view_blocks(kv, max_cells=4096)
     assert view.group == 25 and len(view.state) == 4000 <= 4096
     assert all(sum(c) == 25 for c in view.counts)
