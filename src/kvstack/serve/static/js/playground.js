@@ -69,6 +69,7 @@ export class Playground {
     div.className = `msg ${role}`;
     div.textContent = text;
     $("chat").append(div);
+    while ($("chat").children.length > 2 * MAX_MESSAGES) $("chat").firstElementChild.remove();
     $("chat").scrollTop = $("chat").scrollHeight;
     return div;
   }
