@@ -26,12 +26,14 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-# The shared KV tier's tests need redis-server, the dashboard test prometheus: installed
+# The shared KV tier's tests need redis-server, the dashboard test prometheus, the web
+# view's browser tests chromium + chromedriver: installed
 # here (Debian packages) when missing; the tests start their own servers on free loopback
 # ports, and no packaged daemon is left running.
 pytest: setup
 	bash scripts/redis.sh ensure
 	bash scripts/prometheus.sh ensure
+	bash scripts/chromium.sh ensure
 	$(BIN)/python -m pytest
 
 test: lint pytest

@@ -95,3 +95,30 @@ def serve_aiohttp(app: Any) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@contextmanager
+def serve_uvicorn(app: Any, **options: Any) -> Iterator[str]:
+    """A kvstack ``app`` (``create_app``) under uvicorn on a free 127.0.0.1 port, in a
+    thread of this process (``ServerOptions`` fields as ``options``); yields its URL."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from kvstack.serve.server import ServerOptions, uvicorn_config
+
+    options.setdefault("port", free_port())
+    opts = ServerOptions(**options)
+    server = uvicorn.Server(uvicorn_config(app, opts))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.05)
+        if not thread.is_alive():
+            raise RuntimeError("server failed to start")
+    try:
+        yield f"http://127.0.0.1:{opts.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

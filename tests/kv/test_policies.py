@@ -438,6 +438,9 @@ def test_randomized_against_reference_model(name: str) -> None:
             p_seen.add(policy.p)
         victim = policy.victim()
         assert victim in cand
+        # The web view's order: exactly the candidates, the next victim first.
+        order = policy.candidate_order()
+        assert order[0] == victim and sorted(order) == sorted(cand), (order, cand)
         if name == "lru":
             assert victim == min(cand, key=cand.__getitem__)
         elif name == "lfu":

@@ -84,6 +84,13 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def check_integrity(self) -> None: ...
 
+    def candidate_order(self) -> list[Hashable]:
+        """The candidates, next victim first, for the web view's block map (O(n), or
+        O(n log n); called only while someone watches). A policy whose order depends on
+        the future (the analyzer's Belady oracle) returns ``[]``: the view then shows its
+        candidates as cached without a rank."""
+        return []
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently released candidate first (vLLM v1 ``FreeKVCacheBlockQueue``).
@@ -117,6 +124,9 @@ class LRUPolicy(EvictionPolicy):
         _require(key in self._free, key, "is not a candidate")
         del self._free[key]
         self._held.add(key)
+
+    def candidate_order(self) -> list[Hashable]:
+        return list(self._free)
 
     def on_remove(self, key: Hashable) -> None:
         _require(key in self._held or key in self._free, key, "is not cached")
@@ -210,6 +220,13 @@ class LFUPolicy(EvictionPolicy):
         self._freq.clear()
         self._cand.clear()
         self._heap.clear()
+
+    def candidate_order(self) -> list[Hashable]:
+        return sorted(self._cand, key=lambda k: (self._freq[k], self._cand[k]))
+
+    def frequency(self, key: Hashable) -> int:
+        """How often the cached ``key`` was used (insert counts once); 0 if not cached."""
+        return self._freq.get(key, 0)
 
     def __len__(self) -> int:
         return len(self._cand)
@@ -322,6 +339,13 @@ class AdaptivePolicy(EvictionPolicy):
         if c2:
             return next(iter(c2))
         raise IndexError("no eviction candidates")
+
+    def candidate_order(self) -> list[Hashable]:
+        """The list ``victim`` takes from now first, each least recent first (exact for
+        the next victims until ``p`` or the list sizes change)."""
+        c1, c2 = self._cand
+        first, second = (c1, c2) if c1 and (self._size[0] > self._p or not c2) else (c2, c1)
+        return [*first, *second]
 
     def clear(self) -> None:
         self._p = 0.0

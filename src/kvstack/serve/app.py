@@ -5,7 +5,8 @@
 * ``routes_openai``: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``;
 * ``routes_cache``: ``/v1/cache/pin`` / ``unpin``, ``/reset_prefix_cache``, ``/v1/kv_events``;
 * ``routes_ops``: ``/health``, ``/load``, ``/version``, ``/metrics``, ``/tokenize``,
-  ``/detokenize``.
+  ``/detokenize``;
+* ``routes_ui``: the web view at ``/`` (``/static/*``) and its ``/v1/kv/state`` stream.
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with the
 right status: 400 bad input, 401 wrong API key, 404 unknown model or route, 408 request
@@ -30,12 +31,14 @@ import kvstack
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.context import ServerConfig, ServerContext
 from kvstack.serve.http_errors import install_error_handlers
+from kvstack.serve.kv_state_stream import KVStateStream
 from kvstack.serve.leniency import IgnoredFieldsHeader
 from kvstack.serve.openapi import publish_models
 from kvstack.serve.protocol import REQUEST_MODELS
 from kvstack.serve.routes_cache import cache_router
 from kvstack.serve.routes_openai import OpenAIRoutes
 from kvstack.serve.routes_ops import ops_router
+from kvstack.serve.routes_ui import mount_ui
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -66,6 +69,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(OpenAIRoutes(ctx).router())
     app.include_router(ops_router(ctx, lambda: app.openapi()))
     app.include_router(cache_router(ctx))
+    app.state.kv_state = KVStateStream(engine)  # the web view's stream (tests read its counter)
+    mount_ui(app, ctx, app.state.kv_state)
     app.add_middleware(IgnoredFieldsHeader)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware

@@ -42,6 +42,7 @@ from kvstack.kv.base import KVRoutingInfo
 from kvstack.kv.events import KVEvent
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
+from kvstack.serve.kv_state import RecentRequests, build_state
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.output_stream import (
     OutputSlot,
@@ -50,6 +51,7 @@ from kvstack.serve.output_stream import (
     StreamQueue,
     deliver,
 )
+from kvstack.serve.prefix_view import PrefixTree, build_prefix_tree
 from kvstack.serve.request_log import RequestLog
 from kvstack.stats import EngineStats
 
@@ -101,6 +103,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._request_log = RequestLog(request_log) if request_log else None
         self.num_log_errors = 0  # metrics / request-log writes that failed (engine thread)
+        self.recent = RecentRequests()  # the web view's last finished requests (engine thread)
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, StreamQueue] = {}
@@ -216,6 +219,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting")
             self._pending_adds += 1
         info.params = params
+        info.salted = cache_salt is not None
         stream = StreamQueue(asyncio.get_running_loop(), OutputSlot(), info)
         self._streams[request_id] = stream
 
@@ -288,6 +292,16 @@ class AsyncEngine:
         thread only: call it inside ``run`` / ``call``."""
         assert threading.current_thread() is self._loop_thread, "engine thread only"
         return self._llm_engine.held_block_hashes()
+
+    def kv_state(self, max_cells: int) -> dict[str, Any]:
+        """The web view's snapshot (``serve/kv_state.py``). Engine thread only."""
+        assert threading.current_thread() is self._loop_thread, "engine thread only"
+        return build_state(self._llm_engine, self.stats, self.recent, max_cells=max_cells)
+
+    def prefix_tree(self, limit: int) -> PrefixTree:
+        """The hottest cached prefixes (``serve/prefix_view.py``). Engine thread only."""
+        assert threading.current_thread() is self._loop_thread, "engine thread only"
+        return build_prefix_tree(self._llm_engine, self.recent, limit)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
@@ -397,6 +411,10 @@ class AsyncEngine:
         log write (a full disk) must not stop the engine loop or lose the output."""
         reason = out.outputs[0].finish_reason if out.outputs else None
         try:
+            last = info.last_token or now
+            self.recent.add(
+                out, info.endpoint, info.first_token, last, info.arrival, reason, info.salted
+            )
             if self.metrics is not None:
                 self.metrics.on_finished(out, info, now, reason or "error")
             if self._request_log is not None:

@@ -39,6 +39,7 @@ class RequestInfo:
     last_token: float | None = None
     num_tokens: int = 0
     params: SamplingParams | None = None  # set when queued (``AsyncEngine.add``)
+    salted: bool = False  # queued with a cache_salt (the web view never lists its prefix)
 
 
 class OutputSlot:

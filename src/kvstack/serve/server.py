@@ -402,6 +402,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
+        app.state.kv_state.close()  # web view streams never end by themselves
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
