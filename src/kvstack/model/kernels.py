@@ -2,7 +2,8 @@
 
 ``csrc/`` holds the paged decode attention (K/V read in place through block tables) and
 the fused per-token ops of a layer (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm,
-SiLU-and-mul, RoPE + KV-cache write). The build takes ~30-90 s once per machine and is
+SiLU-and-mul, RoPE + KV-cache write) and the weight-only quantized linears
+(``quant_linear.cpp``). The build takes ~30-90 s once per machine and is
 cached under ``~/.cache/kvstack`` (or ``$KVSTACK_KERNEL_DIR``). ``KVSTACK_NO_KERNELS=1``
 forces the PyTorch path (tests compare both).
 
@@ -32,6 +33,7 @@ SOURCES = (
     "fused_ops.cpp",
     "token_mask.cpp",
     "argmax.cpp",
+    "quant_linear.cpp",
 )
 _lock = threading.Lock()
 _module: Any = None  # torch.ops.kvstack once loaded
@@ -50,11 +52,15 @@ def build_dir() -> Path:
     return path
 
 
-def note_fallback(kernel: str, reason: str, count: int = 1) -> None:
-    """Count a use of the PyTorch path where ``kernel`` was meant to run."""
+def note_fallback(kernel: str, reason: str, count: int = 1, message: str | None = None) -> None:
+    """Count a use of the PyTorch path where ``kernel`` was meant to run (the first time
+    per pair, one warning: ``message`` if given, else kernel and reason)."""
     key = (kernel, reason)
     if key not in _fallbacks:
-        logger.warning("kernel %s falls back to PyTorch: %s", kernel, reason)
+        if message is None:
+            logger.warning("kernel %s falls back to PyTorch: %s", kernel, reason)
+        else:
+            logger.warning("%s", message)
     _fallbacks[key] += count
 
 

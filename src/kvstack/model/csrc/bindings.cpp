@@ -23,4 +23,10 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("greedy_argmax(Tensor logits) -> Tensor", &greedy_argmax);
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
         &apply_token_bitmask);
+  m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor? min, int group, int bits) "
+        "-> Tensor",
+        &quant_linear);
+  m.def("quant_dequant(Tensor q, Tensor scale, Tensor? min, int group, int bits, "
+        "ScalarType dtype) -> Tensor",
+        &quant_dequant);
 }

@@ -19,3 +19,7 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor greedy_argmax(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                           std::optional<torch::Tensor> min, int64_t group, int64_t bits);
+torch::Tensor quant_dequant(torch::Tensor q, torch::Tensor scale, std::optional<torch::Tensor> min,
+                            int64_t group, int64_t bits, c10::ScalarType dtype);

@@ -1,0 +1,157 @@
+"""Weight-only quantized linears (``model/quant/``, ``csrc/quant_linear.cpp``) against their
+references: GGUF blocks decoded bit-identically to gguf-py's dequantization, the kernel
+against dequantize-then-matmul on odd shapes, M = 1..40, bf16 and fp32 activations, rows
+independent of their batch mates, and the int8 / int4 quantizers' error bounds."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstack.model.kernels import Kernels
+from kvstack.model.quant.gguf_blocks import PACKED_GGUF_TYPES, pack_gguf
+from kvstack.model.quant.linear import QuantLinear
+from kvstack.model.quant.packed import (
+    PackedWeight,
+    concat_rows,
+    dequantize_reference,
+    pack_u4,
+    unpack_u4,
+)
+from kvstack.model.quant.quantize import quantize_int4, quantize_int8
+from kvstack.testing.tiny_models import quantize_q4_k
+
+Q = gguf.GGMLQuantizationType
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def gguf_bytes(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """A random ``[n, k]`` tensor's GGUF bytes: gguf-py's quantizer, or kvstack's Q4_K one;
+    Q4_K also gets fully random bytes (every scale / min bit pattern) for half the rows."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    if qtype != Q.Q4_K:
+        return np.asarray(gguf.quants.quantize(w, qtype))
+    raw = quantize_q4_k(w)
+    noise = rng.integers(0, 256, size=raw.shape, dtype=np.uint8)
+    blocks = noise.reshape(n, -1, 144)
+    blocks[..., 0:4] = np.array([0.01, 0.004], dtype=np.float16).view(np.uint8)  # d, dmin
+    raw[n // 2 :] = blocks.reshape(n, -1)[n // 2 :]
+    return raw
+
+
+@pytest.mark.parametrize("qtype", list(PACKED_GGUF_TYPES))
+def test_gguf_blocks_decode_exactly_as_gguf_py(qtype: Q) -> None:
+    n, k = 7, 512
+    raw = gguf_bytes(qtype, n, k, seed=int(qtype))
+    packed = pack_gguf(raw, int(qtype))
+    assert packed is not None and packed.source == qtype.name
+    want = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k)
+    assert torch.equal(dequantize_reference(packed), torch.from_numpy(want))
+
+
+def test_types_without_a_packed_kernel_are_left_to_the_dequantizer() -> None:
+    raw = np.asarray(gguf.quants.quantize(np.ones((2, 64), np.float32), Q.Q5_0))
+    assert pack_gguf(raw, int(Q.Q5_0)) is None
+
+
+def test_nibble_order_round_trips() -> None:
+    v = torch.randint(0, 16, (3, 96), dtype=torch.uint8)
+    q = pack_u4(v)
+    assert q.shape == (3, 48)
+    assert int(q[0, 0]) == int(v[0, 0]) | int(v[0, 16]) << 4  # llama.cpp's block_q4_1 order
+    assert torch.equal(unpack_u4(q), v)
+
+
+def random_packed(kind: str, n: int, k: int, seed: int) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    if kind == "int8":
+        return quantize_int8(w)
+    if kind == "int4":
+        return quantize_int4(w)
+    qtype = Q[kind]
+    packed = pack_gguf(gguf_bytes(qtype, n, k, seed), int(qtype))
+    assert packed is not None
+    return packed
+
+
+SHAPES = [  # (kind, N, K): odd N everywhere, int8 per channel also odd K
+    ("int8", 7, 37),
+    ("int8", 33, 600),
+    ("int4", 5, 96),
+    ("int4", 97, 160),
+    ("Q8_0", 11, 96),
+    ("Q4_0", 13, 224),
+    ("Q4_1", 31, 576),
+    ("Q4_K", 9, 512),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kind", "n", "k"), SHAPES)
+def test_kernel_matches_dequantize_then_matmul(
+    kernels: Kernels, kind: str, n: int, k: int, dtype: torch.dtype
+) -> None:
+    w = random_packed(kind, n, k, seed=n * k)
+    ref_w = dequantize_reference(w, dtype).float()  # bf16 activations: bf16-rounded weights
+    assert torch.equal(
+        kernels.quant_dequant(w.q, w.scale, w.min, w.group, w.bits, dtype),
+        dequantize_reference(w, dtype),
+    )
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(40, k, generator=g).to(dtype)
+    # float32 sums in another order: bounded by K eps sum|x w| (+ the output's rounding)
+    bound = (x.float().abs() @ ref_w.abs().T) * (k * 2**-23)
+    for m in (1, 2, 3, 5, 8, 9, 16, 17, 32, 40):
+        got = kernels.quant_linear(x[:m], w.q, w.scale, w.min, w.group, w.bits)
+        assert got.dtype == dtype and got.shape == (m, n)
+        want = F.linear(x[:m].float(), ref_w)
+        tol = bound[:m] + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+        assert bool(((got.float() - want).abs() <= tol + 1e-30).all()), (kind, m)
+        # a row's result never depends on its batch mates (tiles of 8 rows or fewer)
+        assert torch.equal(
+            got[-1:], kernels.quant_linear(x[m - 1 : m], w.q, w.scale, w.min, w.group, w.bits)
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_path_multiplies_the_same_weights(kernels: Kernels, dtype: torch.dtype) -> None:
+    w = random_packed("Q4_1", 64, 256, seed=5)
+    lin = QuantLinear(w, dtype, kernels, prefill_rows=16)
+    x = torch.randn(48, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    big, small = lin(x), lin(x[:4])  # dequantize + oneDNN, then the kernel
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(big[:4].float(), small.float(), rtol=tol, atol=tol)
+    assert lin.kernel == "quant_linear"
+
+
+def test_quantizers_stay_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 128, generator=g)
+    w[1] = 0.25  # a constant row: int8 scale from |w|, int4 groups with scale 0
+    w8 = quantize_int8(w)
+    err8 = (dequantize_reference(w8) - w).abs()
+    assert bool((err8 <= w8.scale / 2 + 1e-7).all())
+    w4 = quantize_int4(w)
+    assert w4.group == 32 and torch.equal(w4.scale, w4.scale.half().float())  # fp16 scales
+    err4 = (dequantize_reference(w4) - w).abs().reshape(6, 4, 32)
+    assert w4.min is not None
+    step = (w4.scale / 2 + w4.min.abs() * 2**-10 + 1e-6).unsqueeze(-1)
+    assert bool((err4 <= step).all())
+    assert torch.equal(dequantize_reference(w4)[1], w[1])
+    with pytest.raises(ValueError, match="divisible by the group"):
+        quantize_int4(torch.ones(2, 48))
+
+
+def test_fused_parts_concatenate_only_in_one_format() -> None:
+    a, b = random_packed("Q4_1", 4, 64, 1), random_packed("Q4_1", 2, 64, 2)
+    both = concat_rows([a, b])
+    assert both is not None
+    assert torch.equal(
+        dequantize_reference(both), torch.cat([dequantize_reference(a), dequantize_reference(b)])
+    )
+    assert concat_rows([a, random_packed("Q4_0", 2, 64, 3)]) is None
