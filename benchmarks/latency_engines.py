@@ -123,8 +123,7 @@ def llamacpp_runner(req: dict[str, Any]) -> tuple[Run, dict[str, Any]]:
     )
 
     def run(ids: list[int], n: int) -> dict[str, Any]:
-        llm.reset()
-        llm._ctx.kv_cache_clear()  # no prompt reuse between runs
+        llm.reset()  # n_tokens = 0: generate() finds no prefix to reuse
         stamps: list[float] = []
         tokens: list[int] = []
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 #include "kvstack_ops.h"
 #include "simd.h"
