@@ -1,6 +1,6 @@
 """``--quantization`` through the engine on tiny written models: ``gguf`` keeps Q4_1 / Q8_0 /
 Q4_K packed and, in float32, generates the tokens of the dequantized model (logprobs within
-1e-4); a type without a packed kernel falls back with one warning naming it; int8 / int4
+1e-4) and another weights fingerprint; a type without a packed kernel falls back with one warning naming it; int8 / int4
 quantize an HF folder at load; bad choices fail at startup."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kvstack import LLM, SamplingParams
 from kvstack.cli import build_parser
 from kvstack.errors import ConfigError
 from kvstack.model import kernels as kernels_mod
+from kvstack.model.fingerprint import model_fingerprint
 from kvstack.model.quant.linear import QuantLinear
 from kvstack.model.registry import default_model_path
 from kvstack.testing.tiny_models import (
@@ -64,8 +65,10 @@ def test_gguf_packed_generates_as_the_dequantized_model_in_fp32(
     tmp_path: Path, qtype: str, width: int
 ) -> None:
     path = tiny_gguf(tmp_path, qtype, width)
-    _, want, want_lp = generate(path, dtype="float32")
+    dense, want, want_lp = generate(path, dtype="float32")
     llm, got, got_lp = generate(path, dtype="float32", quantization="gguf")
+    # tiers never mix KV of dense and packed weights
+    assert model_fingerprint(llm.engine.model) != model_fingerprint(dense.engine.model)
     model = llm.engine.model
     layers = [model.lm_head] + [
         getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")
