@@ -1,7 +1,8 @@
 """``--quantization`` through the engine on tiny written models: ``gguf`` keeps Q4_1 / Q8_0 /
-Q4_K packed and, in float32, generates the tokens of the dequantized model (logprobs within
-1e-4) and another weights fingerprint; a type without a packed kernel falls back with one warning naming it; int8 / int4
-quantize an HF folder at load; bad choices fail at startup."""
+Q4_K packed and, in float32, generates the tokens of the dequantized model (logprobs
+within 1e-4) under another weights fingerprint; a type without a packed kernel falls back
+with one warning naming it; int8 / int4 quantize an HF folder at load; bad choices fail
+at startup."""
 
 from __future__ import annotations
 
