@@ -56,7 +56,12 @@ def kvstack_runner(req: dict[str, Any]) -> tuple[Run, dict[str, Any]]:
     from kvstack import LLM, SamplingParams
 
     torch.set_num_threads(req["threads"])
-    kwargs = {"max_model_len": 1024, "prefix_cache": "none", **req["kwargs"]}
+    kwargs = {
+        "max_model_len": 1024,
+        "prefix_cache": "none",
+        "kv_cache_memory": "256MiB",
+        **req["kwargs"],
+    }
     llm = LLM(req["model"], **kwargs)
     eng, model = llm.engine, llm.engine.model
     fwd_times: list[float] = []
@@ -142,6 +147,7 @@ def vllm_runner(req: dict[str, Any]) -> tuple[Run, dict[str, Any]]:
 
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; 1024 tokens need far less
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{req['threads'] - 1}"
     import vllm
     from vllm import LLM, SamplingParams

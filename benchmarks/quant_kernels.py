@@ -4,7 +4,9 @@ For the default model's shapes (qkv 960x576, o 576x576, gate_up 3072x576, down 5
 lm_head 49152x576) and M = 1, 4, 16, 32, 64, 256, 512 bf16 rows, times per call of:
 
 - ``bf16_onednn``: the dense bf16 weight prepacked for oneDNN (kvstack's ``Linear``);
-- ``kvstack_Q4_1`` / ``kvstack_Q8_0`` / ``kvstack_int8``: ``torch.ops.kvstack.quant_linear``;
+- ``kvstack_Q4_1`` / ``kvstack_Q8_0`` / ``kvstack_int8``: ``torch.ops.kvstack.quant_linear``
+  (float activations, weights dequantized in registers);
+- ``kvstack_vnni_*``: ``quant_linear_vnni`` (int8 activations, AVX512-VNNI dot products);
 - ``dequant_onednn_Q4_1``: ``quant_dequant`` to bf16 + ``F.linear`` (kvstack's prefill path);
 - ``torch_int4pack``: PyTorch's ``_weight_int4pack_mm_for_cpu`` (gpt-fast's int4, group 32);
 - ``torch_int8pack``: PyTorch's ``_weight_int8pack_mm`` (gpt-fast's int8 per channel).
@@ -80,6 +82,10 @@ def candidates(w: torch.Tensor, x: torch.Tensor, k: Any) -> dict[str, Callable[[
     for name, p in packs.items():
         out[f"kvstack_{name}"] = (lambda p=p: k.quant_linear(x, p.q, p.scale, p.min, p.group,
                                                              p.bits))  # fmt: skip
+        if k.quant_linear_vnni_ok(p.in_features, p.group, p.bits):
+            out[f"kvstack_vnni_{name}"] = lambda p=p: k.quant_linear_vnni(
+                x, p.q, p.scale, p.min, p.group, p.bits
+            )
     q41 = packs["Q4_1"]
     out["dequant_onednn_Q4_1"] = lambda: F.linear(
         x, k.quant_dequant(q41.q, q41.scale, q41.min, q41.group, 4, torch.bfloat16)

@@ -155,3 +155,35 @@ def test_fused_parts_concatenate_only_in_one_format() -> None:
         dequantize_reference(both), torch.cat([dequantize_reference(a), dequantize_reference(b)])
     )
     assert concat_rows([a, random_packed("Q4_0", 2, 64, 3)]) is None
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's activation rounding (block_q8_0: per 32 values, scale max|x| / 127)."""
+    m, k = x.shape
+    c = x.float().reshape(m, k // 32, 32)
+    d = c.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(c * inv) * d).reshape(m, k)
+
+
+@pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 31, 576), ("Q4_0", 7, 128),
+                                              ("Q8_0", 9, 192), ("Q4_K", 5, 512),
+                                              ("int8", 17, 320), ("int4", 3, 64)])  # fmt: skip
+def test_vnni_kernel_matches_its_int8_activation_reference(
+    kernels: Kernels, kind: str, n: int, k: int
+) -> None:
+    if not kernels.quant_linear_vnni_ok(k, 32, 8):
+        pytest.skip("no AVX512-VNNI on this CPU (the float kernel serves it)")
+    w = random_packed(kind, n, k, seed=n + k)
+    assert kernels.quant_linear_vnni_ok(w.in_features, w.group, w.bits)
+    ref_w = dequantize_reference(w)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    xq = int8_activations(x)
+    bound = (xq.abs() @ ref_w.abs().T) * (k * 2**-22)
+    for m in (1, 3, 4, 5, 11):
+        got = kernels.quant_linear_vnni(x[:m], w.q, w.scale, w.min, w.group, w.bits)
+        want = F.linear(xq[:m], ref_w)
+        assert bool(((got.float() - want).abs() <= bound[:m] + want.abs() * 2**-8).all()), m
+        one = kernels.quant_linear_vnni(x[m - 1 : m], w.q, w.scale, w.min, w.group, w.bits)
+        assert torch.equal(got[-1:], one)
+    assert not kernels.quant_linear_vnni_ok(96, 32, 4)  # K % 64: the float kernel's case

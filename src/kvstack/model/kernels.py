@@ -34,6 +34,7 @@ SOURCES = (
     "token_mask.cpp",
     "argmax.cpp",
     "quant_linear.cpp",
+    "quant_vnni.cpp",
 )
 _lock = threading.Lock()
 _module: Any = None  # torch.ops.kvstack once loaded

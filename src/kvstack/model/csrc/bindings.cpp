@@ -29,4 +29,9 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("quant_dequant(Tensor q, Tensor scale, Tensor? min, int group, int bits, "
         "ScalarType dtype) -> Tensor",
         &quant_dequant);
+  m.def("quant_linear_vnni(Tensor x, Tensor q, Tensor scale, Tensor? min, int group, int bits) "
+        "-> Tensor",
+        &quant_linear_vnni);
+  m.def("quant_linear_vnni_ok(int in_features, int group, int bits) -> bool",
+        &quant_linear_vnni_ok);
 }

@@ -26,6 +26,7 @@ from kvstack.model.layers import Linear
 from kvstack.model.quant.packed import PackedWeight, dequantize_reference
 
 PREFILL_ROWS = 64
+INT8_ACTIVATIONS = True
 
 
 class QuantLinear:
@@ -37,6 +38,7 @@ class QuantLinear:
         dtype: torch.dtype,
         kernels: Kernels | None,
         prefill_rows: int = PREFILL_ROWS,
+        int8_activations: bool = INT8_ACTIVATIONS,
     ) -> None:
         self.packed = weight
         self.dtype = dtype
@@ -44,14 +46,22 @@ class QuantLinear:
         self.prefill_rows = prefill_rows
         self.k = kernels
         self.dense: Linear | None = None
+        self.vnni = False
         if kernels is None:
             note_fallback("quant_linear", "no_kernels")
             self.dense = Linear(dequantize_reference(weight), dtype)
+        elif int8_activations and dtype == torch.bfloat16:
+            self.vnni = bool(
+                kernels.quant_linear_vnni_ok(weight.in_features, weight.group, weight.bits)
+            )
 
     @property
     def kernel(self) -> str:
-        """What runs at decode: ``quant_linear`` or the dense reference."""
-        return "quant_linear" if self.dense is None else "dense_fallback"
+        """What runs at decode: ``quant_linear_vnni``, ``quant_linear`` or the dense
+        reference."""
+        if self.dense is not None:
+            return "dense_fallback"
+        return "quant_linear_vnni" if self.vnni else "quant_linear"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """``W`` ``[N, K]`` in ``dtype`` (the kernel's weights, bit for bit)."""
@@ -65,5 +75,6 @@ class QuantLinear:
             return self.dense(x)
         w = self.packed
         if x.shape[0] <= self.prefill_rows:
-            return self.k.quant_linear(x, w.q, w.scale, w.min, w.group, w.bits)
+            op = self.k.quant_linear_vnni if self.vnni else self.k.quant_linear
+            return op(x, w.q, w.scale, w.min, w.group, w.bits)
         return F.linear(x, self.dequantize(x.dtype))
