@@ -75,14 +75,14 @@ def build_prompts(seed: int = 0) -> dict[str, list[int]]:
 
     tok = load_tokenizer("default")
     code = (REPO_ROOT / "src" / "kvstack" / "kv" / "hashing.py").read_text()
-    suffix = tok.encode(REPEAT_SUFFIX)
+    suffix = tok.encode(REPEAT_SUFFIX, add_special_tokens=False)
     body = tok.encode(code)
     while len(body) + len(suffix) < PROMPT_TOKENS:  # the file is shorter: repeat it
-        body = body + tok.encode("\n" + code)
+        body = body + tok.encode("\n" + code, add_special_tokens=False)
     repetitive = body[: PROMPT_TOKENS - len(suffix)] + suffix
     words = sorted(set(re.findall(r"\b[a-z]{3,10}\b", Path(json.__file__).read_text())))
     rng = random.Random(seed)
-    question = tok.encode(QUESTION)
+    question = tok.encode(QUESTION, add_special_tokens=False)
     context: list[int] = []
     while len(context) < PROMPT_TOKENS - len(question):
         context = tok.encode(" ".join(rng.choice(words) for _ in range(PROMPT_TOKENS)))
@@ -116,7 +116,8 @@ def run_all(requests: list[dict[str, Any]], timeout_s: float) -> list[dict[str, 
                 iomp = BENCH_VENVS / "vllm" / "lib" / "libiomp5.so"
                 if iomp.exists():
                     env["LD_PRELOAD"] = str(iomp)
-            cmd = [*req["python"], __file__, "worker", str(req_path), str(out_path)]
+            script = str(Path(__file__).resolve())
+            cmd = [*req["python"], script, "worker", str(req_path), str(out_path)]
             logf = RESULTS_DIR / "logs" / f"latency-{name}.log"
             logf.parent.mkdir(parents=True, exist_ok=True)
             try:
