@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "kvstack_ops.h"
@@ -28,46 +29,51 @@ namespace {
 
 constexpr int kTileV = 4;  // rows of x per register tile
 
-struct QuantAct {  // one row tile's quantized activations
+struct QuantAct {  // one call's quantized activations
   std::vector<int8_t> xq;  // [M, K]
   std::vector<float> dx;   // [M, K/32]: chunk scales
   std::vector<float> xs;   // [M, K/32]: dx * sum(xq) of each chunk
+  std::vector<float> dxv;  // [M, K/64, 16]: dx of chunk 2p in lanes 0-7, of 2p+1 in 8-15
 };
+
+// One chunk of 32 activations: codes to q, returns (scale d, sum of the codes).
+template <typename T>
+inline std::pair<float, int> quantize_chunk(const T* src, int8_t* q) {
+#if defined(KVSTACK_AVX512)
+  const __m512 v0 = load16(src), v1 = load16(src + 16);
+  const __m512 mag = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+  const float d = _mm512_reduce_max_ps(mag) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  // cvtps_epi32 rounds to nearest even, as nearbyint below
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  return {d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))};
+#else
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(src[j])));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int v = static_cast<int>(std::nearbyint(to_f(src[j]) * inv));
+    q[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return {d, sum};
+#endif
+}
 
 template <typename T>
 QuantAct quantize_rows(const T* x, int64_t M, int64_t K) {
-  QuantAct a{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32),
-             std::vector<float>(M * K / 32)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < K / 32; ++c) {
-      const T* src = x + m * K + 32 * c;
-#if defined(KVSTACK_AVX512)
-      {  // the same arithmetic, 16 lanes: cvtps_epi32 rounds to nearest even as nearbyint
-        const __m512 v0 = load16(src), v1 = load16(src + 16);
-        const __m512 mag = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-        const float d = _mm512_reduce_max_ps(mag) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.xq[m * K + 32 * c]), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.xq[m * K + 32 * c + 16]),
-                         _mm512_cvtepi32_epi8(q1));
-        a.dx[m * K / 32 + c] = d;
-        a.xs[m * K / 32 + c] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-        continue;
-      }
-#endif
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(src[j])));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int v = static_cast<int>(std::nearbyint(to_f(src[j]) * inv));
-        a.xq[m * K + 32 * c + j] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      a.dx[m * K / 32 + c] = d;
-      a.xs[m * K / 32 + c] = d * static_cast<float>(sum);
-    }
+  const int64_t chunks = M * K / 32;  // rows are whole chunks: K % 64 == 0
+  QuantAct a{std::vector<int8_t>(M * K), std::vector<float>(chunks), std::vector<float>(chunks),
+             std::vector<float>(8 * chunks)};
+  for (int64_t i = 0; i < chunks; ++i) {
+    const auto [d, sum] = quantize_chunk(x + 32 * i, a.xq.data() + 32 * i);
+    a.dx[i] = d;
+    a.xs[i] = d * static_cast<float>(sum);
+    std::fill_n(a.dxv.begin() + 8 * i, 8, d);  // chunk i -> 8 lanes of its pair's vector
+  }
   return a;
 }
 
@@ -103,8 +109,7 @@ void tile_vnni(const int64_t K, const int64_t G, const uint8_t* qrow, const floa
       const int64_t row = m0 + m;
       const __m512i xv = _mm512_loadu_si512(a.xq.data() + row * K + k0);
       const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-      const __m512 dx = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a.dx[row * nc + c]),
-                                             _mm512_set1_ps(a.dx[row * nc + c + 1]));
+      const __m512 dx = _mm512_loadu_ps(a.dxv.data() + (row * nc + c) * 8);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx), acc[m]);
     }
   }
