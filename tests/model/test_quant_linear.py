@@ -121,12 +121,15 @@ def test_kernel_matches_dequantize_then_matmul(
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_path_multiplies_the_same_weights(kernels: Kernels, dtype: torch.dtype) -> None:
     w = random_packed("Q4_1", 64, 256, seed=5)
-    lin = QuantLinear(w, dtype, kernels, prefill_rows=16)
+    lin = QuantLinear(w, dtype, kernels, prefill_rows=16, int8_activations=False)
     x = torch.randn(48, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
     big, small = lin(x), lin(x[:4])  # dequantize + oneDNN, then the kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(big[:4].float(), small.float(), rtol=tol, atol=tol)
     assert lin.kernel == "quant_linear"
+    fast = QuantLinear(w, dtype, kernels, int8_activations=True)
+    bf16 = dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(256, 32, 4)
+    assert fast.kernel == ("quant_linear_vnni" if bf16 else "quant_linear")  # never for fp32
 
 
 def test_quantizers_stay_within_half_a_step() -> None:
