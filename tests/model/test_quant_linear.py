@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kvstack.model.kernels import Kernels
 from kvstack.model.quant.gguf_blocks import PACKED_GGUF_TYPES, pack_gguf
-from kvstack.model.quant.linear import QuantLinear
+from kvstack.model.quant.linear import QuantLinear, torch_weight_op
 from kvstack.model.quant.packed import (
     PackedWeight,
     concat_rows,
@@ -126,7 +126,7 @@ def test_prefill_path_multiplies_the_same_weights(kernels: Kernels, dtype: torch
     big, small = lin(x), lin(x[:4])  # dequantize + oneDNN, then the kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(big[:4].float(), small.float(), rtol=tol, atol=tol)
-    assert lin.kernel == "quant_linear"
+    assert lin.kernel == ("quant_linear" if dtype == torch.float32 else "torch_int4pack")
     fast = QuantLinear(w, dtype, kernels, int8_activations=True)
     bf16 = dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(256, 32, 4)
     assert fast.kernel == ("quant_linear_vnni" if bf16 else "quant_linear")  # never for fp32
@@ -190,3 +190,21 @@ def test_vnni_kernel_matches_its_int8_activation_reference(
         one = kernels.quant_linear_vnni(x[m - 1 : m], w.q, w.scale, w.min, w.group, w.bits)
         assert torch.equal(got[-1:], one)
     assert not kernels.quant_linear_vnni_ok(96, 32, 4)  # K % 64: the float kernel's case
+
+
+@pytest.mark.parametrize(("kind", "n", "k"), [("int8", 7, 37), ("int4", 33, 160),
+                                              ("Q4_1", 31, 576), ("Q4_K", 5, 512)])  # fmt: skip
+def test_torch_weight_ops_match_the_reference_within_bf16_scales(kind: str, n: int, k: int) -> None:
+    """gpt-fast's ops (bf16 activations): bf16 scales and zeros, so within 2^-8 of
+    sum |x w| of the exact product; never chosen for float32."""
+    w = random_packed(kind, n, k, seed=3 * n)
+    op = torch_weight_op(w, torch.bfloat16)
+    assert op is not None and torch_weight_op(w, torch.float32) is None
+    assert op.name == ("torch_int8pack" if kind == "int8" else "torch_int4pack")
+    ref_w = dequantize_reference(w)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    want = F.linear(x.float(), ref_w)
+    got = op(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (9, n)
+    bound = (x.float().abs() @ ref_w.abs().T) * 2**-7 + want.abs() * 2**-8
+    assert bool(((got.float() - want).abs() <= bound).all())

@@ -93,8 +93,11 @@ inline void dequant32(const uint8_t* qrow, int64_t k0, __m512 s, __m512 mn, __mm
 // out[m] = sum_k x[m, k] W[n, k] for MT rows of x (stride K): float32 or bf16 x.
 template <int MT, int BITS, typename T>
 void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  // Two accumulators per row (even / odd 32-chunks) so that consecutive FMAs of a row
+  // do not wait on each other's latency (one chain made M = 1 latency-bound).
+  __m512 acc2[2][MT];
+  for (int m = 0; m < MT; ++m) acc2[0][m] = acc2[1][m] = _mm512_setzero_ps();
+  int parity = 0;
   const uint8_t* qrow = w.q + n * w.row_bytes();
   const int64_t ng = w.groups(), K = w.K;
   for (int64_t g = 0; g < ng; ++g) {
@@ -106,6 +109,8 @@ void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
       const __mmask32 mask = len == 32 ? 0xFFFFFFFFu : (1u << len) - 1u;
       __m512 lo, hi;
       dequant32<BITS>(qrow, k0, s, mn, mask, lo, hi);
+      __m512* acc = acc2[parity];
+      parity ^= 1;
       if constexpr (std::is_same_v<T, float>) {
         const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
         for (int m = 0; m < MT; ++m) {
@@ -136,7 +141,7 @@ void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
       }
     }
   }
-  for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc2[0][m], acc2[1][m]));
 }
 #endif
 
