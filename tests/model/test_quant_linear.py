@@ -192,11 +192,12 @@ def test_vnni_kernel_matches_its_int8_activation_reference(
     assert not kernels.quant_linear_vnni_ok(96, 32, 4)  # K % 64: the float kernel's case
 
 
-@pytest.mark.parametrize(("kind", "n", "k"), [("int8", 7, 37), ("int4", 33, 160),
-                                              ("Q4_1", 31, 576), ("Q4_K", 5, 512)])  # fmt: skip
+@pytest.mark.parametrize(("kind", "n", "k"), [("int8", 32, 64), ("int4", 64, 192),
+                                              ("Q4_1", 96, 576), ("Q4_K", 32, 512)])  # fmt: skip
 def test_torch_weight_ops_match_the_reference_within_bf16_scales(kind: str, n: int, k: int) -> None:
     """gpt-fast's ops (bf16 activations): bf16 scales and zeros, so within 2^-8 of
     sum |x w| of the exact product; never chosen for float32."""
+    assert torch_weight_op(random_packed(kind, n - 1, k, seed=1), torch.bfloat16) is None
     w = random_packed(kind, n, k, seed=3 * n)
     op = torch_weight_op(w, torch.bfloat16)
     assert op is not None and torch_weight_op(w, torch.float32) is None

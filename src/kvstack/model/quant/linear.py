@@ -56,8 +56,11 @@ class TorchWeightOp:
 
 
 def torch_weight_op(w: PackedWeight, dtype: torch.dtype) -> TorchWeightOp | None:
-    """The PyTorch op for ``w`` at ``dtype``, or None (then ``quant_linear`` runs)."""
-    if dtype != torch.bfloat16:
+    """The PyTorch op for ``w`` at ``dtype``, or None (then ``quant_linear`` runs): bf16
+    only, and only for shapes of whole tiles (``N % 32 == 0``, ``K % 64 == 0``; the model's
+    are)."""
+    n, k = w.out_features, w.in_features
+    if dtype != torch.bfloat16 or n % 32 or k % 64:  # their CPU kernels' tiles (odd K crashes)
         return None
     if w.bits == 8 and w.group == w.in_features:
         q, s8 = w.q, w.scale.reshape(-1).to(dtype)
