@@ -130,6 +130,8 @@ class QuantLinear:
         if x.shape[0] <= self.prefill_rows:
             if self.torch_op is not None:
                 return self.torch_op(x)
-            op = self.k.quant_linear_vnni if self.vnni else self.k.quant_linear
+            k = self.k
+            assert k is not None  # no kernels: self.dense
+            op = k.quant_linear_vnni if self.vnni else k.quant_linear
             return op(x, w.q, w.scale, w.min, w.group, w.bits)
         return F.linear(x, self.dequantize(x.dtype))
