@@ -109,8 +109,9 @@ def model_summary(model: Any) -> str:
     for layer in [model.lm_head] + [
         getattr(x, n) for x in model.layers for n in ("qkv", "o", "gate_up", "down")
     ]:
-        packed = getattr(layer, "packed", None)
-        kinds[f"{packed.source} {packed.bits}-bit" if packed is not None else "dense"] += 1
+        packed = getattr(layer, "packed", None)  # a QuantLinear's PackedWeight
+        source = getattr(packed, "source", None)  # (a dense Linear's is oneDNN's tensor)
+        kinds[f"{source} {packed.bits}-bit" if source is not None else "dense"] += 1
     return ", ".join(f"{n} x {k}" for k, n in kinds.items())
 
 
