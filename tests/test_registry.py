@@ -33,6 +33,7 @@ def test_every_extension_point_has_one_registry() -> None:
     from kvstack.kv.policies import EVICTION_POLICIES
     from kvstack.kv.press import PRESSES
     from kvstack.kv.tiers.spec import TIERS
+    from kvstack.model.quant.schemes import QUANTIZATIONS
     from kvstack.route.policy import ROUTING_POLICIES
 
     regs = {
@@ -41,6 +42,7 @@ def test_every_extension_point_has_one_registry() -> None:
         "--kv-layout": KV_LAYOUTS,
         "--kv-cache-dtype": CODECS,
         "--kv-press": PRESSES,
+        "--quantization": QUANTIZATIONS,
     }
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {opt: a for a in serve._actions for opt in a.option_strings}

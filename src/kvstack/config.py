@@ -95,6 +95,12 @@ def _codecs_and_aliases() -> Iterable[str]:
     return (*_codecs(), *VLLM_KV_CACHE_DTYPES)
 
 
+def _quantizations() -> Iterable[str]:
+    from kvstack.model.quant.schemes import QUANTIZATIONS
+
+    return QUANTIZATIONS.names()
+
+
 def _presses() -> Iterable[str]:
     from kvstack.kv.press import PRESSES
 
@@ -365,6 +371,16 @@ class EngineConfig:
         "the model's generation_config.json (a GGUF has none), 'vllm' = none (vLLM's "
         "defaults), or a folder holding a generation_config.json",
         group=ENGINE, metavar="auto|vllm|FOLDER",
+    )  # fmt: skip
+    quantization: str | None = option(
+        "none",
+        "weight-only quantized linear layers (all four of each layer, and the lm_head): "
+        "'none' = the model dtype; 'int8' (per output channel) or 'int4' (groups of 32, "
+        "fp16 scale + min) quantized at load; 'gguf' = a GGUF file's own Q8_0/Q4_0/Q4_1/"
+        "Q4_K weights kept packed (other types dequantized, with a warning naming them). "
+        "Packed weights run a C++ kernel at decode and dequantize + oneDNN at prefill. "
+        "vLLM's keyword; its None = 'none'",
+        group=ENGINE, choices=_quantizations,
     )  # fmt: skip
     seed: int = option(0, "global random seed", group=ENGINE)
     structured_outputs_backend: str = option(

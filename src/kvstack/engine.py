@@ -44,7 +44,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.model = build_model(config.model, config.dtype, config.seed)
+        self.model = build_model(
+            config.model, config.dtype, config.seed, config.quantization or "none"
+        )
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
         # Sampling defaults of requests that leave a field unset (``--generation-config``).

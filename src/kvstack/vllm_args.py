@@ -123,11 +123,6 @@ VLLM_KEYWORDS: dict[str, VllmKeyword] = {
         _must_be("tokenizer_mode", lambda v: v in ("auto", None), "kvstack has one tokenizer"),
         cli=str,
     ),
-    "quantization": VllmKeyword(
-        "must be None: a GGUF file carries its own quantization",
-        _unset("quantization", "a GGUF file carries its own quantization; pass the file"),
-        cli=str,
-    ),
     "cpu_offload_gb": VllmKeyword(
         "must be 0: weights stay in RAM (for KV, kv_offload='host:SIZE')",
         _unset("cpu_offload_gb", "weights stay in RAM; offload KV with kv_offload='host:SIZE'"),

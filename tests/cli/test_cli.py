@@ -125,6 +125,7 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "chat_template": (["/models/chat.jinja"], "/models/chat.jinja"),
         "generation_config": (["vllm"], "vllm"),
         "seed": (["7"], 7),
+        "quantization": (["int4"], "int4"),
         "structured_outputs_backend": (["llguidance"], "llguidance"),
         "block_size": (["32"], 32),
         "num_blocks": (["100"], 100),

@@ -120,7 +120,6 @@ def test_vllm_keywords_map_or_fail_naming_the_keyword() -> None:
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
         ({"gpu_memory_utilization": 0.5, "num_blocks": 8}, "not both"),
-        ({"quantization": "awq"}, "quantization='awq'"),
         ({"revision": "main"}, "no hub download"),
         ({"kv_events_config": {"enable_kv_cache_events": True}}, "only kvstack serve"),
         ({"enable_prefix_caching": True, "prefix_cache": "none"}, "contradicts"),
@@ -128,6 +127,9 @@ def test_vllm_keywords_map_or_fail_naming_the_keyword() -> None:
         with pytest.raises(ConfigError) as e:
             translate(bad)
         assert name in str(e.value)
+    with pytest.raises(ConfigError, match="unknown quantization 'awq'; choose one of: none, int8"):
+        EngineConfig.from_options(quantization="awq")  # vLLM's keyword, kvstack's schemes
+    assert EngineConfig.from_options(quantization=None).quantization is None  # vLLM's default
     with pytest.raises(TypeError, match="unexpected keyword argument 'gpu_memory_utilisation'"):
         LLM("default", gpu_memory_utilisation=0.5)
     assert all(k.meaning for k in VLLM_KEYWORDS.values())

@@ -2,9 +2,10 @@
 
 ``csrc/`` holds the paged decode attention (K/V read in place through block tables) and
 the fused per-token ops of a layer (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm,
-SiLU-and-mul, RoPE + KV-cache write). The build takes ~30-90 s once per machine and is
-cached under ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one
-directory per CPU model and flag set. ``KVSTACK_NO_KERNELS=1``
+SiLU-and-mul, RoPE + KV-cache write), the AMX bf16 linear (``amx_linear.cpp``) and the
+weight-only quantized linears (``quant_linear.cpp``). The build takes ~30-90 s once per
+machine and is cached under ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``),
+one directory per CPU model and flag set. ``KVSTACK_NO_KERNELS=1``
 forces the PyTorch path (tests compare both).
 
 Fallbacks are never silent: every time the engine takes the PyTorch path where a kernel
@@ -36,6 +37,8 @@ SOURCES = (
     "token_mask.cpp",
     "argmax.cpp",
     "amx_linear.cpp",
+    "quant_linear.cpp",
+    "quant_vnni.cpp",
 )
 _lock = threading.Lock()
 _module: Any = None  # torch.ops.kvstack once loaded
@@ -83,11 +86,15 @@ def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
     return True
 
 
-def note_fallback(kernel: str, reason: str, count: int = 1) -> None:
-    """Count a use of the PyTorch path where ``kernel`` was meant to run."""
+def note_fallback(kernel: str, reason: str, count: int = 1, message: str | None = None) -> None:
+    """Count a use of the PyTorch path where ``kernel`` was meant to run (the first time
+    per pair, one warning: ``message`` if given, else kernel and reason)."""
     key = (kernel, reason)
     if key not in _fallbacks:
-        logger.warning("kernel %s falls back to PyTorch: %s", kernel, reason)
+        if message is None:
+            logger.warning("kernel %s falls back to PyTorch: %s", kernel, reason)
+        else:
+            logger.warning("%s", message)
     _fallbacks[key] += count
 
 

@@ -6,7 +6,9 @@ attention splits by request (``model/attention.py``). Logits are computed only f
 rows that sample (``logits_indices``): the tied lm_head is the most expensive GEMM.
 
 Weights come in Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``...);
-q/k/v and gate/up are fused into one matrix each so a layer runs four GEMMs. Between
+q/k/v and gate/up are fused into one matrix each so a layer runs four GEMMs; each is a
+dense ``Linear`` or a packed ``QuantLinear`` as ``--quantization`` decides
+(``model/quant/schemes.py``, which also says which layers stay in the model dtype). Between
 them run the per-token ops of ``model/ops.py`` (``ops``: fused C++ when built, else the
 PyTorch reference); the residual stream is carried as in vLLM: each norm first adds the
 previous sub-layer's output to ``residual``::
@@ -28,19 +30,20 @@ from kvstack.errors import ModelLoadError
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, paged_attention
 from kvstack.model.kernels import load_kernels
-from kvstack.model.layers import Linear, Rotary
+from kvstack.model.layers import Rotary
 from kvstack.model.ops import HeadShape, LayerOps, select_ops
+from kvstack.model.quant.schemes import LinearBuilder, LinearOp
 from kvstack.model_config import ModelConfig
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: LinearOp
+    o: LinearOp
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: LinearOp
+    down: LinearOp
 
 
 class LlamaModel:
@@ -50,44 +53,45 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         ops: LayerOps | None = None,
+        linears: LinearBuilder | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         # The fused C++ ops when built (model/kernels.py), else the PyTorch reference.
         self.ops: LayerOps = ops if ops is not None else select_ops(load_kernels())
+        # Dense or packed linears (--quantization, model/quant/schemes.py).
+        lin = linears if linears is not None else LinearBuilder("none", dtype)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ModelLoadError(f"model weights lack tensor {name!r}")
             return weights[name]
 
+        def linear(*names: str) -> LinearOp:
+            for name in names:
+                w(name)
+            return lin.build(list(names), weights)
+
         self.embed = w("model.embed_tokens.weight").to(dtype)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat(
-                [
-                    w(p + "self_attn.q_proj.weight"),
-                    w(p + "self_attn.k_proj.weight"),
-                    w(p + "self_attn.v_proj.weight"),
-                ]
-            )
-            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            a, mlp = p + "self_attn.", p + "mlp."
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight").to(dtype),
-                    qkv=Linear(qkv, dtype),
-                    o=Linear(w(p + "self_attn.o_proj.weight"), dtype),
+                    qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    o=linear(a + "o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight").to(dtype),
-                    gate_up=Linear(gate_up, dtype),
-                    down=Linear(w(p + "mlp.down_proj.weight"), dtype),
+                    gate_up=linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                    down=linear(mlp + "down_proj.weight"),
                 )
             )
         self.norm = w("model.norm.weight").to(dtype)
-        head = weights.get("lm_head.weight")
-        if head is None or config.tie_word_embeddings:
-            head = w("model.embed_tokens.weight")
-        self.lm_head = Linear(head, dtype)
+        tied = "lm_head.weight" not in weights or config.tie_word_embeddings
+        self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight")
+        self.quantization = lin.quantization
+        lin.log()
         self.rotary = Rotary(
             config.head_dim,
             config.max_position_embeddings,

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvstack.errors import ModelLoadError
+from kvstack.errors import ConfigError, ModelLoadError
 from kvstack.model.gguf import GGUF_MAGIC, load_gguf
+from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
+from kvstack.model.quant.gguf_blocks import packed_gguf_weights
+from kvstack.model.quant.packed import PackedWeight
+from kvstack.model.quant.schemes import QUANTIZATIONS, LinearBuilder
 from kvstack.model.safetensors import load_hf_folder
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.model_config import ModelConfig
@@ -33,13 +37,15 @@ DEFAULT_ALIASES = frozenset(
 
 @dataclass
 class LoadedModel:
-    """A model's architecture and float32 weights (Hugging Face names)."""
+    """A model's architecture and float32 weights (Hugging Face names), plus the GGUF's
+    packed linear weights when asked for (``--quantization gguf``)."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     path: Path
     format: str  # "gguf" | "hf"
     load_seconds: float = 0.0
+    packed: dict[str, PackedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -97,22 +103,38 @@ def model_format(path: Path) -> str:
     raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
 
 
-def load_model(model: str | Path) -> LoadedModel:
-    """Load ``model`` (name or path): config + float32 weights."""
+def load_model(model: str | Path, packed: bool = False) -> LoadedModel:
+    """Load ``model`` (name or path): config + float32 weights (and with ``packed``, a
+    GGUF's quantized linear weights as they are)."""
     path = resolve_model_path(model)
     fmt = model_format(path)
     start = time.perf_counter()
     config, weights = load_gguf(path) if fmt == "gguf" else load_hf_folder(path)
-    return LoadedModel(config, weights, path, fmt, time.perf_counter() - start)
+    kept = packed_gguf_weights(path, config) if packed and fmt == "gguf" else {}
+    return LoadedModel(config, weights, path, fmt, time.perf_counter() - start, kept)
 
 
-def build_model(model: str | Path, dtype: str, seed: int) -> LlamaModel:
+def check_quantization(quantization: str, path: Path) -> None:
+    """``ConfigError`` for an unknown scheme, or ``gguf`` on a model that is no GGUF."""
+    QUANTIZATIONS.get(quantization)
+    if quantization == "gguf" and model_format(path) != "gguf":
+        raise ConfigError(
+            f"--quantization gguf keeps a GGUF file's quantized weights, but {path} is a "
+            "Hugging Face folder; use --quantization int8 or int4 to quantize it at load"
+        )
+
+
+def build_model(model: str | Path, dtype: str, seed: int, quantization: str = "none") -> LlamaModel:
     """Load ``model`` (name or path) into a ``LlamaModel`` of ``dtype`` (a ``DTYPES``
-    name), and seed torch's default generator with ``seed`` (what requests without a
-    sampling seed draw from)."""
-    loaded = load_model(model)
+    name) with its linears as ``quantization`` says (a ``QUANTIZATIONS`` name), and seed
+    torch's default generator with ``seed`` (what requests without a sampling seed draw
+    from)."""
+    check_quantization(quantization, resolve_model_path(model))
+    loaded = load_model(model, packed=quantization == "gguf")
     torch.manual_seed(seed)
-    return LlamaModel(loaded.config, loaded.weights, DTYPES[dtype])
+    kernels = load_kernels() if quantization != "none" else None
+    linears = LinearBuilder(quantization, DTYPES[dtype], loaded.packed, kernels)
+    return LlamaModel(loaded.config, loaded.weights, DTYPES[dtype], linears=linears)
 
 
 def load_tokenizer(model: str | Path, chat_template: str | None = None) -> Tokenizer:

@@ -66,6 +66,7 @@ WRITABLE_TYPES = {
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
     "Q5_0": gguf.GGMLQuantizationType.Q5_0,
     "Q5_1": gguf.GGMLQuantizationType.Q5_1,
+    "Q4_K": gguf.GGMLQuantizationType.Q4_K,
 }
 _FILE_TYPES = {
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -76,7 +77,41 @@ _FILE_TYPES = {
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
 }
+
+
+def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
+    """``[N, K]`` float32 (``K % 256 == 0``) -> llama.cpp Q4_K bytes ``[N, K / 256 * 144]``.
+
+    A plain min/max quantizer (gguf-py has none for Q4_K; llama.cpp's searches the scales):
+    per 32-weight sub-block ``scale = (max - min) / 15`` with ``min <= 0``; the super-block's
+    ``d`` / ``dmin`` are the largest of them over 63 (fp16), the 6-bit ``sc`` / ``m`` their
+    ratios, packed as ``get_scale_min_k4`` reads them.
+    """
+    n, k = arr.shape
+    x = arr.astype(np.float32).reshape(n, k // 256, 8, 32)
+    mn = np.minimum(x.min(axis=-1), 0.0)
+    span = (x.max(axis=-1) - mn) / 15.0
+    d = (span.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = (-mn.min(axis=-1) / 63.0).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(span / np.where(df > 0, df, 1)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-mn / np.where(dmf > 0, dmf, 1)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.round((x + (dmf * m)[..., None]) / np.where(step > 0, step, 1))
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(n, k // 256, 4, 2, 32)
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+    scales = np.concatenate(
+        [
+            (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+            (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
+        ],
+        axis=-1,
+    ).astype(np.uint8)
+    head = np.stack([d, dmin], axis=-1).view(np.uint8).reshape(n, k // 256, 4)
+    return np.concatenate([head, scales, qs], axis=-1).reshape(n, -1)
 
 
 def tiny_llama_config(**overrides: Any) -> ModelConfig:
@@ -187,7 +222,8 @@ def write_gguf(
 ) -> Path:
     """Write ``weights`` as a llama GGUF the way llama.cpp's converter would.
 
-    2-D weights are stored as ``dtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), the
+    2-D weights are stored as ``dtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K: rows of a multiple of 256), the
     embedding as ``embedding_dtype`` (default ``dtype``), norms as F32; q/k rows are
     permuted to llama.cpp's interleaved RoPE layout. Llama-3 RoPE scaling is written as
     llama.cpp does (a ``rope_freqs.weight`` tensor) plus, unless ``rope_scaling_keys`` is
@@ -257,6 +293,8 @@ def write_gguf(
             w.add_tensor(gguf_name(name), arr)
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gguf_name(name), arr.astype(np.float16))
+        elif qtype == gguf.GGMLQuantizationType.Q4_K:
+            w.add_tensor(gguf_name(name), quantize_q4_k(arr), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -25,4 +25,15 @@ TORCH_LIBRARY(kvstack, m) {
         &apply_token_bitmask);
   m.def("amx_linear_available() -> bool", &amx_linear_available);
   m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &amx_linear);
+  m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor? min, int group, int bits) "
+        "-> Tensor",
+        &quant_linear);
+  m.def("quant_dequant(Tensor q, Tensor scale, Tensor? min, int group, int bits, "
+        "ScalarType dtype) -> Tensor",
+        &quant_dequant);
+  m.def("quant_linear_vnni(Tensor x, Tensor q, Tensor scale, Tensor? min, int group, int bits) "
+        "-> Tensor",
+        &quant_linear_vnni);
+  m.def("quant_linear_vnni_ok(int in_features, int group, int bits) -> bool",
+        &quant_linear_vnni_ok);
 }

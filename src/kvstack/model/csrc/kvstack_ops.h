@@ -21,3 +21,10 @@ torch::Tensor greedy_argmax(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                           std::optional<torch::Tensor> min, int64_t group, int64_t bits);
+torch::Tensor quant_dequant(torch::Tensor q, torch::Tensor scale, std::optional<torch::Tensor> min,
+                            int64_t group, int64_t bits, c10::ScalarType dtype);
+bool quant_linear_vnni_ok(int64_t in_features, int64_t group, int64_t bits);
+torch::Tensor quant_linear_vnni(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                                std::optional<torch::Tensor> min, int64_t group, int64_t bits);

@@ -21,6 +21,7 @@ from kvstack.tools.eval.config import (
     EvalConfig,
     codec_variant,
     press_variant,
+    weight_variant,
 )
 from kvstack.tools.eval.runner import run_eval
 from kvstack.tools.eval.tasks import DECODE_PROMPT_TOKENS
@@ -64,6 +65,12 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
         "--kv-press-ratios",
         default="0.5,0.8",
         help="fractions of KV each press removes (default %(default)s; 0.8 = a 20%% budget)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="comma list of weight schemes to compare as well (int8, int4, gguf), each "
+        "alone or stacked with a KV codec as SCHEME+CODEC (e.g. gguf+int8)",
     )
     parser.add_argument("--model", default="default", help="model (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -115,6 +122,8 @@ def run_eval_cli(args: argparse.Namespace) -> int:
             f"--kv-press-ratios must be numbers, got {args.kv_press_ratios!r}"
         ) from None
     variants += [press_variant(p, r) for p in presses for r in ratios]
+    weights = [w.strip() for w in str(args.quantization or "").split(",") if w.strip()]
+    variants += [weight_variant(w) for w in weights]
     config = EvalConfig(
         variants=variants,
         model=args.model,

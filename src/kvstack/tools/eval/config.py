@@ -1,8 +1,9 @@
 """What ``kvstack eval`` compares and with which settings: variants and ``EvalConfig``.
 
-A variant is a label plus ``LLM`` keyword arguments (a ``--kv-cache-dtype`` codec, or a
-``--kv-press`` at one ratio), so other KV compression methods can be compared the same
-way; the baseline is ``auto`` (the KV cache in the model's ``--dtype``).
+A variant is a label plus ``LLM`` keyword arguments (a ``--kv-cache-dtype`` codec, a
+``--kv-press`` at one ratio, or ``--quantization`` weights, alone or with a codec), so
+other compression methods can be compared the same way; the baseline is ``auto`` (the KV
+cache in the model's ``--dtype``, dense weights).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def codec_variant(name: str) -> Variant:
     return Variant(name, {"kv_cache_dtype": name})
 
 
+def weight_variant(spec: str) -> Variant:
+    """``SCHEME`` or ``SCHEME+CODEC``: quantized weights (``--quantization``), optionally
+    stacked with a KV codec (weight and KV quantization compound)."""
+    scheme, _, codec = spec.partition("+")
+    kwargs: dict[str, Any] = {"quantization": scheme}
+    if codec:
+        kwargs["kv_cache_dtype"] = codec
+    return Variant(f"w:{spec}", kwargs)
+
+
 def press_variant(name: str, ratio: float) -> Variant:
     """A press removing ``ratio`` of each prompt's KV (applied after the first half of a
     scored text, after a greedy prompt, and before a needle prompt's question)."""
@@ -81,11 +92,15 @@ class EvalConfig:
         from kvstack.kv.codecs import codec_class
 
         if not self.variants:
-            raise ConfigError("nothing to evaluate: the --kv-cache-dtype list is empty")
+            raise ConfigError(
+                "nothing to evaluate: the --kv-cache-dtype and --quantization lists are empty"
+            )
         from kvstack.kv.press import check_press
+        from kvstack.model.quant.schemes import QUANTIZATIONS
 
         for v in self.variants:
             codec_class(str(v.llm_kwargs.get("kv_cache_dtype", BASELINE)))
+            QUANTIZATIONS.get(str(v.llm_kwargs.get("quantization", "none")))
             try:
                 check_press(v.llm_kwargs.get("kv_press"), v.llm_kwargs.get("kv_press_ratio", 0.0))
             except ValueError as e:

@@ -1,0 +1,137 @@
+"""``QuantLinear``: ``y = x W^T`` with ``W`` a ``PackedWeight``, the path picked per call by M.
+
+Decode (``M <= PREFILL_ROWS`` rows) is memory-bound; which op runs was measured on one
+thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels.json):
+
+- bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and int8 per channel:
+  PyTorch's weight-only ops, as gpt-fast calls them (``TorchWeightOp``:
+  ``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``): fastest at M = 1..16,
+  ~2x kvstack's own kernel at M = 1. Their scales and zeros are bf16 (a deviation: the
+  weights they multiply differ from the packed ones by <= 2^-9 of a group's scale/zero);
+- everything else (Q8_0, e.g. the default model's lm_head; and every float32 model):
+  ``torch.ops.kvstack.quant_linear`` (``csrc/quant_linear.cpp``): the packed bytes read
+  once, 32 weights at a time dequantized in registers, bit-identical to gguf-py's
+  dequantization; float32 sums (so float32 runs generate the dequantized model's tokens).
+  ``quant_linear_vnni`` (int8 activations x VNNI, llama.cpp's arithmetic) is kept as a
+  measured candidate (``int8_activations=True``); it lost to both on this CPU.
+
+Prefill (``M > PREFILL_ROWS``) is compute-bound: the weight is dequantized to the
+activation dtype (``quant_dequant``, a [N, K] temporary) and multiplied by oneDNN
+(``F.linear``: AMX / AVX512-BF16 GEMM), which wins from M ~ 16 on (the crossover measured).
+
+Without the C++ extension (build failed, ``KVSTACK_NO_KERNELS``) the weight is dequantized
+once at load into a plain ``Linear`` (the packed bytes are then not what is read),
+counted as ``kvstack:kernel_fallback_total{kernel="quant_linear", reason="no_kernels"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvstack.model.kernels import Kernels, note_fallback
+from kvstack.model.layers import Linear
+from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpack_u4
+
+PREFILL_ROWS = 16
+INT8_ACTIVATIONS = False
+
+
+class TorchWeightOp:
+    """PyTorch's CPU weight-only ops, as gpt-fast calls them (bf16 activations only):
+    ``_weight_int4pack_mm_for_cpu`` for 4-bit groups (codes 0..15, ``w = (q - 8) scale +
+    zero`` with ``zero = min + 8 scale``) and ``_weight_int8pack_mm`` for int8 per output
+    channel. Deviation: their scales and zeros are bf16, so the weights they multiply are
+    not bit-identical to the packed ones (relative error <= 2^-9 of each group's scale
+    and zero); the float32 path (``quant_linear``) is."""
+
+    def __init__(self, name: str, fn: Any) -> None:
+        self.name = name
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def torch_weight_op(w: PackedWeight, dtype: torch.dtype) -> TorchWeightOp | None:
+    """The PyTorch op for ``w`` at ``dtype``, or None (then ``quant_linear`` runs): bf16
+    only, and only for shapes of whole tiles (``N % 32 == 0``, ``K % 64 == 0``; the model's
+    are)."""
+    n, k = w.out_features, w.in_features
+    if dtype != torch.bfloat16 or n % 32 or k % 64:  # their CPU kernels' tiles (odd K crashes)
+        return None
+    if w.bits == 8 and w.group == w.in_features:
+        q, s8 = w.q, w.scale.reshape(-1).to(dtype)
+        return TorchWeightOp("torch_int8pack", lambda x: torch._weight_int8pack_mm(x, q, s8))
+    if w.bits == 4 and w.min is not None and w.group in (32, 64, 128, 256):
+        codes = unpack_u4(w.q).to(torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        zero = w.min + 8 * w.scale
+        sz = torch.stack([w.scale.T, zero.T], dim=-1).contiguous().to(dtype)
+        g = w.group
+        return TorchWeightOp(
+            "torch_int4pack", lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, g, sz)
+        )
+    return None
+
+
+class QuantLinear:
+    """A linear layer over a ``PackedWeight`` (``kernels``: ``torch.ops.kvstack`` or None)."""
+
+    def __init__(
+        self,
+        weight: PackedWeight,
+        dtype: torch.dtype,
+        kernels: Kernels | None,
+        prefill_rows: int = PREFILL_ROWS,
+        int8_activations: bool = INT8_ACTIVATIONS,
+    ) -> None:
+        self.packed = weight
+        self.dtype = dtype
+        self.out_features = weight.out_features
+        self.prefill_rows = prefill_rows
+        self.k = kernels
+        self.dense: Linear | None = None
+        self.vnni = False
+        if kernels is None:
+            note_fallback("quant_linear", "no_kernels")
+            self.dense = Linear(dequantize_reference(weight), dtype)
+        elif int8_activations and dtype == torch.bfloat16:
+            self.vnni = bool(
+                kernels.quant_linear_vnni_ok(weight.in_features, weight.group, weight.bits)
+            )
+        self.torch_op = (
+            None if self.dense is not None or self.vnni else torch_weight_op(weight, dtype)
+        )
+
+    @property
+    def kernel(self) -> str:
+        """What runs at decode: ``quant_linear_vnni``, ``quant_linear`` or the dense
+        reference."""
+        if self.dense is not None:
+            return "dense_fallback"
+        if self.torch_op is not None:
+            return self.torch_op.name
+        return "quant_linear_vnni" if self.vnni else "quant_linear"
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W`` ``[N, K]`` in ``dtype`` (the kernel's weights, bit for bit)."""
+        w = self.packed
+        if self.k is None:
+            return dequantize_reference(w, dtype)
+        return self.k.quant_dequant(w.q, w.scale, w.min, w.group, w.bits, dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense(x)
+        w = self.packed
+        if x.shape[0] <= self.prefill_rows:
+            if self.torch_op is not None:
+                return self.torch_op(x)
+            k = self.k
+            assert k is not None  # no kernels: self.dense
+            op = k.quant_linear_vnni if self.vnni else k.quant_linear
+            return op(x, w.q, w.scale, w.min, w.group, w.bits)
+        return F.linear(x, self.dequantize(x.dtype))

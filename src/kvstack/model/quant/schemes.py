@@ -1,0 +1,150 @@
+"""Weight quantization schemes (``--quantization``) and the builder of a model's linears.
+
+A scheme decides, per weight, whether it is kept packed (``PackedWeight``, multiplied by
+``QuantLinear``) or dense in the model dtype (``Linear``, oneDNN):
+
+====  ===================================================================================
+none  every linear dense (bf16 / float32): the reference
+int8  every linear quantized at load, int8 per output channel (``quantize.py``)
+int4  every linear quantized at load, 4-bit groups of 32 with fp16 scale and min
+gguf  the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K bytes kept as they are (a GGUF only)
+====  ===================================================================================
+
+"Every linear" is the fused q/k/v, o, fused gate/up and down of each layer, and the
+lm_head (for tied embeddings, the embedding matrix: ~57 MB of the ~270 MB a bf16 token
+reads). What stays in the model dtype, and why:
+
+- the embedding table for the token lookup: one row per token is read, so quantizing it
+  saves memory, not time (a tied model holds it twice: dense for lookups, packed as
+  lm_head);
+- RMSNorm weights and RoPE tables: 576-value vectors, read once per token;
+- under ``gguf``, a tensor whose GGUF type has no packed kernel (F32, F16, BF16, Q5_*,
+  Q2_K, Q3_K, Q5_K, Q6_K): dequantized, with one warning naming the type (``load``);
+- a fused matrix whose parts have different formats (e.g. Q4_K q/k with a Q6_K v), or
+  under ``int4`` a weight whose ``in_features`` is not a multiple of 32.
+
+The builder logs, once per model, how many linears took which path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from kvstack.model.kernels import Kernels, note_fallback
+from kvstack.model.layers import Linear
+from kvstack.model.quant.linear import QuantLinear
+from kvstack.model.quant.packed import PackedWeight, concat_rows
+from kvstack.model.quant.quantize import INT4_GROUP, quantize_int4, quantize_int8
+from kvstack.registry import Registry
+
+logger = logging.getLogger("kvstack.quant")
+
+
+class LinearOp(Protocol):
+    """A linear layer: ``y = x W^T`` for ``x`` ``[M, in_features]``."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class WeightScheme(Protocol):
+    """One ``--quantization`` choice: the packed form of a weight, or None (dense)."""
+
+    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None: ...
+
+
+class SchemeFactory(Protocol):
+    def __call__(self, packed: Mapping[str, PackedWeight]) -> WeightScheme: ...
+
+
+QUANTIZATIONS: Registry[SchemeFactory] = Registry("quantization")
+
+
+@QUANTIZATIONS.register("none", help="weights in the model dtype (default)")
+class NoQuantization:
+    def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
+        del packed
+
+    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+        return None
+
+
+@QUANTIZATIONS.register("int8", help="int8 per output channel, quantized at load")
+class Int8:
+    def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
+        del packed
+
+    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+        return quantize_int8(weight)
+
+
+@QUANTIZATIONS.register("int4", help=f"4-bit groups of {INT4_GROUP}, quantized at load")
+class Int4:
+    def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
+        del packed
+
+    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+        if weight.shape[1] % INT4_GROUP:
+            return None
+        return quantize_int4(weight)
+
+
+@QUANTIZATIONS.register("gguf", help="a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights kept packed")
+class GGUFPacked:
+    def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
+        self.packed = packed
+
+    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+        return self.packed.get(name)
+
+
+class LinearBuilder:
+    """Builds a model's linear layers under one scheme; ``summary`` says what it chose."""
+
+    def __init__(
+        self,
+        quantization: str,
+        dtype: torch.dtype,
+        packed: Mapping[str, PackedWeight] | None = None,
+        kernels: Kernels | None = None,
+    ) -> None:
+        self.quantization = quantization
+        self.scheme = QUANTIZATIONS.get(quantization)(packed or {})
+        self.dtype = dtype
+        self.kernels = kernels
+        self.paths: Counter[str] = Counter()
+
+    def build(self, names: list[str], weights: Mapping[str, torch.Tensor]) -> LinearOp:
+        """The linear of the weights ``names`` stacked along the output (fused q/k/v)."""
+        parts = [self.scheme.pack(n, weights[n]) for n in names]
+        packed = [p for p in parts if p is not None]
+        if len(packed) == len(parts):
+            fused = concat_rows(packed) if len(packed) > 1 else packed[0]
+            if fused is not None:
+                linear = QuantLinear(fused, self.dtype, self.kernels)
+                self.paths[f"{fused.source} {fused.bits}-bit -> {linear.kernel}"] += 1
+                return linear
+            note_fallback(
+                "quant_linear",
+                "mixed_formats",
+                message=f"{names}: the parts of a fused matrix have different formats "
+                f"({', '.join(p.source for p in packed)}); it is kept dense",
+            )
+        if packed or self.quantization != "none":
+            self.paths[f"dense {str(self.dtype).removeprefix('torch.')} (not packed)"] += 1
+        else:
+            self.paths[f"dense {str(self.dtype).removeprefix('torch.')}"] += 1
+        w = torch.cat([weights[n] for n in names]) if len(names) > 1 else weights[names[0]]
+        return Linear(w, self.dtype)
+
+    def summary(self) -> str:
+        return ", ".join(f"{n} x {path}" for path, n in self.paths.items())
+
+    def log(self) -> None:
+        logger.info("linear layers (--quantization %s): %s", self.quantization, self.summary())
