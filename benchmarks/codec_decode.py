@@ -1,0 +1,209 @@
+"""Decode speed of every KV codec against uncompressed KV (``auto``), in one run (issue 24).
+
+Whole-step decode throughput: ``--batch`` requests of ``--context`` random tokens are
+prefilled (not timed), then every engine step until ``--new-tokens`` are generated is
+timed (``LLMEngine.step()`` wall time, so attention, linears, the codec's KV write,
+sampling and Python all count): decode tok/s = decoded tokens / summed step time. One
+engine per codec is built first (KV sized exactly for the workload); then ``--reps``
+rounds take turns codec by codec, so round k of each codec sees the same machine (the
+prompts hit the prefix cache after round 1: only the decode steps are timed anyway).
+Reported: the median over rounds and the median of the per-round ratios to ``auto``.
+
+``--attention-only`` instead times one layer's decode attention alone, single thread, min
+of ``--reps`` calls: the PyTorch reference path (``gather`` + grouped matmuls) and the C++
+kernel for each codec, on the same K/V (the microbenchmark behind the kernel's design).
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/codec_decode.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/codec_decode.py --attention-only --reps 20
+
+Prints the CPU model and ISA flags; writes ``benchmarks/results/codec_decode-<date>.json``
+(``/proc/loadavg`` before and after each round: a loaded machine contaminates the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.tools.profile.report import machine
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CODECS = ["auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4"]
+
+
+def loadavg() -> list[str]:
+    return Path("/proc/loadavg").read_text().split()[:3]
+
+
+def decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
+    """Decoded tokens per second of summed step time, after an untimed prefill."""
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", None, sp, prompt_token_ids=p)
+    sched = eng.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+        eng.step()
+    tokens, seconds = 0, 0.0
+    while eng.has_unfinished_requests():
+        n = len(sched.running)
+        t0 = time.perf_counter()
+        eng.step()
+        seconds += time.perf_counter() - t0
+        tokens += n
+    return tokens / seconds
+
+
+def run_engines(args: argparse.Namespace) -> dict[str, Any]:
+    blocks = args.batch * (-(-(args.context + args.new_tokens) // 16) + 1) + 8
+    llms = {
+        c: LLM("default", dtype=args.dtype, kv_cache_dtype=c, max_num_seqs=args.batch,
+               num_blocks=blocks, block_size=16)
+        for c in args.codecs
+    }  # fmt: skip
+    vocab = next(iter(llms.values())).engine.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (args.batch, args.context), generator=g).tolist()
+    rounds: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        row: dict[str, Any] = {"loadavg_before": loadavg(), "tok_s": {}}
+        for c, llm in llms.items():
+            row["tok_s"][c] = decode_tok_s(llm, prompts, args.new_tokens, f"r{rep}")
+            print(f"round {rep + 1}: {c:9s} {row['tok_s'][c]:7.1f} decode tok/s", flush=True)
+        row["loadavg_after"] = loadavg()
+        rounds.append(row)
+    summary = {}
+    for c in args.codecs:
+        vals = [r["tok_s"][c] for r in rounds]
+        entry: dict[str, Any] = {"tok_s": vals, "median_tok_s": statistics.median(vals)}
+        if "auto" in args.codecs:
+            entry["ratio_vs_auto_median_of_rounds"] = statistics.median(
+                r["tok_s"][c] / r["tok_s"]["auto"] for r in rounds
+            )
+        summary[c] = entry
+    return {"rounds": rounds, "codecs": summary}
+
+
+def run_attention_only(args: argparse.Namespace) -> dict[str, Any]:
+    """One layer's decode attention, reference vs kernel, for each codec."""
+    from kvstack.kv.codecs import CacheShape, codec_class
+    from kvstack.model.attention import KernelRows
+    from kvstack.model.kernels import load_kernels
+
+    kernels = load_kernels()
+    assert kernels is not None, "the C++ kernels did not build"
+    dtype = getattr(torch, args.dtype)
+    b, ctx, h, kvh, d, bs = args.batch, args.context, 9, 3, 64, 16
+    nblk = -(-ctx // bs)
+    shape = CacheShape(1, b * nblk + 1, bs, kvh, d)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(b * nblk * bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(b * nblk * bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    tables = (1 + torch.randperm(b * nblk, generator=g)).view(b, nblk)
+    lens = torch.full((b,), ctx, dtype=torch.long)
+    rows = KernelRows(b, tables, None, lens)
+    over = torch.arange(nblk * bs)[None, :] >= lens[:, None]
+    bias = torch.zeros(over.shape).masked_fill_(over, float("-inf"))[:, None, None, :]
+    slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(-1)
+
+    out: dict[str, Any] = {}
+    for name in args.codecs:
+        codec = codec_class(name)(shape, dtype, max_num_seqs=b)
+        codec.write(0, slots, k, v)
+        out[name] = time_codec(kernels, codec, q, rows, bias, args.reps)
+        print(f"{name:9s} reference {out[name]['reference_ms']:8.2f} ms   kernel "
+              f"{out[name]['kernel_ms']:8.2f} ms", flush=True)  # fmt: skip
+    return {"attention_only": out, "threads": torch.get_num_threads()}
+
+
+def _best_ms(fn: Any, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def time_codec(
+    kernels: Any, codec: Any, q: torch.Tensor, rows: Any, bias: torch.Tensor, reps: int
+) -> dict[str, float]:
+    """Min ms of the reference path (gather + grouped matmuls) and of the kernel."""
+    from kvstack.model.attention import codec_attention, decode_attention
+
+    b, kvh, d = q.shape[0], codec.shape.num_kv_heads, codec.shape.head_dim
+    tables = rows.block_tables
+
+    def reference() -> torch.Tensor:
+        kk, vv = codec.gather(0, tables)
+        return decode_attention(q, kk.view(b, -1, kvh, d), vv.view(b, -1, kvh, d), bias, 0.125)
+
+    view = codec.kernel_view(0)
+    if view is None:  # auto: the raw cache
+        kc, vc = codec.k[0], codec.v[0]
+
+        def kernel() -> torch.Tensor:
+            return kernels.paged_attention(q, kc, vc, tables, None, rows.context_lens, 0.125)
+    else:
+
+        def kernel() -> torch.Tensor:
+            return codec_attention(kernels, q, view, rows, 0.125)
+
+    return {"reference_ms": _best_ms(reference, reps), "kernel_ms": _best_ms(kernel, reps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--codecs", nargs="+", default=CODECS, help="codecs, auto first")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3, help="rounds (or calls with --attention-only)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--attention-only", action="store_true", help="one layer, kernel vs reference")
+    ap.add_argument("--tag", default="", help="suffix of the result file name")
+    args = ap.parse_args()
+    info = machine()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    print(f"CPU {info.get('cpu_model')}; {' '.join(info.get('cpu_flags', []))}")
+    print(f"commit {commit}, torch {info['torch']}, {info['threads']} threads, load {loadavg()}")
+    result: dict[str, Any] = {
+        "benchmark": "codec_decode",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {**info, "git_commit": commit},
+        "batch": args.batch,
+        "context": args.context,
+        "new_tokens": args.new_tokens,
+        "dtype": args.dtype,
+        "loadavg_start": loadavg(),
+    }
+    result.update(run_attention_only(args) if args.attention_only else run_engines(args))
+    result["loadavg_end"] = loadavg()
+    kind = "attention" if args.attention_only else "decode"
+    name = f"codec_{kind}-{dt.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
+    if not args.attention_only:
+        print("| codec | decode tok/s (median) | × auto (median of rounds) |")
+        print("|---|---:|---:|")
+        for c, e in result["codecs"].items():
+            ratio = e.get("ratio_vs_auto_median_of_rounds", 1.0)
+            print(f"| {c} | {e['median_tok_s']:.1f} | {ratio:.2f} |")
+    print(f"wrote {RESULTS / name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+// How the codec attention kernel (paged_attention_codecs.cpp) reads one K or V row of
+// each KV codec in place from its block storage (kv/codecs/: one file per codec).
+//
+// Row r of a layer is token i of block b for KV head h: r = (b * BS + i) * KVH + h.
+// Codes of row r start at byte r * code_bytes; per-row bf16 parameters at r * k_cols
+// (k) or r * v_cols (v). KIVI keys are the exception: their (scale, zero) pairs are per
+// block and channel, [NB, KVH, HD, 2], and a block that is still filling lives in the
+// residual pool in the activation dtype (residual_of[b] >= 0).
+//
+// Two readers: row_scalar (any ISA, any head_dim; fully dequantized, natural order) and,
+// with AVX-512, Rows64 (head_dim 64, four vectors of 16 channels in natural order).
+// Rows64 may leave a per-row factor out of the vectors (int8 and fp8 scales): the caller
+// multiplies the score (K) or the probability (V) by it once instead of every channel.
+#pragma once
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <cstring>
+
+#include "simd.h"
+
+enum class Codec : int { kBF16, kInt8, kFP8E4M3, kFP8E5M2, kInt4, kKivi2 };
+
+struct CodecView {
+  Codec kind;
+  const uint8_t* kc;  // K codes of the layer
+  const uint8_t* vc;
+  const c10::BFloat16* kp;  // K parameters
+  const c10::BFloat16* vp;
+  int64_t code_bytes;  // bytes of one row's codes
+  int64_t k_cols, v_cols;  // bf16 parameters per row
+  int64_t group;  // channels per (scale, zero) pair: int4 and KIVI values
+  const void* res_k;  // KIVI residual pool [cap, BS, KVH, HD] in the activation dtype
+  const void* res_v;
+  bool res_float;  // residual pool is float32 (else bfloat16)
+  const int64_t* residual_of;  // [NB] residual slot of each block, -1 if none; or null
+  const float* signs;  // rotated4: [HD] signs of the rotation (codes hold x R); or null
+  int64_t KVH, BS, HD;
+
+  int64_t residual(int64_t blk) const { return residual_of ? residual_of[blk] : -1; }
+};
+
+static inline float bf(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// rotated4's rotation R = diag(signs) H / sqrt(n) (H Sylvester's
+// Hadamard matrix, symmetric), applied as a fast Walsh-Hadamard transform: forward
+// x R = H (x ⊙ signs) / sqrt(n), inverse x R^T = (H x / sqrt(n)) ⊙ signs. n log n adds
+// in a fixed order, so a row's result never depends on how many rows run with it.
+static inline void fwht(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+static inline void rotate(float* x, const float* signs, int64_t n, bool inverse) {
+  const float norm = 1.f / std::sqrt(static_cast<float>(n));
+  if (!inverse)
+    for (int64_t i = 0; i < n; ++i) x[i] *= signs[i];
+  fwht(x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inverse ? norm * signs[i] : norm;
+}
+
+// Token i of residual slot rs, head kh, to float.
+static inline void residual_row_scalar(const CodecView& c, bool is_k, int64_t rs, int64_t i,
+                                       int64_t kh, float* dst) {
+  const int64_t off = ((rs * c.BS + i) * c.KVH + kh) * c.HD;
+  const void* base = is_k ? c.res_k : c.res_v;
+  for (int64_t d = 0; d < c.HD; ++d)
+    dst[d] = c.res_float ? static_cast<const float*>(base)[off + d]
+                         : bf(static_cast<const c10::BFloat16*>(base)[off + d]);
+}
+
+// The dequantized row (K if is_k, else V) of token i of block blk, head kh: dst[HD].
+// Equal to the codec's PyTorch decode in float32 (same products, no rounding after).
+static void row_scalar(const CodecView& c, bool is_k, int64_t blk, int64_t i, int64_t kh,
+                       float* dst) {
+  const int64_t HD = c.HD, r = (blk * c.BS + i) * c.KVH + kh;
+  const int64_t rs = c.residual(blk);
+  if (rs >= 0) return residual_row_scalar(c, is_k, rs, i, kh, dst);
+  const uint8_t* code = (is_k ? c.kc : c.vc) + r * c.code_bytes;
+  const c10::BFloat16* p = is_k ? c.kp + r * c.k_cols : c.vp + r * c.v_cols;
+  switch (c.kind) {
+    case Codec::kBF16:
+      for (int64_t d = 0; d < HD; ++d) dst[d] = bf(reinterpret_cast<const c10::BFloat16*>(code)[d]);
+      return;
+    case Codec::kInt8:
+      for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<float>(static_cast<int8_t>(code[d])) * bf(p[0]);
+      return;
+    case Codec::kFP8E4M3:
+      for (int64_t d = 0; d < HD; ++d)
+        dst[d] = static_cast<float>(c10::Float8_e4m3fn(code[d], c10::Float8_e4m3fn::from_bits())) * bf(p[0]);
+      return;
+    case Codec::kFP8E5M2:
+      for (int64_t d = 0; d < HD; ++d)
+        dst[d] = static_cast<float>(c10::Float8_e5m2(code[d], c10::Float8_e5m2::from_bits())) * bf(p[0]);
+      return;
+    case Codec::kInt4:
+      for (int64_t d = 0; d < HD; ++d) {
+        const int64_t g = d / c.group;
+        const float q = static_cast<float>((code[d / 2] >> (4 * (d & 1))) & 15);
+        dst[d] = q * bf(p[2 * g]) + bf(p[2 * g + 1]);
+      }
+      return;
+    case Codec::kKivi2: {
+      const c10::BFloat16* kb = c.kp + (blk * c.KVH + kh) * HD * 2;  // per channel
+      for (int64_t d = 0; d < HD; ++d) {
+        const float q = static_cast<float>((code[d / 4] >> (2 * (d & 3))) & 3);
+        if (is_k) {
+          dst[d] = q * bf(kb[2 * d]) + bf(kb[2 * d + 1]);
+        } else {
+          const int64_t g = d / c.group;
+          dst[d] = q * bf(p[2 * g]) + bf(p[2 * g + 1]);
+        }
+      }
+      return;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 codes of 2 bits from bytes p[0..3] (lane l: byte l / 4, bits 2 (l % 4)), as floats.
+static inline __m512 unpack2x16(const uint8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  const __m128i rep = _mm_shuffle_epi8(
+      _mm_cvtsi32_si128(w), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+  const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+  const __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(rep), sh);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(3)));
+}
+
+// 16 codes of 4 bits from bytes p[0..7] (lane l: byte l / 2, bits 4 (l % 2)), as floats.
+static inline __m512 unpack4x16(const uint8_t* p) {
+  const __m128i rep = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(rep), sh);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+}
+
+// 16 e4m3 codes times 2^-8, exactly: sign and the 7 exponent+mantissa bits placed in an
+// fp16 (5 exponent bits, bias 15 instead of 7) give the value / 2^8, subnormals included.
+static inline __m512 e4m3x16_div256(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i s = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i em = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_cvtph_ps(_mm256_or_si256(s, em));
+}
+
+// 16 e5m2 codes: an e5m2 byte is the upper byte of the fp16 of the same value.
+static inline __m512 e5m2x16(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+
+static inline __m512 bcast(c10::BFloat16 x) { return _mm512_set1_ps(bf(x)); }
+
+// Token i of residual slot rs, head kh (head_dim 64), as four vectors.
+static inline void residual_row64(const CodecView& c, bool is_k, int64_t rs, int64_t i,
+                                  int64_t kh, __m512* x) {
+  const int64_t off = ((rs * c.BS + i) * c.KVH + kh) * 64;
+  const void* base = is_k ? c.res_k : c.res_v;
+  for (int k = 0; k < 4; ++k)
+    x[k] = c.res_float ? _mm512_loadu_ps(static_cast<const float*>(base) + off + 16 * k)
+                       : load16(static_cast<const c10::BFloat16*>(base) + off + 16 * k);
+}
+
+// Row r of codec C (head_dim 64) as four vectors; returns the factor left out of them.
+// For KIVI keys the vectors are the raw codes (the per-channel scale and zero go into
+// the query and a per-block bias: see kivi_block_query).
+template <Codec C>
+static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
+  const uint8_t* code = (is_k ? c.kc : c.vc) + r * c.code_bytes;
+  const c10::BFloat16* p = is_k ? c.kp + r * c.k_cols : c.vp + r * c.v_cols;
+  if constexpr (C == Codec::kBF16) {
+    for (int k = 0; k < 4; ++k) x[k] = load16(reinterpret_cast<const c10::BFloat16*>(code) + 16 * k);
+    return 1.f;
+  } else if constexpr (C == Codec::kInt8) {
+    for (int k = 0; k < 4; ++k)
+      x[k] = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + 16 * k))));
+    return bf(p[0]);
+  } else if constexpr (C == Codec::kFP8E4M3) {
+    for (int k = 0; k < 4; ++k) x[k] = e4m3x16_div256(code + 16 * k);
+    return 256.f * bf(p[0]);
+  } else if constexpr (C == Codec::kFP8E5M2) {
+    for (int k = 0; k < 4; ++k) x[k] = e5m2x16(code + 16 * k);
+    return bf(p[0]);
+  } else if constexpr (C == Codec::kInt4) {
+    for (int k = 0; k < 4; ++k) {
+      const int64_t g = 16 * k / c.group;
+      x[k] = _mm512_fmadd_ps(unpack4x16(code + 8 * k), bcast(p[2 * g]), bcast(p[2 * g + 1]));
+    }
+    return 1.f;
+  } else {  // kKivi2
+    for (int k = 0; k < 4; ++k) x[k] = unpack2x16(code + 4 * k);
+    if (is_k) return 1.f;
+    for (int k = 0; k < 4; ++k) {
+      const int64_t g = 16 * k / c.group;
+      x[k] = _mm512_fmadd_ps(x[k], bcast(p[2 * g]), bcast(p[2 * g + 1]));
+    }
+    return 1.f;
+  }
+}
+
+// KIVI keys of block blk, head kh: k[t][ch] = code * s[ch] + z[ch], so q . k = (q * s) .
+// code + q . z: the query scaled per channel (qb) and one bias per block (returned).
+static inline float kivi_block_query(const CodecView& c, int64_t blk, int64_t kh,
+                                     const __m512* q, __m512* qb) {
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(c.kp + (blk * c.KVH + kh) * 128);
+  __m512 bias = _mm512_setzero_ps();
+  for (int k = 0; k < 4; ++k) {  // 16 (scale, zero) bf16 pairs = 16 uint32
+    const __m512i w = _mm512_loadu_si512(sz + 16 * k);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
+    qb[k] = _mm512_mul_ps(q[k], s);
+    bias = _mm512_fmadd_ps(q[k], z, bias);
+  }
+  return _mm512_reduce_add_ps(bias);
+}
+#endif

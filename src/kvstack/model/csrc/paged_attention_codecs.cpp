@@ -1,0 +1,396 @@
+// Paged attention over an encoded KV cache (era 5 codecs), dequantizing in the kernel.
+//
+// The same rows as paged_attention.cpp (decodes, and prefill rows at KV position p scored
+// as a decode of context p + 1), but K and V are read in place from a codec's storage
+// (codec_rows.h: codes and bf16 scales, KIVI's residual pool) instead of an unencoded
+// cache, so attention reads the codec's bytes, not a dequantized copy. Per-row factors
+// (int8/fp8 scales) multiply one score or one probability instead of every channel; KIVI's
+// per-channel key scales fold into the query once per block (q . (c s + z) = (q s) . c +
+// q . z). rotated4 is int4 with one group per head vector, read in the rotated basis: the
+// query is rotated once (q R) and the output once back (o R^T) instead of every key and
+// value, R orthogonal (QuaRot's online Hadamard; codec_rows.h rotate()).
+//
+// head_dim 64 with AVX-512: work split over (row, 512-token partition, KV head), two
+// passes per partition (scores into L1, then softmax and P.V), partitions merged by their
+// maxima and sums (flash-decoding), as the bf16 kernel. Other shapes or ISAs: one task per
+// (row, KV head) with the scalar reader. Both compute in float32.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "codec_rows.h"
+#include "kvstack_ops.h"
+
+namespace {
+
+constexpr int64_t kCodecPart = 512;  // tokens per partition
+constexpr int kMaxG = 8;  // q heads per KV head on the fast path
+
+int64_t table_of(const int64_t* tidx, int64_t r) { return tidx ? tidx[r] : r; }
+
+// One row r, KV head kh, all tokens: softmax(q K^T * scale) V for its G q heads.
+template <typename T>
+void codec_rows_generic(const CodecView& cv, const T* q, const int64_t* tables,
+                        const int64_t* tidx, const int64_t* lens, T* out, int64_t R, int64_t H,
+                        int64_t MB, float scale) {
+  const int64_t KVH = cv.KVH, HD = cv.HD, BS = cv.BS, G = H / KVH;
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * HD), acc(G * HD), row(HD), sc;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / KVH, kh = w % KVH, L = lens[r];
+      const int64_t* table = tables + table_of(tidx, r) * MB;
+      sc.assign(G * L, 0.f);
+      for (int64_t i = 0; i < G * HD; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * HD + i]);
+      if (cv.signs)
+        for (int64_t g = 0; g < G; ++g) rotate(qf.data() + g * HD, cv.signs, HD, false);
+      for (int64_t t = 0; t < L; ++t) {
+        row_scalar(cv, true, table[t / BS], t % BS, kh, row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.f;
+          for (int64_t i = 0; i < HD; ++i) s += qf[g * HD + i] * row[i];
+          sc[g * L + t] = s * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = sc.data() + g * L;
+        const float m = *std::max_element(s, s + L);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+        for (int64_t t = 0; t < L; ++t) s[t] /= sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        row_scalar(cv, false, table[t / BS], t % BS, kh, row.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < HD; ++i) acc[g * HD + i] += sc[g * L + t] * row[i];
+      }
+      if (cv.signs)
+        for (int64_t g = 0; g < G; ++g) rotate(acc.data() + g * HD, cv.signs, HD, true);
+      for (int64_t i = 0; i < G * HD; ++i) out[(r * H + kh * G) * HD + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+struct CodecPartial {  // one (row, partition, q head): max m, sum l, unnormalized acc
+  float m, l;
+  alignas(64) float acc[64];
+};
+
+// Per-block query state: the query as the block's codes need it, and a bias per q head.
+template <Codec C>
+inline void block_query(const CodecView& cv, int64_t blk, int64_t rs, int64_t kh, int G,
+                        __m512 (*q)[4], __m512 (*qb)[4], float* bias) {
+  for (int g = 0; g < G; ++g) {
+    if constexpr (C == Codec::kKivi2) {
+      if (rs < 0) {
+        bias[g] = kivi_block_query(cv, blk, kh, q[g], qb[g]);
+        continue;
+      }
+    }
+    for (int k = 0; k < 4; ++k) qb[g][k] = q[g][k];
+    bias[g] = 0.f;
+  }
+}
+
+// Tokens [t0, t1) of one row against KV head kh: G partials. q: G float rows of 64.
+template <Codec C>
+void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
+                  int64_t t0, int64_t t1, int G, float scale, CodecPartial* parts) {
+  const int64_t n = t1 - t0, np = (n + 15) / 16 * 16, BS = cv.BS, KVH = cv.KVH;
+  alignas(64) float sc[kMaxG][kCodecPart];
+  alignas(64) float fac[16], add[kMaxG][16];
+  __m512 qv[kMaxG][4], qb[kMaxG][4], d16[kMaxG][16];
+  float bias[kMaxG];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
+  int64_t blk = -1, rs = -1;
+  for (int64_t j0 = 0; j0 < np; j0 += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const int64_t t = t0 + j0 + j;
+      if (j0 + j >= n) {
+        for (int g = 0; g < G; ++g) d16[g][j] = _mm512_setzero_ps(), add[g][j] = 0.f;
+        fac[j] = 0.f;
+        continue;
+      }
+      if (table[t / BS] != blk) {
+        blk = table[t / BS];
+        rs = cv.residual(blk);
+        block_query<C>(cv, blk, rs, kh, G, qv, qb, bias);
+      }
+      __m512 x[4];
+      const int64_t i = t % BS;
+      if (rs >= 0) {
+        residual_row64(cv, true, rs, i, kh, x);
+        fac[j] = 1.f;
+      } else {
+        fac[j] = row64<C>(cv, true, (blk * BS + i) * KVH + kh, x);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qb[g][0], x[0]);
+        for (int k = 1; k < 4; ++k) a = _mm512_fmadd_ps(qb[g][k], x[k], a);
+        d16[g][j] = a;
+        add[g][j] = bias[g];
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>(n - j0 >= 16 ? 0xFFFF : (1u << (n - j0)) - 1);
+    const __m512 f = _mm512_load_ps(fac);
+    for (int g = 0; g < G; ++g) {
+      __m512 s = _mm512_fmadd_ps(hsum16(d16[g]), f, _mm512_load_ps(add[g]));
+      s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+      _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // softmax numerators, max and sum
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[g] + j));
+    const float m = _mm512_reduce_max_ps(mv);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m)));
+      _mm512_store_ps(sc[g] + j, e);  // padding lanes: exp(-inf) = 0
+      sum = _mm512_add_ps(sum, e);
+    }
+    parts[g].m = m;
+    parts[g].l = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kMaxG][4];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
+  blk = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j, i = t % BS;
+    if (table[t / BS] != blk) blk = table[t / BS], rs = cv.residual(blk);
+    __m512 x[4];
+    float f = 1.f;
+    if (rs >= 0)
+      residual_row64(cv, false, rs, i, kh, x);
+    else
+      f = row64<C>(cv, false, (blk * BS + i) * KVH + kh, x);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g][j] * f);
+      for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_fmadd_ps(p, x[k], acc[g][k]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 4; ++k) _mm512_store_ps(parts[g].acc + 16 * k, acc[g][k]);
+}
+
+template <Codec C, typename T>
+void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
+                  const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
+  const int64_t KVH = cv.KVH, G = H / KVH;
+  std::vector<int64_t> first(R + 1, 0);  // first partition of each row
+  for (int64_t r = 0; r < R; ++r)
+    first[r + 1] = first[r] + std::max<int64_t>(1, (lens[r] + kCodecPart - 1) / kCodecPart);
+  const int64_t P = first[R];
+  std::vector<CodecPartial> parts(P * H);
+  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qf[kMaxG * 64];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t pi = w / KVH, kh = w % KVH;
+      const int64_t r = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
+      const int64_t t0 = (pi - first[r]) * kCodecPart;
+      for (int64_t i = 0; i < G * 64; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * 64 + i]);
+      if (cv.signs)
+        for (int64_t g = 0; g < G; ++g) rotate(qf + g * 64, cv.signs, 64, false);
+      codec_part64<C>(cv, qf, tables + table_of(tidx, r) * MB, kh, t0,
+                      std::min(lens[r], t0 + kCodecPart), static_cast<int>(G), scale,
+                      parts.data() + pi * H + kh * G);
+    }
+  });
+  at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / H, h = w % H;
+      float mx = -INFINITY, l = 0.f;
+      for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) {
+        const CodecPartial& pt = parts[pi * H + h];
+        const float wgt = std::exp(pt.m - mx);
+        l += wgt * pt.l;
+        for (int k = 0; k < 4; ++k)
+          acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * k), acc[k]);
+      }
+      alignas(64) float o[64];
+      for (int k = 0; k < 4; ++k) _mm512_store_ps(o + 16 * k, _mm512_mul_ps(acc[k], _mm512_set1_ps(1.f / l)));
+      if (cv.signs) rotate(o, cv.signs, 64, true);
+      for (int k = 0; k < 4; ++k) store16(out + (r * H + h) * 64 + 16 * k, _mm512_load_ps(o + 16 * k));
+    }
+  });
+}
+
+template <typename T>
+bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
+                const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
+  const int64_t G = H / cv.KVH;
+  if (cv.HD != 64 || G > kMaxG || cv.group % 16 || 64 % cv.group) return false;
+  switch (cv.kind) {
+#define KVSTACK_CODEC(c)                                                    \
+  case c:                                                                   \
+    codec_rows64<c, T>(cv, q, tables, tidx, lens, out, R, H, MB, scale); \
+    return true;
+    KVSTACK_CODEC(Codec::kBF16)
+    KVSTACK_CODEC(Codec::kInt8)
+    KVSTACK_CODEC(Codec::kFP8E4M3)
+    KVSTACK_CODEC(Codec::kFP8E5M2)
+    KVSTACK_CODEC(Codec::kInt4)
+    KVSTACK_CODEC(Codec::kKivi2)
+#undef KVSTACK_CODEC
+  }
+  return false;
+}
+#else
+template <typename T>
+bool codec_fast(const CodecView&, const T*, const int64_t*, const int64_t*, const int64_t*, T*,
+                int64_t, int64_t, int64_t, float) {
+  return false;
+}
+#endif
+
+Codec codec_kind(const std::string& kind) {
+  if (kind == "bf16") return Codec::kBF16;
+  if (kind == "int8") return Codec::kInt8;
+  if (kind == "fp8_e4m3") return Codec::kFP8E4M3;
+  if (kind == "fp8_e5m2") return Codec::kFP8E5M2;
+  if (kind == "int4") return Codec::kInt4;
+  if (kind == "kivi2") return Codec::kKivi2;
+  TORCH_CHECK(false, "unknown codec layout '", kind, "'");
+}
+
+// Bytes of one row's codes and, per row, the bf16 parameters K and V carry.
+void check_codec_tensors(Codec kind, int64_t group, int64_t HD, const torch::Tensor& kc,
+                         const torch::Tensor& kp, const torch::Tensor& vp) {
+  TORCH_CHECK(kc.dim() == 4, "codes must be [num_blocks, block_size, kv_heads, bytes]");
+  const int64_t want = kind == Codec::kBF16 ? 2 * HD
+                       : kind == Codec::kInt4 ? HD / 2
+                       : kind == Codec::kKivi2 ? HD / 4
+                                               : HD;
+  TORCH_CHECK(kc.size(3) * kc.element_size() == want, "codes of ", kc.size(3) * kc.element_size(),
+              " bytes per row, expected ", want);
+  if (kind == Codec::kBF16) return;
+  TORCH_CHECK(kp.scalar_type() == torch::kBFloat16 && vp.scalar_type() == torch::kBFloat16,
+              "codec parameters must be bfloat16");
+  if (kind == Codec::kInt4 || kind == Codec::kKivi2)
+    TORCH_CHECK(group > 0 && HD % group == 0, "group ", group, " does not divide ", HD);
+  const int64_t nb = kc.size(0), bs = kc.size(1), kvh = kc.size(2);
+  const int64_t per_row = kind == Codec::kInt4 ? 2 * HD / group : 1;
+  if (kind == Codec::kKivi2) {
+    TORCH_CHECK(kp.numel() == nb * kvh * HD * 2, "kivi2 key parameters must be [NB, KVH, HD, 2]");
+    TORCH_CHECK(vp.numel() == nb * bs * kvh * 2 * HD / group, "kivi2 value parameters size");
+  } else {
+    TORCH_CHECK(kp.numel() == nb * bs * kvh * per_row && vp.numel() == kp.numel(),
+                "codec parameters must be [NB, BS, KVH, ", per_row, "]");
+  }
+}
+
+}  // namespace
+
+// q [R, H, HD] (bf16 or float32; the output's dtype); k_codes/v_codes [NB, BS, KVH, bytes]
+// and k_params/v_params as kv/codecs/ stores them for one layer; res_k/res_v [cap, BS, KVH,
+// HD] and residual_of [NB] for kivi2; rotation_signs [HD] for rotated4 (the codes hold
+// x diag(signs) H / sqrt(HD)); rows, tables and context lengths as paged_attention.
+torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t group,
+                                    torch::Tensor k_codes, torch::Tensor v_codes,
+                                    torch::Tensor k_params, torch::Tensor v_params,
+                                    std::optional<torch::Tensor> res_k,
+                                    std::optional<torch::Tensor> res_v,
+                                    std::optional<torch::Tensor> residual_of,
+                                    std::optional<torch::Tensor> rotation_signs,
+                                    torch::Tensor block_tables,
+                                    std::optional<torch::Tensor> table_index,
+                                    torch::Tensor context_lens, double scale) {
+  const Codec c = codec_kind(kind);
+  TORCH_CHECK(q.dim() == 3 && block_tables.dim() == 2, "bad shapes");
+  for (const auto* t : {&k_codes, &v_codes, &k_params, &v_params})
+    TORCH_CHECK(t->is_contiguous(), "codec tensors must be contiguous");
+  TORCH_CHECK(k_codes.sizes() == v_codes.sizes(), "k and v codes differ in shape");
+  q = q.contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t R = q.size(0), H = q.size(1), HD = q.size(2);
+  const int64_t NB = k_codes.size(0), BS = k_codes.size(1), KVH = k_codes.size(2);
+  const int64_t S = block_tables.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "head shapes do not match");
+  check_codec_tensors(c, group, HD, k_codes, k_params, v_params);
+  TORCH_CHECK(context_lens.numel() == R, "one context length per row");
+  torch::Tensor tidx_t, res_t;
+  const int64_t* tidx = nullptr;
+  if (table_index.has_value()) {
+    tidx_t = table_index->to(torch::kInt64).contiguous();
+    TORCH_CHECK(tidx_t.numel() == R, "one table index per row");
+    tidx = tidx_t.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(S == R, "one block table per row");
+  }
+  CodecView cv{c, static_cast<const uint8_t*>(k_codes.data_ptr()),
+               static_cast<const uint8_t*>(v_codes.data_ptr()),
+               static_cast<const c10::BFloat16*>(k_params.data_ptr()),
+               static_cast<const c10::BFloat16*>(v_params.data_ptr()),
+               k_codes.size(3) * k_codes.element_size(), 0, 0, group > 0 ? group : HD,
+               nullptr, nullptr, false, nullptr, nullptr, KVH, BS, HD};
+  if (c == Codec::kInt4) cv.k_cols = cv.v_cols = 2 * HD / cv.group;
+  if (c == Codec::kInt8 || c == Codec::kFP8E4M3 || c == Codec::kFP8E5M2) cv.k_cols = cv.v_cols = 1;
+  if (c == Codec::kKivi2) cv.v_cols = 2 * HD / cv.group;
+  torch::Tensor signs_t;
+  if (rotation_signs.has_value()) {
+    signs_t = rotation_signs->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(signs_t.numel() == HD && HD > 0 && (HD & (HD - 1)) == 0,
+                "rotation signs need a power-of-two head_dim, one sign per channel");
+    cv.signs = signs_t.data_ptr<float>();
+  }
+  int64_t cap = 0;
+  if (residual_of.has_value()) {
+    TORCH_CHECK(c == Codec::kKivi2 && res_k.has_value() && res_v.has_value(),
+                "a residual pool needs kivi2 and res_k, res_v");
+    res_t = residual_of->to(torch::kInt64).contiguous();
+    TORCH_CHECK(res_t.numel() == NB, "one residual slot per block");
+    TORCH_CHECK(res_k->is_contiguous() && res_v->is_contiguous() && res_k->sizes() == res_v->sizes() &&
+                    res_k->dim() == 4 && res_k->size(1) == BS && res_k->size(2) == KVH &&
+                    res_k->size(3) == HD,
+                "residual pool must be [cap, BS, KVH, HD]");
+    TORCH_CHECK(res_k->scalar_type() == torch::kFloat32 || res_k->scalar_type() == torch::kBFloat16,
+                "residual pool must be float32 or bfloat16");
+    cap = res_k->size(0);
+    cv.res_k = res_k->data_ptr();
+    cv.res_v = res_v->data_ptr();
+    cv.res_float = res_k->scalar_type() == torch::kFloat32;
+    cv.residual_of = res_t.data_ptr<int64_t>();
+  }
+  // Every index checked before any read (as paged_attention).
+  const int64_t* lens_p = context_lens.data_ptr<int64_t>();
+  const int64_t* tab_p = block_tables.data_ptr<int64_t>();
+  std::vector<int64_t> need(S, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = table_of(tidx, r);
+    TORCH_CHECK(t >= 0 && t < S, "table index ", t, " outside [0, ", S, ")");
+    TORCH_CHECK(lens_p[r] >= 1 && lens_p[r] <= MB * BS, "context length ", lens_p[r],
+                " outside [1, ", MB * BS, "]");
+    need[t] = std::max(need[t], lens_p[r]);
+  }
+  for (int64_t t = 0; t < S; ++t)
+    for (int64_t b = 0; b < (need[t] + BS - 1) / BS; ++b) {
+      const int64_t blk = tab_p[t * MB + b];
+      TORCH_CHECK(blk >= 0 && blk < NB, "block id ", blk, " outside the cache");
+      TORCH_CHECK(cv.residual(blk) < cap, "residual slot ", cv.residual(blk), " outside the pool");
+    }
+  auto out = torch::empty_like(q);
+  if (R == 0) return out;
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kBFloat16) {
+    using T = c10::BFloat16;
+    const T* qp = q.data_ptr<T>();
+    if (!codec_fast<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc))
+      codec_rows_generic<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc);
+  } else if (q.scalar_type() == torch::kFloat32) {
+    const float* qp = q.data_ptr<float>();
+    if (!codec_fast<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc))
+      codec_rows_generic<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc);
+  } else {
+    TORCH_CHECK(false, "codec attention supports bfloat16 and float32 queries");
+  }
+  return out;
+}
