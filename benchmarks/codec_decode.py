@@ -9,6 +9,9 @@ rounds take turns codec by codec, so round k of each codec sees the same machine
 prompts hit the prefix cache after round 1: only the decode steps are timed anyway).
 Reported: the median over rounds and the median of the per-round ratios to ``auto``.
 
+``--eval-speed`` reruns the decode columns of the README's ``kvstack eval`` table (the
+eval's own speed test, batch 8 by default there: pass ``--batch 8``).
+
 ``--attention-only`` instead times one layer's decode attention alone, single thread, min
 of ``--reps`` calls: the PyTorch reference path (``gather`` + grouped matmuls) and the C++
 kernel for each codec, on the same K/V (the microbenchmark behind the kernel's design).
@@ -34,7 +37,6 @@ from typing import Any
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.tools.profile.report import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CODECS = ["auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4"]
@@ -42,6 +44,20 @@ CODECS = ["auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4"]
 
 def loadavg() -> list[str]:
     return Path("/proc/loadavg").read_text().split()[:3]
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and ISA flags (self-contained, so the script also runs on older kvstack
+    sources: ``PYTHONPATH=<main>/src`` measures ``auto`` before this issue)."""
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((ln for ln in text.splitlines() if ln.startswith("model name")), ":?")
+    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
+    return {
+        "cpu_model": model.split(":", 1)[1].strip(),
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
@@ -91,6 +107,46 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
             )
         summary[c] = entry
     return {"rounds": rounds, "codecs": summary}
+
+
+def run_eval_speed(args: argparse.Namespace) -> dict[str, Any]:
+    """The decode columns of ``kvstack eval`` (its own speed test, ``decode_throughput``
+    on its seeded batch of ``--batch`` 512-token text prompts, 64 new tokens), rerun per
+    codec, ``--reps`` interleaved rounds; the quality columns are not measured here."""
+    import random
+
+    from kvstack.tools.eval.tasks import (
+        DECODE_OUTPUT_TOKENS,
+        DECODE_PROMPT_TOKENS,
+        decode_throughput,
+        make_text_ids,
+    )
+
+    blocks = args.batch * (-(-(DECODE_PROMPT_TOKENS + DECODE_OUTPUT_TOKENS) // 16) + 1) + 8
+    llms = {
+        c: LLM("default", dtype=args.dtype, kv_cache_dtype=c, max_num_seqs=max(args.batch, 8),
+               num_blocks=blocks, block_size=16, max_num_batched_tokens=512)
+        for c in args.codecs
+    }  # fmt: skip
+    tok = next(iter(llms.values())).tokenizer
+    rng = random.Random("kvstack-eval-decode-0")
+    prompts = [make_text_ids(tok, DECODE_PROMPT_TOKENS, rng) for _ in range(args.batch)]
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.codecs}
+    for rep in range(args.reps):
+        for c, llm in llms.items():
+            llm.engine.reset_prefix_cache()  # the eval measures with a cold prefix cache
+            runs[c].append(decode_throughput(llm, prompts, DECODE_OUTPUT_TOKENS))
+            sp = runs[c][-1]
+            print(f"round {rep + 1}: {c:9s} {sp['output_tok_s']:7.1f} tok/s, decode-only "
+                  f"{sp['decode_tok_s']:7.1f}", flush=True)  # fmt: skip
+    out: dict[str, Any] = {}
+    for c, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "decode_tok_s")}
+        out[c] = {"runs": rs, **med}
+    for c in out:
+        if "auto" in out:
+            out[c]["ratio_to_auto"] = out[c]["output_tok_s"] / out["auto"]["output_tok_s"]
+    return {"eval_speed": out}
 
 
 def run_attention_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,6 +228,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="rounds (or calls with --attention-only)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--attention-only", action="store_true", help="one layer, kernel vs reference")
+    ap.add_argument(
+        "--eval-speed", action="store_true", help="rerun the decode columns of `kvstack eval`"
+    )
     ap.add_argument("--tag", default="", help="suffix of the result file name")
     args = ap.parse_args()
     info = machine()
@@ -190,13 +249,18 @@ def main() -> None:
         "dtype": args.dtype,
         "loadavg_start": loadavg(),
     }
-    result.update(run_attention_only(args) if args.attention_only else run_engines(args))
+    if args.attention_only:
+        result.update(run_attention_only(args))
+    elif args.eval_speed:
+        result.update(run_eval_speed(args))
+    else:
+        result.update(run_engines(args))
     result["loadavg_end"] = loadavg()
-    kind = "attention" if args.attention_only else "decode"
+    kind = "attention" if args.attention_only else "eval_speed" if args.eval_speed else "decode"
     name = f"codec_{kind}-{dt.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
-    if not args.attention_only:
+    if not (args.attention_only or args.eval_speed):
         print("| codec | decode tok/s (median) | × auto (median of rounds) |")
         print("|---|---:|---:|")
         for c, e in result["codecs"].items():

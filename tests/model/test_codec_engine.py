@@ -1,7 +1,9 @@
 """Every KV codec through the whole engine on a tiny random model: the C++ codec attention
 gives the greedy tokens of the PyTorch reference path (the same engine with the codec's
-kernel view withdrawn), with chunked prefill (short chunks take the kernel) and prefix
-hits; and a codec the kernel cannot read falls back with one warning and a count."""
+kernel view withdrawn) in float32, with chunked prefill (short chunks take the kernel)
+and prefix hits; in bfloat16 the two paths round differently, so near-ties may flip
+(tests/model/test_codec_kernel.py bounds that difference). A codec the kernel cannot
+read falls back with one warning and a count."""
 
 from __future__ import annotations
 
@@ -60,12 +62,6 @@ def test_greedy_tokens_unchanged_by_the_kernel(
     reference = _generate(tiny64, codec, "float32")
     assert kernels_mod.fallback_counts().get(key, 0) > before, "the reference path was not taken"
     assert fused == reference
-
-
-def test_bf16_int8_greedy_tokens_unchanged(tiny64: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fused = _generate(tiny64, "int8", "bfloat16")
-    monkeypatch.setattr(CODECS.get("int8"), "kernel_view", lambda self, layer: None)
-    assert fused == _generate(tiny64, "int8", "bfloat16")
 
 
 def test_a_codec_without_a_kernel_view_warns_once_and_counts(

@@ -8,14 +8,16 @@
 // residual pool in the activation dtype (residual_of[b] >= 0).
 //
 // Two readers: row_scalar (any ISA, any head_dim; fully dequantized, natural order) and,
-// with AVX-512, Rows64 (head_dim 64, four vectors of 16 channels in natural order).
-// Rows64 may leave a per-row factor out of the vectors (int8 and fp8 scales): the caller
+// with AVX-512, row64 (head_dim 64, four vectors of 16 channels; natural order, except
+// for the packed codecs: see to_order).
+// row64 may leave a per-row factor out of the vectors (int8 and fp8 scales): the caller
 // multiplies the score (K) or the probability (V) by it once instead of every channel.
 #pragma once
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
 #include <cstring>
+#include <string>
 
 #include "simd.h"
 
@@ -39,6 +41,43 @@ struct CodecView {
 
   int64_t residual(int64_t blk) const { return residual_of ? residual_of[blk] : -1; }
 };
+
+static inline Codec codec_kind(const std::string& kind) {
+  if (kind == "bf16") return Codec::kBF16;
+  if (kind == "int8") return Codec::kInt8;
+  if (kind == "fp8_e4m3") return Codec::kFP8E4M3;
+  if (kind == "fp8_e5m2") return Codec::kFP8E5M2;
+  if (kind == "int4") return Codec::kInt4;
+  if (kind == "kivi2") return Codec::kKivi2;
+  TORCH_CHECK(false, "unknown codec layout '", kind, "'");
+  return Codec::kInt8;  // not reached
+}
+
+// Checks the bytes of one row's codes and the bf16 parameters K and V carry (group > 0).
+static inline void check_codec_tensors(Codec kind, int64_t group, int64_t HD, const torch::Tensor& kc,
+                         const torch::Tensor& kp, const torch::Tensor& vp) {
+  TORCH_CHECK(kc.dim() == 4, "codes must be [num_blocks, block_size, kv_heads, bytes]");
+  const int64_t want = kind == Codec::kBF16 ? 2 * HD
+                       : kind == Codec::kInt4 ? HD / 2
+                       : kind == Codec::kKivi2 ? HD / 4
+                                               : HD;
+  TORCH_CHECK(kc.size(3) * kc.element_size() == want, "codes of ", kc.size(3) * kc.element_size(),
+              " bytes per row, expected ", want);
+  if (kind == Codec::kBF16) return;
+  TORCH_CHECK(kp.scalar_type() == torch::kBFloat16 && vp.scalar_type() == torch::kBFloat16,
+              "codec parameters must be bfloat16");
+  if (kind == Codec::kInt4 || kind == Codec::kKivi2)
+    TORCH_CHECK(group > 0 && HD % group == 0, "group ", group, " does not divide ", HD);
+  const int64_t nb = kc.size(0), bs = kc.size(1), kvh = kc.size(2);
+  const int64_t per_row = kind == Codec::kInt4 ? 2 * HD / group : 1;
+  if (kind == Codec::kKivi2) {
+    TORCH_CHECK(kp.numel() == nb * kvh * HD * 2, "kivi2 key parameters must be [NB, KVH, HD, 2]");
+    TORCH_CHECK(vp.numel() == nb * bs * kvh * 2 * HD / group, "kivi2 value parameters size");
+  } else {
+    TORCH_CHECK(kp.numel() == nb * bs * kvh * per_row && vp.numel() == kp.numel(),
+                "codec parameters must be [NB, BS, KVH, ", per_row, "]");
+  }
+}
 
 static inline float bf(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -121,26 +160,6 @@ static void row_scalar(const CodecView& c, bool is_k, int64_t blk, int64_t i, in
 }
 
 #if defined(__AVX512F__)
-// 16 codes of 2 bits from bytes p[0..3] (lane l: byte l / 4, bits 2 (l % 4)), as floats.
-static inline __m512 unpack2x16(const uint8_t* p) {
-  int32_t w;
-  std::memcpy(&w, p, 4);
-  const __m128i rep = _mm_shuffle_epi8(
-      _mm_cvtsi32_si128(w), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-  const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
-  const __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(rep), sh);
-  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(3)));
-}
-
-// 16 codes of 4 bits from bytes p[0..7] (lane l: byte l / 2, bits 4 (l % 2)), as floats.
-static inline __m512 unpack4x16(const uint8_t* p) {
-  const __m128i rep = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
-                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  const __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(rep), sh);
-  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-}
-
 // 16 e4m3 codes times 2^-8, exactly: sign and the 7 exponent+mantissa bits placed in an
 // fp16 (5 exponent bits, bias 15 instead of 7) give the value / 2^8, subnormals included.
 static inline __m512 e4m3x16_div256(const uint8_t* p) {
@@ -168,6 +187,52 @@ static inline void residual_row64(const CodecView& c, bool is_k, int64_t rs, int
                        : load16(static_cast<const c10::BFloat16*>(base) + off + 16 * k);
 }
 
+// Channel order of row64's four vectors: natural, except for the packed codecs, where it
+// is the order one load unpacks at once. int4: vectors 2h and 2h + 1 hold the even and
+// the odd channels of 32h .. 32h + 31 (low and high nibbles of 16 bytes); kivi2: vector
+// j, lane l holds channel 4l + j (the j-th 2-bit field of byte l). The query (and KIVI's
+// per-channel scales, and its residual rows) go into that order once, the P.V sums come
+// back once per task: a permutation of channels changes no dot product.
+template <Codec C>
+static inline void to_order(__m512* v) {
+  if constexpr (C == Codec::kInt4) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 a = v[2 * h], b = v[2 * h + 1];
+      v[2 * h] = _mm512_permutex2var_ps(a, even, b);
+      v[2 * h + 1] = _mm512_permutex2var_ps(a, odd, b);
+    }
+  } else if constexpr (C == Codec::kKivi2) {  // lanes 0-7 from v[0], v[1]; 8-15 from v[2], v[3]
+    __m512 out[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i idx = _mm512_setr_epi32(j, 4 + j, 8 + j, 12 + j, 16 + j, 20 + j, 24 + j, 28 + j,
+                                            j, 4 + j, 8 + j, 12 + j, 16 + j, 20 + j, 24 + j, 28 + j);
+      out[j] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(v[0], idx, v[1]),
+                                    _mm512_permutex2var_ps(v[2], idx, v[3]));
+    }
+    for (int j = 0; j < 4; ++j) v[j] = out[j];
+  }
+}
+
+template <Codec C>
+static inline void from_order(__m512* v) {
+  if constexpr (C == Codec::kInt4) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 a = v[2 * h], b = v[2 * h + 1];
+      v[2 * h] = _mm512_permutex2var_ps(a, lo, b);
+      v[2 * h + 1] = _mm512_permutex2var_ps(a, hi, b);
+    }
+  } else if constexpr (C == Codec::kKivi2) {
+    alignas(64) float buf[64], nat[64];
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(buf + 16 * j, v[j]);
+    for (int c = 0; c < 64; ++c) nat[c] = buf[16 * (c % 4) + c / 4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm512_load_ps(nat + 16 * k);
+  }
+}
+
 // Row r of codec C (head_dim 64) as four vectors; returns the factor left out of them.
 // For KIVI keys the vectors are the raw codes (the per-channel scale and zero go into
 // the query and a per-block bias: see kivi_block_query).
@@ -189,19 +254,25 @@ static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
   } else if constexpr (C == Codec::kFP8E5M2) {
     for (int k = 0; k < 4; ++k) x[k] = e5m2x16(code + 16 * k);
     return bf(p[0]);
-  } else if constexpr (C == Codec::kInt4) {
-    for (int k = 0; k < 4; ++k) {
-      const int64_t g = 16 * k / c.group;
-      x[k] = _mm512_fmadd_ps(unpack4x16(code + 8 * k), bcast(p[2 * g]), bcast(p[2 * g + 1]));
+  } else if constexpr (C == Codec::kInt4) {  // in to_order's order
+    for (int h = 0; h < 2; ++h) {
+      const __m512i b = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + 16 * h)));
+      const int64_t g = 32 * h / c.group;
+      const __m512 s = bcast(p[2 * g]), z = bcast(p[2 * g + 1]);
+      x[2 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s, z);
+      x[2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, z);
     }
     return 1.f;
-  } else {  // kKivi2
-    for (int k = 0; k < 4; ++k) x[k] = unpack2x16(code + 4 * k);
+  } else {  // kKivi2, in to_order's order: lanes 0-7 are channels < 32 (value group 0)
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
+    for (int j = 0; j < 4; ++j)
+      x[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, _mm512_set1_epi32(2 * j)),
+                                                 _mm512_set1_epi32(3)));
     if (is_k) return 1.f;
-    for (int k = 0; k < 4; ++k) {
-      const int64_t g = 16 * k / c.group;
-      x[k] = _mm512_fmadd_ps(x[k], bcast(p[2 * g]), bcast(p[2 * g + 1]));
-    }
+    const __m512 s = _mm512_mask_blend_ps(0xFF00, bcast(p[0]), bcast(p[2]));
+    const __m512 z = _mm512_mask_blend_ps(0xFF00, bcast(p[1]), bcast(p[3]));
+    for (int j = 0; j < 4; ++j) x[j] = _mm512_fmadd_ps(x[j], s, z);
     return 1.f;
   }
 }
@@ -211,13 +282,18 @@ static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
 static inline float kivi_block_query(const CodecView& c, int64_t blk, int64_t kh,
                                      const __m512* q, __m512* qb) {
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(c.kp + (blk * c.KVH + kh) * 128);
-  __m512 bias = _mm512_setzero_ps();
+  __m512 s[4], z[4];
   for (int k = 0; k < 4; ++k) {  // 16 (scale, zero) bf16 pairs = 16 uint32
     const __m512i w = _mm512_loadu_si512(sz + 16 * k);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
-    qb[k] = _mm512_mul_ps(q[k], s);
-    bias = _mm512_fmadd_ps(q[k], z, bias);
+    s[k] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    z[k] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
+  }
+  to_order<Codec::kKivi2>(s);  // q is in that order already
+  to_order<Codec::kKivi2>(z);
+  __m512 bias = _mm512_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    qb[k] = _mm512_mul_ps(q[k], s[k]);
+    bias = _mm512_fmadd_ps(q[k], z[k], bias);
   }
   return _mm512_reduce_add_ps(bias);
 }

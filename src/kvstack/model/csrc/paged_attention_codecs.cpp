@@ -95,35 +95,45 @@ inline void block_query(const CodecView& cv, int64_t blk, int64_t rs, int64_t kh
   }
 }
 
+// Prefetches the K or V rows (codes and per-row parameters) of head kh in block blk.
+inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t kh) {
+  const uint8_t* codes = is_k ? cv.kc : cv.vc;
+  const c10::BFloat16* params = is_k ? cv.kp : cv.vp;
+  const int64_t cols = is_k ? cv.k_cols : cv.v_cols;
+  for (int64_t i = 0; i < cv.BS; ++i) {
+    const int64_t r = (blk * cv.BS + i) * cv.KVH + kh;
+    _mm_prefetch(reinterpret_cast<const char*>(codes + r * cv.code_bytes), _MM_HINT_T0);
+    if (cols) _mm_prefetch(reinterpret_cast<const char*>(params + r * cols), _MM_HINT_T0);
+  }
+}
+
 // Tokens [t0, t1) of one row against KV head kh: G partials. q: G float rows of 64.
+// Pass 1 scores 16 tokens at a time (one row decoded, then G dot products; one horizontal
+// reduction per 16 tokens); pass 2 the softmax; pass 3 P.V, each row decoded once for
+// the G heads. Blocks are visited in table order, the next one prefetched.
 template <Codec C>
 void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
                   int64_t t0, int64_t t1, int G, float scale, CodecPartial* parts) {
   const int64_t n = t1 - t0, np = (n + 15) / 16 * 16, BS = cv.BS, KVH = cv.KVH;
+  const int64_t nblocks = (t1 + BS - 1) / BS;
   alignas(64) float sc[kMaxG][kCodecPart];
   alignas(64) float fac[16], add[kMaxG][16];
   __m512 qv[kMaxG][4], qb[kMaxG][4], d16[kMaxG][16];
   float bias[kMaxG];
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
-  int64_t blk = -1, rs = -1;
+    to_order<C>(qv[g]);
+  }
+  int64_t bi = t0 / BS, i = t0 % BS, blk = table[bi], rs = cv.residual(blk);
+  block_query<C>(cv, blk, rs, kh, G, qv, qb, bias);
+  if (bi + 1 < nblocks) prefetch_block(cv, true, table[bi + 1], kh);
   for (int64_t j0 = 0; j0 < np; j0 += 16) {
-    for (int j = 0; j < 16; ++j) {
-      const int64_t t = t0 + j0 + j;
-      if (j0 + j >= n) {
-        for (int g = 0; g < G; ++g) d16[g][j] = _mm512_setzero_ps(), add[g][j] = 0.f;
-        fac[j] = 0.f;
-        continue;
-      }
-      if (table[t / BS] != blk) {
-        blk = table[t / BS];
-        rs = cv.residual(blk);
-        block_query<C>(cv, blk, rs, kh, G, qv, qb, bias);
-      }
+    const int live_n = static_cast<int>(std::min<int64_t>(16, n - j0));
+    for (int j = 0; j < live_n; ++j) {
       __m512 x[4];
-      const int64_t i = t % BS;
       if (rs >= 0) {
         residual_row64(cv, true, rs, i, kh, x);
+        to_order<C>(x);
         fac[j] = 1.f;
       } else {
         fac[j] = row64<C>(cv, true, (blk * BS + i) * KVH + kh, x);
@@ -134,8 +144,19 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
         d16[g][j] = a;
         add[g][j] = bias[g];
       }
+      if (++i == BS && ++bi < nblocks) {  // next block
+        i = 0;
+        blk = table[bi];
+        rs = cv.residual(blk);
+        block_query<C>(cv, blk, rs, kh, G, qv, qb, bias);
+        if (bi + 1 < nblocks) prefetch_block(cv, true, table[bi + 1], kh);
+      }
     }
-    const __mmask16 live = static_cast<__mmask16>(n - j0 >= 16 ? 0xFFFF : (1u << (n - j0)) - 1);
+    for (int j = live_n; j < 16; ++j) {
+      for (int g = 0; g < G; ++g) d16[g][j] = _mm512_setzero_ps(), add[g][j] = 0.f;
+      fac[j] = 0.f;
+    }
+    const __mmask16 live = static_cast<__mmask16>(live_n == 16 ? 0xFFFF : (1u << live_n) - 1);
     const __m512 f = _mm512_load_ps(fac);
     for (int g = 0; g < G; ++g) {
       __m512 s = _mm512_fmadd_ps(hsum16(d16[g]), f, _mm512_load_ps(add[g]));
@@ -149,8 +170,10 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
     const float m = _mm512_reduce_max_ps(mv);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < np; j += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m)));
-      _mm512_store_ps(sc[g] + j, e);  // padding lanes: exp(-inf) = 0
+      const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m))));
+      _mm512_store_ps(sc[g] + j, e);
       sum = _mm512_add_ps(sum, e);
     }
     parts[g].m = m;
@@ -159,23 +182,32 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
   __m512 acc[kMaxG][4];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
-  blk = -1;
+  bi = t0 / BS, i = t0 % BS, blk = table[bi], rs = cv.residual(blk);
+  if (bi + 1 < nblocks) prefetch_block(cv, false, table[bi + 1], kh);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = t0 + j, i = t % BS;
-    if (table[t / BS] != blk) blk = table[t / BS], rs = cv.residual(blk);
     __m512 x[4];
     float f = 1.f;
-    if (rs >= 0)
+    if (rs >= 0) {
       residual_row64(cv, false, rs, i, kh, x);
-    else
+      to_order<C>(x);
+    } else {
       f = row64<C>(cv, false, (blk * BS + i) * KVH + kh, x);
+    }
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(sc[g][j] * f);
       for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_fmadd_ps(p, x[k], acc[g][k]);
     }
+    if (++i == BS && ++bi < nblocks) {
+      i = 0;
+      blk = table[bi];
+      rs = cv.residual(blk);
+      if (bi + 1 < nblocks) prefetch_block(cv, false, table[bi + 1], kh);
+    }
   }
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < G; ++g) {
+    from_order<C>(acc[g]);
     for (int k = 0; k < 4; ++k) _mm512_store_ps(parts[g].acc + 16 * k, acc[g][k]);
+  }
 }
 
 template <Codec C, typename T>
@@ -228,6 +260,7 @@ bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const in
                 const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
   const int64_t G = H / cv.KVH;
   if (cv.HD != 64 || G > kMaxG || cv.group % 16 || 64 % cv.group) return false;
+  if (cv.kind == Codec::kKivi2 && cv.group != 32) return false;  // row64's value groups
   switch (cv.kind) {
 #define KVSTACK_CODEC(c)                                                    \
   case c:                                                                   \
@@ -250,42 +283,6 @@ bool codec_fast(const CodecView&, const T*, const int64_t*, const int64_t*, cons
   return false;
 }
 #endif
-
-Codec codec_kind(const std::string& kind) {
-  if (kind == "bf16") return Codec::kBF16;
-  if (kind == "int8") return Codec::kInt8;
-  if (kind == "fp8_e4m3") return Codec::kFP8E4M3;
-  if (kind == "fp8_e5m2") return Codec::kFP8E5M2;
-  if (kind == "int4") return Codec::kInt4;
-  if (kind == "kivi2") return Codec::kKivi2;
-  TORCH_CHECK(false, "unknown codec layout '", kind, "'");
-}
-
-// Bytes of one row's codes and, per row, the bf16 parameters K and V carry.
-void check_codec_tensors(Codec kind, int64_t group, int64_t HD, const torch::Tensor& kc,
-                         const torch::Tensor& kp, const torch::Tensor& vp) {
-  TORCH_CHECK(kc.dim() == 4, "codes must be [num_blocks, block_size, kv_heads, bytes]");
-  const int64_t want = kind == Codec::kBF16 ? 2 * HD
-                       : kind == Codec::kInt4 ? HD / 2
-                       : kind == Codec::kKivi2 ? HD / 4
-                                               : HD;
-  TORCH_CHECK(kc.size(3) * kc.element_size() == want, "codes of ", kc.size(3) * kc.element_size(),
-              " bytes per row, expected ", want);
-  if (kind == Codec::kBF16) return;
-  TORCH_CHECK(kp.scalar_type() == torch::kBFloat16 && vp.scalar_type() == torch::kBFloat16,
-              "codec parameters must be bfloat16");
-  if (kind == Codec::kInt4 || kind == Codec::kKivi2)
-    TORCH_CHECK(group > 0 && HD % group == 0, "group ", group, " does not divide ", HD);
-  const int64_t nb = kc.size(0), bs = kc.size(1), kvh = kc.size(2);
-  const int64_t per_row = kind == Codec::kInt4 ? 2 * HD / group : 1;
-  if (kind == Codec::kKivi2) {
-    TORCH_CHECK(kp.numel() == nb * kvh * HD * 2, "kivi2 key parameters must be [NB, KVH, HD, 2]");
-    TORCH_CHECK(vp.numel() == nb * bs * kvh * 2 * HD / group, "kivi2 value parameters size");
-  } else {
-    TORCH_CHECK(kp.numel() == nb * bs * kvh * per_row && vp.numel() == kp.numel(),
-                "codec parameters must be [NB, BS, KVH, ", per_row, "]");
-  }
-}
 
 }  // namespace
 
@@ -315,6 +312,7 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
   const int64_t NB = k_codes.size(0), BS = k_codes.size(1), KVH = k_codes.size(2);
   const int64_t S = block_tables.size(0), MB = block_tables.size(1);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "head shapes do not match");
+  if (group <= 0) group = HD;  // one (scale, zero) pair per head vector
   check_codec_tensors(c, group, HD, k_codes, k_params, v_params);
   TORCH_CHECK(context_lens.numel() == R, "one context length per row");
   torch::Tensor tidx_t, res_t;
@@ -330,7 +328,7 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
                static_cast<const uint8_t*>(v_codes.data_ptr()),
                static_cast<const c10::BFloat16*>(k_params.data_ptr()),
                static_cast<const c10::BFloat16*>(v_params.data_ptr()),
-               k_codes.size(3) * k_codes.element_size(), 0, 0, group > 0 ? group : HD,
+               k_codes.size(3) * k_codes.element_size(), 0, 0, group,
                nullptr, nullptr, false, nullptr, nullptr, KVH, BS, HD};
   if (c == Codec::kInt4) cv.k_cols = cv.v_cols = 2 * HD / cv.group;
   if (c == Codec::kInt8 || c == Codec::kFP8E4M3 || c == Codec::kFP8E5M2) cv.k_cols = cv.v_cols = 1;

@@ -34,7 +34,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV codec (default auto)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="default bfloat16"
+    )
     p.add_argument("--steps", type=int, default=8, help="decode steps measured (default 8)")
     p.add_argument(
         "--kv-cache-memory",

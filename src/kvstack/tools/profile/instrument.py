@@ -79,6 +79,8 @@ class TimedLinear:
         self.weight_bytes = w.numel() * w.element_size()
 
     def __getattr__(self, attr: str) -> Any:  # .weight, .out_features ... of the layer
+        if attr == "inner":  # not yet set (copy, unpickling): no recursion
+            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,26 +124,26 @@ def attention_cost(
 
 
 def _timed(rec: Recorder, name: str, fn: Callable[..., Any], cost: Callable[..., Any]) -> Any:
-    def wrapper(*args: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         dt = time.perf_counter() - t0
-        flops, nbytes = cost(*args)
+        flops, nbytes = cost(*args, **kwargs)
         rec.add(name, dt, flops, nbytes)
         return out
 
     return wrapper
 
 
-def _norm_cost(x: torch.Tensor, *rest: Any) -> tuple[float, float]:
+def _norm_cost(x: torch.Tensor, *rest: Any, **kw: Any) -> tuple[float, float]:
     return 4.0 * x.numel(), 2.0 * x.numel() * x.element_size()
 
 
-def _add_norm_cost(h: torch.Tensor, *rest: Any) -> tuple[float, float]:
+def _add_norm_cost(h: torch.Tensor, *rest: Any, **kw: Any) -> tuple[float, float]:
     return 5.0 * h.numel(), 4.0 * h.numel() * h.element_size()
 
 
-def _silu_cost(gu: torch.Tensor) -> tuple[float, float]:
+def _silu_cost(gu: torch.Tensor, **kw: Any) -> tuple[float, float]:
     return 2.5 * gu.numel(), 1.5 * gu.numel() * gu.element_size()
 
 
@@ -156,7 +158,7 @@ def instrument(engine: Any, rec: Recorder) -> Iterator[None]:
     kv_layer_token = per_head * cfg.num_kv_heads  # one layer's K+V bytes of one token
     rot_elems = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
 
-    def rope_cost(qkv: torch.Tensor, *rest: Any) -> tuple[float, float]:
+    def rope_cost(qkv: torch.Tensor, *rest: Any, **kw: Any) -> tuple[float, float]:
         m = qkv.shape[0]
         return 3.0 * rot_elems * m, 2.0 * qkv.numel() * item + m * kv_layer_token
 
@@ -170,26 +172,31 @@ def instrument(engine: Any, rec: Recorder) -> Iterator[None]:
         for ly in model.layers:
             for n in LINEARS:
                 setattr(ly, n, TimedLinear(getattr(ly, n), n, rec))
-        model.lm_head = TimedLinear(saved_head, "lm_head", rec)
-        ops.rms_norm = _timed(rec, "norm", saved_ops["rms_norm"], _norm_cost)
-        ops.add_rms_norm = _timed(rec, "norm", saved_ops["add_rms_norm"], _add_norm_cost)
-        ops.rope_and_cache = _timed(rec, "rope_kv_write", saved_ops["rope_and_cache"], rope_cost)
-        ops.silu_and_mul = _timed(rec, "silu_mul", saved_ops["silu_and_mul"], _silu_cost)
-        llama_mod.paged_attention = _timed(  # type: ignore[assignment]
+        setattr(model, "lm_head", TimedLinear(saved_head, "lm_head", rec))  # noqa: B010
+        costs = {
+            "rms_norm": ("norm", _norm_cost),
+            "add_rms_norm": ("norm", _add_norm_cost),
+            "rope_and_cache": ("rope_kv_write", rope_cost),
+            "silu_and_mul": ("silu_mul", _silu_cost),
+        }
+        for n, (label, cost) in costs.items():  # instance attributes shadow the methods
+            setattr(ops, n, _timed(rec, label, saved_ops[n], cost))
+        timed_attn = _timed(
             rec,
             "attention",
             attn,
-            lambda q, k, v, cache, meta, scale: attention_cost(q, meta, kv_layer_token),
+            lambda q, k, v, cache, meta, scale, **kw: attention_cost(q, meta, kv_layer_token),
         )
+        setattr(llama_mod, "paged_attention", timed_attn)  # noqa: B010
         yield
     finally:
         for ly, saved in zip(model.layers, saved_layers, strict=True):
             for n, lin in saved.items():
                 setattr(ly, n, lin)
-        model.lm_head = saved_head
+        setattr(model, "lm_head", saved_head)  # noqa: B010
         for n in names:
             try:
                 delattr(ops, n)  # the instance attribute that shadowed the method
             except AttributeError:
                 setattr(ops, n, saved_ops[n])
-        llama_mod.paged_attention = saved_attn  # type: ignore[assignment]
+        setattr(llama_mod, "paged_attention", saved_attn)  # noqa: B010
