@@ -176,7 +176,7 @@ def run_attention_only(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.codecs:
         codec = codec_class(name)(shape, dtype, max_num_seqs=b)
         codec.write(0, slots, k, v)
-        out[name] = time_codec(kernels, codec, q, rows, bias, args.reps)
+        out[name] = time_codec(kernels, codec, q, rows, bias, args.reps, not args.no_reference)
         print(f"{name:9s} reference {out[name]['reference_ms']:8.2f} ms   kernel "
               f"{out[name]['kernel_ms']:8.2f} ms", flush=True)  # fmt: skip
     return {"attention_only": out, "threads": torch.get_num_threads()}
@@ -193,7 +193,13 @@ def _best_ms(fn: Any, reps: int) -> float:
 
 
 def time_codec(
-    kernels: Any, codec: Any, q: torch.Tensor, rows: Any, bias: torch.Tensor, reps: int
+    kernels: Any,
+    codec: Any,
+    q: torch.Tensor,
+    rows: Any,
+    bias: torch.Tensor,
+    reps: int,
+    with_reference: bool = True,
 ) -> dict[str, float]:
     """Min ms of the reference path (gather + grouped matmuls) and of the kernel."""
     from kvstack.model.attention import codec_attention, decode_attention
@@ -216,7 +222,8 @@ def time_codec(
         def kernel() -> torch.Tensor:
             return codec_attention(kernels, q, view, rows, 0.125)
 
-    return {"reference_ms": _best_ms(reference, reps), "kernel_ms": _best_ms(kernel, reps)}
+    ref_ms = _best_ms(reference, reps) if with_reference else float("nan")
+    return {"reference_ms": ref_ms, "kernel_ms": _best_ms(kernel, reps)}
 
 
 def main() -> None:
@@ -228,6 +235,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="rounds (or calls with --attention-only)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--attention-only", action="store_true", help="one layer, kernel vs reference")
+    ap.add_argument("--no-reference", action="store_true", help="--attention-only: kernel only")
     ap.add_argument(
         "--eval-speed", action="store_true", help="rerun the decode columns of `kvstack eval`"
     )

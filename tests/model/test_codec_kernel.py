@@ -62,7 +62,12 @@ def _codec(name: str, dtype: torch.dtype, kvh: int, hd: int) -> KVCodec:
     return codec_class(name)(CacheShape(1, 160, BS, kvh, hd), dtype, max_num_seqs=len(SEQS))
 
 
-CASES = [(torch.float32, 64, (9, 3)), (torch.bfloat16, 64, (9, 3)), (torch.float32, 32, (4, 2))]
+CASES = [
+    (torch.float32, 64, (9, 3)),
+    (torch.bfloat16, 64, (9, 3)),
+    (torch.float32, 32, (4, 2)),
+    (torch.bfloat16, 32, (4, 2)),
+]
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -82,7 +87,9 @@ def test_kernel_matches_the_reference_path(
     q = torch.randn(rows.num_rows, h, hd, generator=g).to(dtype)
     out = codec_attention(kernels, q, view, rows, hd**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # bf16: the reference rounds the dequantized K/V (up to ~14 here) and SDPA's output to
+    # bf16, the kernel computes in float32 and rounds once at the end
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
     r = 0
     for i, (before, n) in enumerate(SEQS):
         ref = _reference(codec, q[r : r + n], tables[i], before, n)

@@ -159,20 +159,25 @@ static void row_scalar(const CodecView& c, bool is_k, int64_t blk, int64_t i, in
   }
 }
 
-#if defined(__AVX512F__)
-// 16 e4m3 codes times 2^-8, exactly: sign and the 7 exponent+mantissa bits placed in an
-// fp16 (5 exponent bits, bias 15 instead of 7) give the value / 2^8, subnormals included.
-static inline __m512 e4m3x16_div256(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i s = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  const __m256i em = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-  return _mm512_cvtph_ps(_mm256_or_si256(s, em));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVSTACK_CODEC_AVX512 1
+// 32 e4m3 codes times 2^-8, exactly, as two vectors: each code sign-extended to 16
+// bits and shifted left by 7 is the fp16 of value / 2^8 (exponent bias 15 instead of 7;
+// subnormals map to fp16 subnormals, which vcvtph2ps converts exactly) once bit 14, the
+// sign's copy, is cleared.
+static inline void e4m3x32_div256(const uint8_t* p, __m512* lo, __m512* hi) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-// 16 e5m2 codes: an e5m2 byte is the upper byte of the fp16 of the same value.
-static inline __m512 e5m2x16(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+// 32 e5m2 codes: an e5m2 byte is the upper byte of the fp16 of the same value.
+static inline void e5m2x32(const uint8_t* p, __m512* lo, __m512* hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h = _mm512_slli_epi16(w, 8);
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
 static inline __m512 bcast(c10::BFloat16 x) { return _mm512_set1_ps(bf(x)); }
@@ -233,11 +238,27 @@ static inline void from_order(__m512* v) {
   }
 }
 
+// KIVI keys of block blk, head kh: k[t][ch] = code * s[ch] + z[ch], the per-channel
+// (scale, zero) pairs of the block in to_order's order, loaded once per block.
+struct KiviKeys {
+  __m512 s[4], z[4];
+  void load(const CodecView& c, int64_t blk, int64_t kh) {
+    const uint32_t* sz = reinterpret_cast<const uint32_t*>(c.kp + (blk * c.KVH + kh) * 128);
+    for (int k = 0; k < 4; ++k) {  // 16 (scale, zero) bf16 pairs = 16 uint32
+      const __m512i w = _mm512_loadu_si512(sz + 16 * k);
+      s[k] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      z[k] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
+    }
+    to_order<Codec::kKivi2>(s);
+    to_order<Codec::kKivi2>(z);
+  }
+};
+
 // Row r of codec C (head_dim 64) as four vectors; returns the factor left out of them.
-// For KIVI keys the vectors are the raw codes (the per-channel scale and zero go into
-// the query and a per-block bias: see kivi_block_query).
+// KIVI keys take their block's per-channel parameters from kk.
 template <Codec C>
-static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
+static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x,
+                          const KiviKeys* kk = nullptr) {
   const uint8_t* code = (is_k ? c.kc : c.vc) + r * c.code_bytes;
   const c10::BFloat16* p = is_k ? c.kp + r * c.k_cols : c.vp + r * c.v_cols;
   if constexpr (C == Codec::kBF16) {
@@ -249,10 +270,12 @@ static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + 16 * k))));
     return bf(p[0]);
   } else if constexpr (C == Codec::kFP8E4M3) {
-    for (int k = 0; k < 4; ++k) x[k] = e4m3x16_div256(code + 16 * k);
+    e4m3x32_div256(code, x, x + 1);
+    e4m3x32_div256(code + 32, x + 2, x + 3);
     return 256.f * bf(p[0]);
   } else if constexpr (C == Codec::kFP8E5M2) {
-    for (int k = 0; k < 4; ++k) x[k] = e5m2x16(code + 16 * k);
+    e5m2x32(code, x, x + 1);
+    e5m2x32(code + 32, x + 2, x + 3);
     return bf(p[0]);
   } else if constexpr (C == Codec::kInt4) {  // in to_order's order
     for (int h = 0; h < 2; ++h) {
@@ -269,7 +292,10 @@ static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
     for (int j = 0; j < 4; ++j)
       x[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, _mm512_set1_epi32(2 * j)),
                                                  _mm512_set1_epi32(3)));
-    if (is_k) return 1.f;
+    if (is_k) {
+      for (int j = 0; j < 4; ++j) x[j] = _mm512_fmadd_ps(x[j], kk->s[j], kk->z[j]);
+      return 1.f;
+    }
     const __m512 s = _mm512_mask_blend_ps(0xFF00, bcast(p[0]), bcast(p[2]));
     const __m512 z = _mm512_mask_blend_ps(0xFF00, bcast(p[1]), bcast(p[3]));
     for (int j = 0; j < 4; ++j) x[j] = _mm512_fmadd_ps(x[j], s, z);
@@ -277,24 +303,4 @@ static inline float row64(const CodecView& c, bool is_k, int64_t r, __m512* x) {
   }
 }
 
-// KIVI keys of block blk, head kh: k[t][ch] = code * s[ch] + z[ch], so q . k = (q * s) .
-// code + q . z: the query scaled per channel (qb) and one bias per block (returned).
-static inline float kivi_block_query(const CodecView& c, int64_t blk, int64_t kh,
-                                     const __m512* q, __m512* qb) {
-  const uint32_t* sz = reinterpret_cast<const uint32_t*>(c.kp + (blk * c.KVH + kh) * 128);
-  __m512 s[4], z[4];
-  for (int k = 0; k < 4; ++k) {  // 16 (scale, zero) bf16 pairs = 16 uint32
-    const __m512i w = _mm512_loadu_si512(sz + 16 * k);
-    s[k] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    z[k] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
-  }
-  to_order<Codec::kKivi2>(s);  // q is in that order already
-  to_order<Codec::kKivi2>(z);
-  __m512 bias = _mm512_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    qb[k] = _mm512_mul_ps(q[k], s[k]);
-    bias = _mm512_fmadd_ps(q[k], z[k], bias);
-  }
-  return _mm512_reduce_add_ps(bias);
-}
 #endif

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "codec_rows.h"
@@ -73,27 +74,11 @@ void codec_rows_generic(const CodecView& cv, const T* q, const int64_t* tables,
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(KVSTACK_CODEC_AVX512)
 struct CodecPartial {  // one (row, partition, q head): max m, sum l, unnormalized acc
   float m, l;
   alignas(64) float acc[64];
 };
-
-// Per-block query state: the query as the block's codes need it, and a bias per q head.
-template <Codec C>
-inline void block_query(const CodecView& cv, int64_t blk, int64_t rs, int64_t kh, int G,
-                        __m512 (*q)[4], __m512 (*qb)[4], float* bias) {
-  for (int g = 0; g < G; ++g) {
-    if constexpr (C == Codec::kKivi2) {
-      if (rs < 0) {
-        bias[g] = kivi_block_query(cv, blk, kh, q[g], qb[g]);
-        continue;
-      }
-    }
-    for (int k = 0; k < 4; ++k) qb[g][k] = q[g][k];
-    bias[g] = 0.f;
-  }
-}
 
 // Prefetches the K or V rows (codes and per-row parameters) of head kh in block blk.
 inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t kh) {
@@ -107,60 +92,108 @@ inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t 
   }
 }
 
-// Tokens [t0, t1) of one row against KV head kh: G partials. q: G float rows of 64.
-// Pass 1 scores 16 tokens at a time (one row decoded, then G dot products; one horizontal
-// reduction per 16 tokens); pass 2 the softmax; pass 3 P.V, each row decoded once for
-// the G heads. Blocks are visited in table order, the next one prefetched.
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// Where a pass is: block bi of the table, token i in it, the block's residual slot (kivi2)
+// and its key parameters.
 template <Codec C>
+struct Cursor {
+  const CodecView& cv;
+  const int64_t* table;
+  int64_t kh, nblocks, bi, i, blk, rs = -1;
+  KiviKeys kk;
+  Cursor(const CodecView& c, const int64_t* t, int64_t h, int64_t t0, int64_t t1, bool is_k)
+      : cv(c), table(t), kh(h), nblocks((t1 + c.BS - 1) / c.BS), bi(t0 / c.BS), i(t0 % c.BS) {
+    enter(is_k);
+  }
+  void enter(bool is_k) {
+    blk = table[bi];
+    rs = cv.residual(blk);
+    if constexpr (C == Codec::kKivi2)
+      if (is_k && rs < 0) kk.load(cv, blk, kh);
+    if (bi + 1 < nblocks) prefetch_block(cv, is_k, table[bi + 1], kh);
+  }
+  // Row of the current token (in to_order's order) and its factor; then the next token.
+  float next(bool is_k, __m512* x) {
+    float f = 1.f;
+    if (rs >= 0) {
+      residual_row64(cv, is_k, rs, i, kh, x);
+      to_order<C>(x);
+    } else {
+      f = row64<C>(cv, is_k, (blk * cv.BS + i) * cv.KVH + kh, x, &kk);
+    }
+    if (++i == cv.BS && ++bi < nblocks) {
+      i = 0;
+      enter(is_k);
+    }
+    return f;
+  }
+};
+
+// Tokens [t0, t1) of one row against KV head kh: G partials (GT: G known at compile time,
+// then bf16 queries score with AVX512-BF16 dot products; 0: G = g_rt, float32 dots).
+// q: G float rows of 64. Pass 1 decodes 16 rows into an L1 buffer, then per q head 16 dot
+// products and one horizontal reduction; pass 2 the softmax; pass 3 P.V, each row
+// decoded once for the G heads. The next block is prefetched.
+template <Codec C, int GT>
 void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
-                  int64_t t0, int64_t t1, int G, float scale, CodecPartial* parts) {
-  const int64_t n = t1 - t0, np = (n + 15) / 16 * 16, BS = cv.BS, KVH = cv.KVH;
-  const int64_t nblocks = (t1 + BS - 1) / BS;
+                  int64_t t0, int64_t t1, int g_rt, float scale, CodecPartial* parts) {
+  constexpr bool kBf16 = GT > 0 && kHasBf16Dot;
+  const int G = GT > 0 ? GT : g_rt;
+  const int64_t n = t1 - t0, np = (n + 15) / 16 * 16;
   alignas(64) float sc[kMaxG][kCodecPart];
-  alignas(64) float fac[16], add[kMaxG][16];
-  __m512 qv[kMaxG][4], qb[kMaxG][4], d16[kMaxG][16];
-  float bias[kMaxG];
+  alignas(64) float fac[16];
+  alignas(64) float kf[16][64];  // decoded K rows (float32, or bf16 pairs in kb)
+  alignas(64) uint16_t kb[16][64];
+  __m512 qv[kMaxG][4];
   for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
     to_order<C>(qv[g]);
   }
-  int64_t bi = t0 / BS, i = t0 % BS, blk = table[bi], rs = cv.residual(blk);
-  block_query<C>(cv, blk, rs, kh, G, qv, qb, bias);
-  if (bi + 1 < nblocks) prefetch_block(cv, true, table[bi + 1], kh);
+#if defined(__AVX512BF16__)
+  __m512bh qh[kMaxG][2];
+  if constexpr (kBf16)
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < 2; ++k) qh[g][k] = _mm512_cvtne2ps_pbh(qv[g][2 * k + 1], qv[g][2 * k]);
+#endif
+  Cursor<C> ck(cv, table, kh, t0, t1, true);
   for (int64_t j0 = 0; j0 < np; j0 += 16) {
     const int live_n = static_cast<int>(std::min<int64_t>(16, n - j0));
-    for (int j = 0; j < live_n; ++j) {
-      __m512 x[4];
-      if (rs >= 0) {
-        residual_row64(cv, true, rs, i, kh, x);
-        to_order<C>(x);
-        fac[j] = 1.f;
+    for (int j = 0; j < 16; ++j) {
+      __m512 x[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      fac[j] = j < live_n ? ck.next(true, x) : 0.f;
+      if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+        for (int k = 0; k < 2; ++k)
+          _mm512_store_si512(kb[j] + 32 * k, (__m512i)_mm512_cvtne2ps_pbh(x[2 * k + 1], x[2 * k]));
+#endif
       } else {
-        fac[j] = row64<C>(cv, true, (blk * BS + i) * KVH + kh, x);
+        for (int k = 0; k < 4; ++k) _mm512_store_ps(kf[j] + 16 * k, x[k]);
       }
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qb[g][0], x[0]);
-        for (int k = 1; k < 4; ++k) a = _mm512_fmadd_ps(qb[g][k], x[k], a);
-        d16[g][j] = a;
-        add[g][j] = bias[g];
-      }
-      if (++i == BS && ++bi < nblocks) {  // next block
-        i = 0;
-        blk = table[bi];
-        rs = cv.residual(blk);
-        block_query<C>(cv, blk, rs, kh, G, qv, qb, bias);
-        if (bi + 1 < nblocks) prefetch_block(cv, true, table[bi + 1], kh);
-      }
-    }
-    for (int j = live_n; j < 16; ++j) {
-      for (int g = 0; g < G; ++g) d16[g][j] = _mm512_setzero_ps(), add[g][j] = 0.f;
-      fac[j] = 0.f;
     }
     const __mmask16 live = static_cast<__mmask16>(live_n == 16 ? 0xFFFF : (1u << live_n) - 1);
-    const __m512 f = _mm512_load_ps(fac);
+    const __m512 f = _mm512_mul_ps(_mm512_load_ps(fac), _mm512_set1_ps(scale));
     for (int g = 0; g < G; ++g) {
-      __m512 s = _mm512_fmadd_ps(hsum16(d16[g]), f, _mm512_load_ps(add[g]));
-      s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+      __m512 d16[16];
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[g][0],
+                                      (__m512bh)_mm512_load_si512(kb[j]));
+          d16[j] = _mm512_dpbf16_ps(a, qh[g][1], (__m512bh)_mm512_load_si512(kb[j] + 32));
+#endif
+        } else {
+          __m512 a = _mm512_mul_ps(qv[g][0], _mm512_load_ps(kf[j]));
+          for (int k = 1; k < 4; ++k) a = _mm512_fmadd_ps(qv[g][k], _mm512_load_ps(kf[j] + 16 * k), a);
+          d16[j] = a;
+        }
+      }
+      const __m512 s = _mm512_mul_ps(hsum16(d16), f);
       _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
     }
   }
@@ -182,26 +215,13 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
   __m512 acc[kMaxG][4];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
-  bi = t0 / BS, i = t0 % BS, blk = table[bi], rs = cv.residual(blk);
-  if (bi + 1 < nblocks) prefetch_block(cv, false, table[bi + 1], kh);
+  Cursor<C> cvv(cv, table, kh, t0, t1, false);
   for (int64_t j = 0; j < n; ++j) {
     __m512 x[4];
-    float f = 1.f;
-    if (rs >= 0) {
-      residual_row64(cv, false, rs, i, kh, x);
-      to_order<C>(x);
-    } else {
-      f = row64<C>(cv, false, (blk * BS + i) * KVH + kh, x);
-    }
+    const float f = cvv.next(false, x);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(sc[g][j] * f);
       for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_fmadd_ps(p, x[k], acc[g][k]);
-    }
-    if (++i == BS && ++bi < nblocks) {
-      i = 0;
-      blk = table[bi];
-      rs = cv.residual(blk);
-      if (bi + 1 < nblocks) prefetch_block(cv, false, table[bi + 1], kh);
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -228,9 +248,22 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
       for (int64_t i = 0; i < G * 64; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * 64 + i]);
       if (cv.signs)
         for (int64_t g = 0; g < G; ++g) rotate(qf + g * 64, cv.signs, 64, false);
-      codec_part64<C>(cv, qf, tables + table_of(tidx, r) * MB, kh, t0,
-                      std::min(lens[r], t0 + kCodecPart), static_cast<int>(G), scale,
-                      parts.data() + pi * H + kh * G);
+      const int64_t* table = tables + table_of(tidx, r) * MB;
+      const int64_t t1 = std::min(lens[r], t0 + kCodecPart);
+      CodecPartial* pp = parts.data() + pi * H + kh * G;
+      const int g = static_cast<int>(G);
+      if (!std::is_same_v<T, c10::BFloat16>) {  // float32 queries: float32 dots
+        codec_part64<C, 0>(cv, qf, table, kh, t0, t1, g, scale, pp);
+        continue;
+      }
+      switch (g) {  // the common GQA ratios with G in registers; others at run time
+        case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, g, scale, pp);
+      }
     }
   });
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
