@@ -9,6 +9,8 @@
 A decode step's bound is ``max(memory, compute)`` at M = batch; a prefill step's is its
 compute bound at M = 2048. FLOPs count 2 per multiply-add: every linear layer (the lm_head
 only for the rows that sample), and attention (4 · heads · head_dim per query-key pair).
+The two measurements live in ``kvstack.tools.profile.bounds`` (``kvstack profile`` uses
+them too; each is the best of its timed runs).
 """
 
 from __future__ import annotations
@@ -16,22 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
-from bench_common import median_time_s
-
-
-def read_bandwidth(nbytes: int, runs: int = 5) -> float:
-    """Bytes per second ``torch.sum`` reads from a float32 buffer of ``nbytes``."""
-    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    return buf.numel() * 4 / median_time_s(buf.sum, runs)
-
-
-def gemm_flops_per_s(layer: Any, m: int, dtype: torch.dtype, runs: int = 7) -> float:
-    """bf16 GEMM throughput of ``layer`` (a ``kvstack.model.layers.Linear``) at ``m`` rows."""
-    n, k = layer.weight.shape
-    x = torch.randn(m, k).to(dtype)
-    return 2 * m * n * k / median_time_s(lambda: layer(x), runs)
+from kvstack.tools.profile.bounds import gemm_flops_per_s, read_bandwidth
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The ``kvstack`` command: one module per subcommand, each with ``register(subparsers)``.
 
 ``generate`` and ``chat`` run the engine here; ``serve`` the HTTP server (or a Ray Serve
-deployment); ``bench``, ``plan``, ``analyze``, ``eval``, ``router`` and ``deploy`` are the
-tools'. The engine flags are derived from ``EngineConfig`` (``cli.engine_args``).
+deployment); ``bench``, ``plan``, ``profile``, ``analyze``, ``eval``, ``router`` and
+``deploy`` are the tools'. The engine flags are derived from ``EngineConfig`` (``cli.engine_args``).
 
 Any user error prints one line, ``kvstack: error: ...``, and exits with code 2. This is
 the top layer: nothing else in kvstack imports ``kvstack.cli``.
@@ -16,12 +16,12 @@ import sys
 from collections.abc import Sequence
 
 import kvstack
-from kvstack.cli import analyze, bench, chat, deploy, generate, plan, router, serve
+from kvstack.cli import analyze, bench, chat, deploy, generate, plan, profile, router, serve
 from kvstack.cli import eval as evaluate
 from kvstack.cli.config_file import expand_config_file
 from kvstack.errors import KvstackError
 
-COMMANDS = (generate, chat, serve, bench, plan, analyze, evaluate, router, deploy)
+COMMANDS = (generate, chat, serve, bench, plan, profile, analyze, evaluate, router, deploy)
 
 
 def build_parser() -> argparse.ArgumentParser:

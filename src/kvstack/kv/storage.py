@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.kv.codecs import CacheShape, IdentityCodec, KVCodec, codec_class
+from kvstack.kv.codecs import CacheShape, IdentityCodec, KernelView, KVCodec, codec_class
 from kvstack.model_config import ModelConfig
 
 
@@ -36,6 +36,11 @@ class LayerCache:
     @property
     def identity(self) -> bool:
         return self.k is not None
+
+    @property
+    def kernel_view(self) -> KernelView | None:
+        """How the C++ codec attention reads this layer in place (None: it cannot)."""
+        return None if self.k is not None else self.codec.kernel_view(self.layer)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``."""

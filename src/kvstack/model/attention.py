@@ -9,17 +9,22 @@ Rows of one step are ordered decodes first, then prefill chunks::
   kernel (``csrc/paged_attention.cpp``) K/V are read in place through the block
   tables; contexts are cut into 512-token partitions, each scored by one task (AVX512-BF16
   dot products for bf16 caches) and merged by their softmax maxima and sums (flash-
-  decoding), so one long request still uses every core. Encoded caches and uneven press
-  budgets take the PyTorch path below, counted in ``kvstack:kernel_fallback_total``.
+  decoding), so one long request still uses every core. Codecs without a kernel view and
+  uneven press budgets take the PyTorch path below, counted in
+  ``kvstack:kernel_fallback_total`` (reasons ``encoded_cache``, ``uneven_press``).
   The PyTorch fallback gathers the keys of all D requests once per layer into
   ``[D, L]`` and runs two grouped-query matmuls with a length mask (DESIGN.md: CPU
   SDPA is 12x slower at q_len 1).
-* With the C++ kernels and an unencoded cache, the decodes and every prefill chunk of at
+* With the C++ kernels and an unencoded cache, or a codec that declares a ``KernelView``
+  (every built-in one: ``kv/codecs/``), the decodes and every prefill chunk of at
   most ``KERNEL_CHUNK_ROWS`` rows (a short suffix after a prefix hit, the tail of a
   chunked prompt, several tokens to verify) go to one ``paged_attention`` call per layer
   (``KernelRows``): a chunk row at KV position ``p`` is scored exactly as a decode whose
   context is ``p + 1`` tokens, through its sequence's block table, K/V read in place
-  (its own K/V were just written): no mask, no gather. That per-row scoring re-reads the
+  (its own K/V were just written): no mask, no gather. An encoded cache goes to
+  ``paged_attention_codec`` (``csrc/paged_attention_codecs.cpp``), which dequantizes
+  each row as it reads it (``codec_attention``); the ``gather`` path below stays as the
+  tested reference (``KVSTACK_NO_KERNELS=1``). That per-row scoring re-reads the
   context for each row, so longer chunks stay with SDPA below, which is faster from
   ~16 rows on (measured at 200 and 1,000-token contexts, bf16, one thread: 8 chunks of
   4 rows 0.28 vs 1.09 ms, of 32 rows 2.05 vs 1.81 ms at 200 tokens).
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvstack.kv.codecs import KernelView
 from kvstack.kv.storage import LayerCache
 from kvstack.model.kernels import Kernels, note_fallback
 
@@ -138,6 +144,24 @@ def prefill_attention(
     return out.transpose(1, 2).flatten(0, 1)
 
 
+def codec_attention(
+    kernels: Kernels, q: torch.Tensor, view: KernelView, rows: KernelRows, scale: float
+) -> torch.Tensor:
+    """``rows`` over an encoded cache read in place by ``paged_attention_codec``.
+
+    rotated4 (``view.rotation_signs``: R orthogonal): its codes hold ``k R``, and ``q . k
+    = (q R) . (k R)`` and ``sum_t p_t v_t = (sum_t p_t v_t R) R^T``, so the kernel rotates
+    the query once before and the output once after, instead of every key and value
+    (QuaRot's online Hadamard, on the query side), each row on its own.
+    """
+    out: torch.Tensor = kernels.paged_attention_codec(
+        q, view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
+        view.v_params, view.res_k, view.res_v, view.residual_of, view.rotation_signs,
+        rows.block_tables, rows.table_index, rows.context_lens, scale,
+    )  # fmt: skip
+    return out
+
+
 def _decode_rows(
     q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -179,11 +203,16 @@ def paged_attention(
     """
     every = meta.kernel_rows
     kvh, hd = k.shape[1], k.shape[2]
-    if every is not None and meta.kernels is not None and cache.k is not None:
-        head = meta.kernels.paged_attention(
-            q[: every.num_rows], cache.k, cache.v, every.block_tables, every.table_index,
-            every.context_lens, scale,
-        )  # fmt: skip
+    if every is not None and meta.kernels is not None:
+        if cache.k is not None:
+            head = meta.kernels.paged_attention(
+                q[: every.num_rows], cache.k, cache.v, every.block_tables, every.table_index,
+                every.context_lens, scale,
+            )  # fmt: skip
+        else:  # the runner sets kernel_rows for an encoded cache only with a kernel view
+            view = cache.kernel_view
+            assert view is not None, "kernel rows over a cache the kernel cannot read"
+            head = codec_attention(meta.kernels, q[: every.num_rows], view, every, scale)
         if not meta.prefills:
             return head
         out = torch.empty_like(q)

@@ -1,18 +1,21 @@
 """Optional C++ kernels, compiled on first use with ``torch.utils.cpp_extension``.
 
-``csrc/`` holds the paged decode attention (K/V read in place through block tables) and
-the fused per-token ops of a layer (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm,
-SiLU-and-mul, RoPE + KV-cache write), the AMX bf16 linear (``amx_linear.cpp``) and the
-weight-only quantized linears (``quant_linear.cpp``). The build takes ~30-90 s once per
-machine and is cached under ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``),
-one directory per CPU model and flag set. ``KVSTACK_NO_KERNELS=1``
-forces the PyTorch path (tests compare both).
+``csrc/`` holds the paged decode attention (K/V read in place through block tables; for
+an encoded cache ``paged_attention_codecs.cpp`` dequantizes each codec's blocks in the
+kernel, reading what its ``KernelView`` names), the fused per-token ops of a layer
+(``fused_ops.cpp``: RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache
+write), the AMX bf16 linear (``amx_linear.cpp``) and the weight-only quantized linears
+(``quant_linear.cpp``). The build takes ~30-90 s once per machine and is cached under
+``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one directory per CPU
+model and flag set. ``KVSTACK_NO_KERNELS=1`` forces the PyTorch path (tests compare both).
 
 Fallbacks are never silent: every time the engine takes the PyTorch path where a kernel
 was meant to run, ``note_fallback(kernel, reason)`` counts it (one warning per pair, the
 first time) and the server exports the counts as ``kvstack:kernel_fallback_total{kernel,
 reason}``. Reasons: ``build_failed`` (compiler or headers missing), ``disabled``
-(``KVSTACK_NO_KERNELS``), and per-kernel ones such as ``encoded_cache`` or
+(``KVSTACK_NO_KERNELS``), and per-kernel ones such as ``encoded_cache`` (a codec with no
+kernel view; every built-in codec has one, and the codec kernel has a portable path for
+every CPU and head size, so none falls back on an ISA) or
 ``bf16_unsupported`` (oneDNN cannot prepack bf16 weights on this CPU).
 """
 
@@ -33,6 +36,7 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "bindings.cpp",
     "paged_attention.cpp",
+    "paged_attention_codecs.cpp",
     "fused_ops.cpp",
     "token_mask.cpp",
     "argmax.cpp",

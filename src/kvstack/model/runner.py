@@ -274,10 +274,12 @@ class ModelRunner:
 
     def _kernel_attention(self, scheduled: list[ScheduledRequest]) -> bool:
         """True when decodes and short chunks can go to the C++ ``paged_attention``:
-        kernels built, an unencoded cache, no press that gave layers different budgets."""
+        kernels built, an unencoded cache or a codec the kernel reads (a ``KernelView``),
+        no press that gave layers different budgets."""
+        codec = self.kv.codec
         return (
             self.kernels is not None
-            and self.kv.codec.identity
+            and (codec.identity or codec.kernel_view(0) is not None)
             and all(_layer_lens(s.request) is None for s in scheduled)
         )
 

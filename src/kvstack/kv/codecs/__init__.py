@@ -41,7 +41,7 @@ asymmetric codecs' bounds (the rounding of the zero point).
 
 from __future__ import annotations
 
-from kvstack.kv.codecs.base import CacheShape, KVCodec
+from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 from kvstack.kv.codecs.bf16 import BF16Codec
 from kvstack.kv.codecs.fp8 import FP8Codec, FP8E5M2Codec
 from kvstack.kv.codecs.identity import IdentityCodec
@@ -83,6 +83,7 @@ __all__ = [
     "Int4Codec",
     "Int8Codec",
     "KVCodec",
+    "KernelView",
     "Kivi2Codec",
     "PerTokenCodec",
     "Rotated4Codec",

@@ -15,6 +15,34 @@ from kvstack.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class KernelView:
+    """How the C++ codec attention (``csrc/paged_attention_codecs.cpp``) reads one layer of
+    a codec's storage in place: a layout name the kernel knows and that layer's tensors.
+
+    Layouts: ``bf16`` (codes = bf16 rows, no parameters), ``int8`` and ``fp8_e4m3`` /
+    ``fp8_e5m2`` (one bf16 scale per row), ``int4`` (packed nibbles, low nibble first; a
+    bf16 (scale, zero) pair per ``group`` channels), ``kivi2`` (2-bit codes, keys with a
+    (scale, zero) pair per block and channel ``[blocks, kv_heads, head_dim, 2]``, values
+    one pair per ``group`` channels, plus the residual pool of filling blocks). Codes and
+    per-row parameters are ``[blocks, block_size, kv_heads, ...]``. With
+    ``rotation_signs`` ``s`` the codes hold ``x R``, ``R = diag(s) H / sqrt(head_dim)``
+    (``H`` Sylvester's Hadamard matrix): the kernel scores ``q R`` against them and turns
+    its output back with ``R^T`` (orthogonal), each a fast Walsh-Hadamard transform.
+    """
+
+    layout: str
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_params: torch.Tensor
+    v_params: torch.Tensor
+    group: int = 0  # channels per (scale, zero) pair; 0 = the whole head
+    res_k: torch.Tensor | None = None  # kivi2: [slots, block_size, kv_heads, head_dim]
+    res_v: torch.Tensor | None = None
+    residual_of: torch.Tensor | None = None  # kivi2: [blocks] slot or -1
+    rotation_signs: torch.Tensor | None = None  # [head_dim] float32, +-1
+
+
+@dataclass(frozen=True)
 class CacheShape:
     num_layers: int
     num_blocks: int
@@ -59,6 +87,11 @@ class KVCodec(abc.ABC):
     @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every block-indexed tensor, ``[num_layers, num_blocks, ...]``."""
+
+    def kernel_view(self, layer: int) -> KernelView | None:
+        """How the C++ attention reads ``layer`` in place, or None: attention then takes
+        the PyTorch path (``gather``), counted as a ``kernel_fallback``."""
+        return None
 
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """A block went back to the free queue (its contents are dead)."""

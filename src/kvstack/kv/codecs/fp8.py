@@ -16,6 +16,7 @@ class FP8Codec(PerTokenCodec):
     name = "fp8"
     code_dtype = torch.uint8
     FP8_MAX = 448.0
+    kernel_layout = "fp8_e4m3"
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()
@@ -37,6 +38,7 @@ class FP8E5M2Codec(FP8Codec):
 
     name = "fp8_e5m2"
     FP8_MAX = 57344.0
+    kernel_layout = "fp8_e5m2"
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstack.kv.codecs.base import CacheShape, KVCodec
+from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 
 
 class IdentityCodec(KVCodec):
@@ -34,6 +34,14 @@ class IdentityCodec(KVCodec):
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][block_ids].to(self.dtype), self.v[layer][block_ids].to(self.dtype)
+
+    def kernel_view(self, layer: int) -> KernelView | None:
+        """bf16 storage under a float32 model (``bf16``); None for ``auto``, which
+        attention reads in place as plain tensors."""
+        if self.identity or self.k.dtype != torch.bfloat16:
+            return None
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        return KernelView("bf16", self.k[layer], self.v[layer], empty, empty)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]

@@ -18,6 +18,7 @@ class Int4Codec(PerTokenCodec):
     code_dtype = torch.uint8
     GROUP: ClassVar[int] = 32
     BITS: ClassVar[int] = 4
+    kernel_layout = "int4"
 
     @classmethod
     def check_head_dim(cls, head_dim: int) -> None:
@@ -34,6 +35,9 @@ class Int4Codec(PerTokenCodec):
     @classmethod
     def param_cols(cls, head_dim: int) -> int:
         return 2 * head_dim // cls.GROUP
+
+    def kernel_group(self) -> int:
+        return self.GROUP
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = x.float().unflatten(-1, (-1, self.GROUP))  # [..., groups, GROUP]

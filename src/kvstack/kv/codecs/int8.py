@@ -10,6 +10,7 @@ from kvstack.kv.codecs.per_token import PerTokenCodec
 class Int8Codec(PerTokenCodec):
     name = "int8"
     code_dtype = torch.int8
+    kernel_layout = "int8"
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()

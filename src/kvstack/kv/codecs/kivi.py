@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstack.errors import ConfigError
-from kvstack.kv.codecs.base import CacheShape, KVCodec
+from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 from kvstack.kv.codecs.bits import pack, quant_asym, unpack
 
 BITS = 2
@@ -186,6 +186,20 @@ class Kivi2Codec(KVCodec):
             v[live] = self.res_v[layer, res[live]]
         tail = (*block_ids.shape, *k.shape[1:])
         return k.view(tail), v.view(tail)
+
+    def kernel_view(self, layer: int) -> KernelView | None:
+        """Codes and parameters in place, and the residual pool with each block's slot."""
+        return KernelView(
+            "kivi2",
+            self.k_codes[layer],
+            self.v_codes[layer],
+            self.k_params[layer],
+            self.v_params[layer],
+            group=V_GROUP,
+            res_k=self.res_k[layer],
+            res_v=self.res_v[layer],
+            residual_of=self.residual_of,
+        )
 
     # ------------------------------------------------------------------ bookkeeping
     def on_block_freed(self, block_id: int) -> None:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvstack.kv.codecs.base import CacheShape, KVCodec
+from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 
 
 class PerTokenCodec(KVCodec):
@@ -16,6 +16,7 @@ class PerTokenCodec(KVCodec):
     code_dtype: ClassVar[torch.dtype]
     code_width: ClassVar[int]  # code elements per head_dim elements: d, d/2 ...
     num_params: ClassVar[int]  # bf16 parameters per row (per head) for K or V
+    kernel_layout: ClassVar[str | None] = None  # KernelView.layout, None: no kernel
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
         super().__init__(shape, dtype, max_num_seqs)
@@ -67,3 +68,19 @@ class PerTokenCodec(KVCodec):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.v_codes, self.k_params, self.v_params]
+
+    def kernel_group(self) -> int:
+        """Channels per (scale, zero) pair in the kernel's view (0: the whole head)."""
+        return 0
+
+    def kernel_view(self, layer: int) -> KernelView | None:
+        if self.kernel_layout is None:
+            return None
+        return KernelView(
+            self.kernel_layout,
+            self.k_codes[layer],
+            self.v_codes[layer],
+            self.k_params[layer],
+            self.v_params[layer],
+            group=self.kernel_group(),
+        )

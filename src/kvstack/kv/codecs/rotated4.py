@@ -3,12 +3,13 @@ idea), then 4-bit with one scale + zero per head vector; rotated back on read.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from kvstack.errors import ConfigError
-from kvstack.kv.codecs.base import CacheShape
+from kvstack.kv.codecs.base import CacheShape, KernelView
 from kvstack.kv.codecs.bits import pack, quant_asym, unpack
 from kvstack.kv.codecs.int4 import Int4Codec
 
@@ -48,7 +49,17 @@ class Rotated4Codec(Int4Codec):
         d = shape.head_dim
         gen = torch.Generator().manual_seed(0x5EED)
         signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+        self.signs = signs
         self.rot = signs[:, None] * hadamard(d)  # x_rot = x @ rot; x = x_rot @ rot.T
+
+    def kernel_group(self) -> int:
+        return 0  # one (scale, zero) pair per head vector
+
+    def kernel_view(self, layer: int) -> KernelView | None:
+        """The int4 layout with one group per head, in the rotated basis: the kernel scores
+        ``q @ rot`` against the codes and rotates its output back (orthogonal ``rot``)."""
+        view = super().kernel_view(layer)
+        return None if view is None else dataclasses.replace(view, rotation_signs=self.signs)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, sz = quant_asym(x.float() @ self.rot, self.BITS, -1)

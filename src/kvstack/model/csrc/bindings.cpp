@@ -12,6 +12,10 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor? table_index, Tensor context_lens, float scale) -> Tensor",
         &paged_attention);
+  m.def("paged_attention_codec(Tensor q, str kind, int group, Tensor k_codes, Tensor v_codes, "
+        "Tensor k_params, Tensor v_params, Tensor? res_k, Tensor? res_v, Tensor? residual_of, "
+        "Tensor? rotation_signs, Tensor block_tables, Tensor? table_index, Tensor context_lens, float scale) -> Tensor",
+        &paged_attention_codec);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",
         &add_rms_norm);

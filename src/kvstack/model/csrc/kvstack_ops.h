@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
@@ -10,6 +11,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
                               torch::Tensor context_lens, double scale);
+torch::Tensor paged_attention_codec(
+    torch::Tensor q, std::string kind, int64_t group, torch::Tensor k_codes,
+    torch::Tensor v_codes, torch::Tensor k_params, torch::Tensor v_params,
+    std::optional<torch::Tensor> res_k, std::optional<torch::Tensor> res_v,
+    std::optional<torch::Tensor> residual_of, std::optional<torch::Tensor> rotation_signs,
+    torch::Tensor block_tables,
+    std::optional<torch::Tensor> table_index, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gu);

@@ -62,6 +62,24 @@ static inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// Sums each of 16 vectors: lane t of the result = sum of v[t]'s lanes.
+static inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                       _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
 #endif
 
 // Scalar helpers (any ISA).

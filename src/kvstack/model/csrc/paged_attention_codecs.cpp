@@ -1,0 +1,427 @@
+// Paged attention over an encoded KV cache (era 5 codecs), dequantizing in the kernel.
+//
+// The same rows as paged_attention.cpp (decodes, and prefill rows at KV position p scored
+// as a decode of context p + 1), but K and V are read in place from a codec's storage
+// (codec_rows.h: codes and bf16 scales, KIVI's residual pool) instead of an unencoded
+// cache, so attention reads the codec's bytes, not a dequantized copy. Per-row factors
+// (int8/fp8 scales) multiply one score or one probability instead of every channel; KIVI's
+// per-channel key scales fold into the query once per block (q . (c s + z) = (q s) . c +
+// q . z). rotated4 is int4 with one group per head vector, read in the rotated basis: the
+// query is rotated once (q R) and the output once back (o R^T) instead of every key and
+// value, R orthogonal (QuaRot's online Hadamard; codec_rows.h rotate()).
+//
+// head_dim 64 with AVX-512: work split over (row, 512-token partition, KV head), two
+// passes per partition (scores into L1, then softmax and P.V), partitions merged by their
+// maxima and sums (flash-decoding), as the bf16 kernel. Other shapes or ISAs: one task per
+// (row, KV head) with the scalar reader. Both compute in float32.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "codec_rows.h"
+#include "kvstack_ops.h"
+
+namespace {
+
+constexpr int64_t kCodecPart = 512;  // tokens per partition
+constexpr int kMaxG = 8;  // q heads per KV head on the fast path
+
+int64_t table_of(const int64_t* tidx, int64_t r) { return tidx ? tidx[r] : r; }
+
+// One row r, KV head kh, all tokens: softmax(q K^T * scale) V for its G q heads.
+template <typename T>
+void codec_rows_generic(const CodecView& cv, const T* q, const int64_t* tables,
+                        const int64_t* tidx, const int64_t* lens, T* out, int64_t R, int64_t H,
+                        int64_t MB, float scale) {
+  const int64_t KVH = cv.KVH, HD = cv.HD, BS = cv.BS, G = H / KVH;
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * HD), acc(G * HD), row(HD), sc;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / KVH, kh = w % KVH, L = lens[r];
+      const int64_t* table = tables + table_of(tidx, r) * MB;
+      sc.assign(G * L, 0.f);
+      for (int64_t i = 0; i < G * HD; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * HD + i]);
+      if (cv.signs)
+        for (int64_t g = 0; g < G; ++g) rotate(qf.data() + g * HD, cv.signs, HD, false);
+      for (int64_t t = 0; t < L; ++t) {
+        row_scalar(cv, true, table[t / BS], t % BS, kh, row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.f;
+          for (int64_t i = 0; i < HD; ++i) s += qf[g * HD + i] * row[i];
+          sc[g * L + t] = s * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = sc.data() + g * L;
+        const float m = *std::max_element(s, s + L);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+        for (int64_t t = 0; t < L; ++t) s[t] /= sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        row_scalar(cv, false, table[t / BS], t % BS, kh, row.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < HD; ++i) acc[g * HD + i] += sc[g * L + t] * row[i];
+      }
+      if (cv.signs)
+        for (int64_t g = 0; g < G; ++g) rotate(acc.data() + g * HD, cv.signs, HD, true);
+      for (int64_t i = 0; i < G * HD; ++i) out[(r * H + kh * G) * HD + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+#if defined(KVSTACK_CODEC_AVX512)
+struct CodecPartial {  // one (row, partition, q head): max m, sum l, unnormalized acc
+  float m, l;
+  alignas(64) float acc[64];
+};
+
+// Prefetches the K or V rows (codes and per-row parameters) of head kh in block blk.
+inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t kh) {
+  const uint8_t* codes = is_k ? cv.kc : cv.vc;
+  const c10::BFloat16* params = is_k ? cv.kp : cv.vp;
+  const int64_t cols = is_k ? cv.k_cols : cv.v_cols;
+  for (int64_t i = 0; i < cv.BS; ++i) {
+    const int64_t r = (blk * cv.BS + i) * cv.KVH + kh;
+    _mm_prefetch(reinterpret_cast<const char*>(codes + r * cv.code_bytes), _MM_HINT_T0);
+    if (cols) _mm_prefetch(reinterpret_cast<const char*>(params + r * cols), _MM_HINT_T0);
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// Where a pass is: block bi of the table, token i in it, the block's residual slot (kivi2)
+// and its key parameters.
+template <Codec C>
+struct Cursor {
+  const CodecView& cv;
+  const int64_t* table;
+  int64_t kh, nblocks, bi, i, blk, rs = -1;
+  KiviKeys kk;
+  Cursor(const CodecView& c, const int64_t* t, int64_t h, int64_t t0, int64_t t1, bool is_k)
+      : cv(c), table(t), kh(h), nblocks((t1 + c.BS - 1) / c.BS), bi(t0 / c.BS), i(t0 % c.BS) {
+    enter(is_k);
+  }
+  void enter(bool is_k) {
+    blk = table[bi];
+    rs = cv.residual(blk);
+    if constexpr (C == Codec::kKivi2)
+      if (is_k && rs < 0) kk.load(cv, blk, kh);
+    if (bi + 1 < nblocks) prefetch_block(cv, is_k, table[bi + 1], kh);
+  }
+  // Row of the current token (in to_order's order) and its factor; then the next token.
+  float next(bool is_k, __m512* x) {
+    float f = 1.f;
+    if (rs >= 0) {
+      residual_row64(cv, is_k, rs, i, kh, x);
+      to_order<C>(x);
+    } else {
+      f = row64<C>(cv, is_k, (blk * cv.BS + i) * cv.KVH + kh, x, &kk);
+    }
+    if (++i == cv.BS && ++bi < nblocks) {
+      i = 0;
+      enter(is_k);
+    }
+    return f;
+  }
+};
+
+// Tokens [t0, t1) of one row against KV head kh: G partials (GT: G known at compile time,
+// then bf16 queries score with AVX512-BF16 dot products; 0: G = g_rt, float32 dots).
+// q: G float rows of 64. Pass 1 decodes 16 rows into an L1 buffer, then per q head 16 dot
+// products and one horizontal reduction; pass 2 the softmax; pass 3 P.V, each row
+// decoded once for the G heads. The next block is prefetched.
+template <Codec C, int GT>
+void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
+                  int64_t t0, int64_t t1, int g_rt, float scale, CodecPartial* parts) {
+  constexpr bool kBf16 = GT > 0 && kHasBf16Dot;
+  const int G = GT > 0 ? GT : g_rt;
+  const int64_t n = t1 - t0, np = (n + 15) / 16 * 16;
+  alignas(64) float sc[kMaxG][kCodecPart];
+  alignas(64) float fac[16];
+  alignas(64) float kf[16][64];  // decoded K rows (float32, or bf16 pairs in kb)
+  alignas(64) uint16_t kb[16][64];
+  __m512 qv[kMaxG][4];
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
+    to_order<C>(qv[g]);
+  }
+#if defined(__AVX512BF16__)
+  __m512bh qh[kMaxG][2];
+  if constexpr (kBf16)
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < 2; ++k) qh[g][k] = _mm512_cvtne2ps_pbh(qv[g][2 * k + 1], qv[g][2 * k]);
+#endif
+  Cursor<C> ck(cv, table, kh, t0, t1, true);
+  for (int64_t j0 = 0; j0 < np; j0 += 16) {
+    const int live_n = static_cast<int>(std::min<int64_t>(16, n - j0));
+    for (int j = 0; j < 16; ++j) {
+      __m512 x[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      fac[j] = j < live_n ? ck.next(true, x) : 0.f;
+      if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+        for (int k = 0; k < 2; ++k)
+          _mm512_store_si512(kb[j] + 32 * k, (__m512i)_mm512_cvtne2ps_pbh(x[2 * k + 1], x[2 * k]));
+#endif
+      } else {
+        for (int k = 0; k < 4; ++k) _mm512_store_ps(kf[j] + 16 * k, x[k]);
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>(live_n == 16 ? 0xFFFF : (1u << live_n) - 1);
+    const __m512 f = _mm512_mul_ps(_mm512_load_ps(fac), _mm512_set1_ps(scale));
+    for (int g = 0; g < G; ++g) {
+      __m512 d16[16];
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[g][0],
+                                      (__m512bh)_mm512_load_si512(kb[j]));
+          d16[j] = _mm512_dpbf16_ps(a, qh[g][1], (__m512bh)_mm512_load_si512(kb[j] + 32));
+#endif
+        } else {
+          __m512 a = _mm512_mul_ps(qv[g][0], _mm512_load_ps(kf[j]));
+          for (int k = 1; k < 4; ++k) a = _mm512_fmadd_ps(qv[g][k], _mm512_load_ps(kf[j] + 16 * k), a);
+          d16[j] = a;
+        }
+      }
+      const __m512 s = _mm512_mul_ps(hsum16(d16), f);
+      _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // softmax numerators, max and sum
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[g] + j));
+    const float m = _mm512_reduce_max_ps(mv);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j += 16) {
+      const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m))));
+      _mm512_store_ps(sc[g] + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    parts[g].m = m;
+    parts[g].l = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kMaxG][4];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
+  Cursor<C> cvv(cv, table, kh, t0, t1, false);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 x[4];
+    const float f = cvv.next(false, x);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g][j] * f);
+      for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_fmadd_ps(p, x[k], acc[g][k]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    from_order<C>(acc[g]);
+    for (int k = 0; k < 4; ++k) _mm512_store_ps(parts[g].acc + 16 * k, acc[g][k]);
+  }
+}
+
+template <Codec C, typename T>
+void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
+                  const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
+  const int64_t KVH = cv.KVH, G = H / KVH;
+  std::vector<int64_t> first(R + 1, 0);  // first partition of each row
+  for (int64_t r = 0; r < R; ++r)
+    first[r + 1] = first[r] + std::max<int64_t>(1, (lens[r] + kCodecPart - 1) / kCodecPart);
+  const int64_t P = first[R];
+  std::vector<CodecPartial> parts(P * H);
+  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qf[kMaxG * 64];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t pi = w / KVH, kh = w % KVH;
+      const int64_t r = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
+      const int64_t t0 = (pi - first[r]) * kCodecPart;
+      for (int64_t i = 0; i < G * 64; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * 64 + i]);
+      if (cv.signs)
+        for (int64_t g = 0; g < G; ++g) rotate(qf + g * 64, cv.signs, 64, false);
+      const int64_t* table = tables + table_of(tidx, r) * MB;
+      const int64_t t1 = std::min(lens[r], t0 + kCodecPart);
+      CodecPartial* pp = parts.data() + pi * H + kh * G;
+      const int g = static_cast<int>(G);
+      if (!std::is_same_v<T, c10::BFloat16>) {  // float32 queries: float32 dots
+        codec_part64<C, 0>(cv, qf, table, kh, t0, t1, g, scale, pp);
+        continue;
+      }
+      switch (g) {  // the common GQA ratios with G in registers; others at run time
+        case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
+        default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, g, scale, pp);
+      }
+    }
+  });
+  at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / H, h = w % H;
+      float mx = -INFINITY, l = 0.f;
+      for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) {
+        const CodecPartial& pt = parts[pi * H + h];
+        const float wgt = std::exp(pt.m - mx);
+        l += wgt * pt.l;
+        for (int k = 0; k < 4; ++k)
+          acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * k), acc[k]);
+      }
+      alignas(64) float o[64];
+      for (int k = 0; k < 4; ++k) _mm512_store_ps(o + 16 * k, _mm512_mul_ps(acc[k], _mm512_set1_ps(1.f / l)));
+      if (cv.signs) rotate(o, cv.signs, 64, true);
+      for (int k = 0; k < 4; ++k) store16(out + (r * H + h) * 64 + 16 * k, _mm512_load_ps(o + 16 * k));
+    }
+  });
+}
+
+template <typename T>
+bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
+                const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
+  const int64_t G = H / cv.KVH;
+  if (cv.HD != 64 || G > kMaxG || cv.group % 16 || 64 % cv.group) return false;
+  if (cv.kind == Codec::kKivi2 && cv.group != 32) return false;  // row64's value groups
+  switch (cv.kind) {
+#define KVSTACK_CODEC(c)                                                    \
+  case c:                                                                   \
+    codec_rows64<c, T>(cv, q, tables, tidx, lens, out, R, H, MB, scale); \
+    return true;
+    KVSTACK_CODEC(Codec::kBF16)
+    KVSTACK_CODEC(Codec::kInt8)
+    KVSTACK_CODEC(Codec::kFP8E4M3)
+    KVSTACK_CODEC(Codec::kFP8E5M2)
+    KVSTACK_CODEC(Codec::kInt4)
+    KVSTACK_CODEC(Codec::kKivi2)
+#undef KVSTACK_CODEC
+  }
+  return false;
+}
+#else
+template <typename T>
+bool codec_fast(const CodecView&, const T*, const int64_t*, const int64_t*, const int64_t*, T*,
+                int64_t, int64_t, int64_t, float) {
+  return false;
+}
+#endif
+
+}  // namespace
+
+// q [R, H, HD] (bf16 or float32; the output's dtype); k_codes/v_codes [NB, BS, KVH, bytes]
+// and k_params/v_params as kv/codecs/ stores them for one layer; res_k/res_v [cap, BS, KVH,
+// HD] and residual_of [NB] for kivi2; rotation_signs [HD] for rotated4 (the codes hold
+// x diag(signs) H / sqrt(HD)); rows, tables and context lengths as paged_attention.
+torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t group,
+                                    torch::Tensor k_codes, torch::Tensor v_codes,
+                                    torch::Tensor k_params, torch::Tensor v_params,
+                                    std::optional<torch::Tensor> res_k,
+                                    std::optional<torch::Tensor> res_v,
+                                    std::optional<torch::Tensor> residual_of,
+                                    std::optional<torch::Tensor> rotation_signs,
+                                    torch::Tensor block_tables,
+                                    std::optional<torch::Tensor> table_index,
+                                    torch::Tensor context_lens, double scale) {
+  const Codec c = codec_kind(kind);
+  TORCH_CHECK(q.dim() == 3 && block_tables.dim() == 2, "bad shapes");
+  for (const auto* t : {&k_codes, &v_codes, &k_params, &v_params})
+    TORCH_CHECK(t->is_contiguous(), "codec tensors must be contiguous");
+  TORCH_CHECK(k_codes.sizes() == v_codes.sizes(), "k and v codes differ in shape");
+  q = q.contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t R = q.size(0), H = q.size(1), HD = q.size(2);
+  const int64_t NB = k_codes.size(0), BS = k_codes.size(1), KVH = k_codes.size(2);
+  const int64_t S = block_tables.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "head shapes do not match");
+  if (group <= 0) group = HD;  // one (scale, zero) pair per head vector
+  check_codec_tensors(c, group, HD, k_codes, k_params, v_params);
+  TORCH_CHECK(context_lens.numel() == R, "one context length per row");
+  torch::Tensor tidx_t, res_t;
+  const int64_t* tidx = nullptr;
+  if (table_index.has_value()) {
+    tidx_t = table_index->to(torch::kInt64).contiguous();
+    TORCH_CHECK(tidx_t.numel() == R, "one table index per row");
+    tidx = tidx_t.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(S == R, "one block table per row");
+  }
+  CodecView cv{c, static_cast<const uint8_t*>(k_codes.data_ptr()),
+               static_cast<const uint8_t*>(v_codes.data_ptr()),
+               static_cast<const c10::BFloat16*>(k_params.data_ptr()),
+               static_cast<const c10::BFloat16*>(v_params.data_ptr()),
+               k_codes.size(3) * k_codes.element_size(), 0, 0, group,
+               nullptr, nullptr, false, nullptr, nullptr, KVH, BS, HD};
+  if (c == Codec::kInt4) cv.k_cols = cv.v_cols = 2 * HD / cv.group;
+  if (c == Codec::kInt8 || c == Codec::kFP8E4M3 || c == Codec::kFP8E5M2) cv.k_cols = cv.v_cols = 1;
+  if (c == Codec::kKivi2) cv.v_cols = 2 * HD / cv.group;
+  torch::Tensor signs_t;
+  if (rotation_signs.has_value()) {
+    signs_t = rotation_signs->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(signs_t.numel() == HD && HD > 0 && (HD & (HD - 1)) == 0,
+                "rotation signs need a power-of-two head_dim, one sign per channel");
+    cv.signs = signs_t.data_ptr<float>();
+  }
+  int64_t cap = 0;
+  if (residual_of.has_value()) {
+    TORCH_CHECK(c == Codec::kKivi2 && res_k.has_value() && res_v.has_value(),
+                "a residual pool needs kivi2 and res_k, res_v");
+    res_t = residual_of->to(torch::kInt64).contiguous();
+    TORCH_CHECK(res_t.numel() == NB, "one residual slot per block");
+    TORCH_CHECK(res_k->is_contiguous() && res_v->is_contiguous() && res_k->sizes() == res_v->sizes() &&
+                    res_k->dim() == 4 && res_k->size(1) == BS && res_k->size(2) == KVH &&
+                    res_k->size(3) == HD,
+                "residual pool must be [cap, BS, KVH, HD]");
+    TORCH_CHECK(res_k->scalar_type() == torch::kFloat32 || res_k->scalar_type() == torch::kBFloat16,
+                "residual pool must be float32 or bfloat16");
+    cap = res_k->size(0);
+    cv.res_k = res_k->data_ptr();
+    cv.res_v = res_v->data_ptr();
+    cv.res_float = res_k->scalar_type() == torch::kFloat32;
+    cv.residual_of = res_t.data_ptr<int64_t>();
+  }
+  // Every index checked before any read (as paged_attention).
+  const int64_t* lens_p = context_lens.data_ptr<int64_t>();
+  const int64_t* tab_p = block_tables.data_ptr<int64_t>();
+  std::vector<int64_t> need(S, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = table_of(tidx, r);
+    TORCH_CHECK(t >= 0 && t < S, "table index ", t, " outside [0, ", S, ")");
+    TORCH_CHECK(lens_p[r] >= 1 && lens_p[r] <= MB * BS, "context length ", lens_p[r],
+                " outside [1, ", MB * BS, "]");
+    need[t] = std::max(need[t], lens_p[r]);
+  }
+  for (int64_t t = 0; t < S; ++t)
+    for (int64_t b = 0; b < (need[t] + BS - 1) / BS; ++b) {
+      const int64_t blk = tab_p[t * MB + b];
+      TORCH_CHECK(blk >= 0 && blk < NB, "block id ", blk, " outside the cache");
+      TORCH_CHECK(cv.residual(blk) < cap, "residual slot ", cv.residual(blk), " outside the pool");
+    }
+  auto out = torch::empty_like(q);
+  if (R == 0) return out;
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kBFloat16) {
+    using T = c10::BFloat16;
+    const T* qp = q.data_ptr<T>();
+    if (!codec_fast<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc))
+      codec_rows_generic<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc);
+  } else if (q.scalar_type() == torch::kFloat32) {
+    const float* qp = q.data_ptr<float>();
+    if (!codec_fast<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc))
+      codec_rows_generic<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc);
+  } else {
+    TORCH_CHECK(false, "codec attention supports bfloat16 and float32 queries");
+  }
+  return out;
+}
