@@ -53,6 +53,8 @@ class EngineStats:
     # PyTorch fallbacks where a C++ kernel was meant to run: [kernel, reason, count]
     # (``model/kernels.py``; in this process, since it started).
     kernel_fallbacks: list[list[Any]] = field(default_factory=list)
+    # Speculative decoding (``spec/stats.py`` ``SpecDecodeStats.to_dict``); empty when off.
+    spec_decode: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

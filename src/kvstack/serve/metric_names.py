@@ -59,6 +59,11 @@ VLLM_FAMILIES = frozenset(
         "request_decode_time_seconds",
         "request_num_preemptions",
         "request_prefill_kv_computed_tokens",
+        # speculative decoding (``vllm/v1/spec_decode/metrics.py``, counters)
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
     }
 )
 
