@@ -84,13 +84,16 @@ class OutputProcessor:
         new = req.output_token_ids[fed:]
         if new and _ended_by_stop_token(req):
             new = new[:-1]  # vLLM: the EOS or stop token's text is not part of the output
-        if len(new) > 1 and req.sampling_params.stop:
+        if len(req.output_token_ids) - fed > 1 and req.sampling_params.stop:
             # Several tokens in one step (speculative decoding): a stop string ends the
             # output at the token that completes it, as one-token steps would.
             for i, token in enumerate(new):
                 seq.detok.add_tokens([token])
                 if seq.detok.stopped:
-                    del req.output_token_ids[fed + i + 1 :]
+                    if fed + i + 1 < len(req.output_token_ids):  # tokens past the stop
+                        del req.output_token_ids[fed + i + 1 :]
+                        if req.is_finished():  # by a stop rule at a token now dropped
+                            req.status = RequestStatus.FINISHED_STOPPED
                     break
         else:
             seq.detok.add_tokens(new)

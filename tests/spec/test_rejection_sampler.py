@@ -14,6 +14,7 @@ import torch
 
 from kvstack.model.rejection_sampler import RejectionSampler, greedy_run
 from kvstack.model.sampler import Sampler
+from kvstack.model.sampling_metadata import SamplingBatch
 from kvstack.request import Request, SamplingParams
 
 V = 6
@@ -81,13 +82,21 @@ def test_top_k_and_zero_probability_drafts() -> None:
     assert chi_square(counts[:2], p[:2]) < 10.83  # 1 degree of freedom, p = 0.001
 
 
-def test_seeded_requests_do_not_depend_on_their_batch() -> None:
+def test_seeded_requests_get_the_samplers_own_tokens_in_any_batch() -> None:
+    """A seeded row's target is the token ``Sampler`` draws at that output position, so a
+    seeded request samples the same tokens with and without speculation."""
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(3))
-    sp = SamplingParams(temperature=1.0, seed=42)
-    alone = RejectionSampler(Sampler())(logits, [(request(sp), [1, 2])])
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    req = request(sp)
+    plain: list[int] = []
+    for row in range(3):  # one-token steps: the sampler at output positions 0, 1, 2
+        r = Request("r", [1, 2, 3], sp, output_token_ids=list(plain))
+        plain += Sampler()(logits[row : row + 1], SamplingBatch.build([r], V)).sampled_token_ids
+    wrong = (plain[1] + 1) % V
+    assert RejectionSampler(Sampler())(logits, [(req, [plain[0], plain[1]])]) == [plain]
+    assert RejectionSampler(Sampler())(logits[:2], [(req, [plain[0]])]) == [plain[:2]]
+    assert RejectionSampler(Sampler())(logits, [(req, [plain[0], wrong])]) == [plain[:2]]
     other = (request(SamplingParams(temperature=0.7), "o"), [3])
     noise = torch.randn(2, V)
-    mixed = RejectionSampler(Sampler())(torch.cat([noise, logits]), [other, (request(sp), [1, 2])])
-    assert mixed[1] == alone
-    again = RejectionSampler(Sampler())(logits, [(request(sp), [1, 2])])
-    assert again == alone
+    mixed = RejectionSampler(Sampler())(torch.cat([noise, logits]), [other, (req, plain[:2])])
+    assert mixed[1] == plain

@@ -8,30 +8,32 @@ draft token ``x`` with probability ``min(1, p(x) / q(x))``; on rejection sample 
 ``q`` is a point mass on ``x`` and the rule becomes (vLLM's ``NO_DRAFT_PROBS`` case in
 ``v1/sample/rejection_sampler.py``)::
 
-    accept x            with probability p(x)        (u ~ U[0, 1) in float64; p(x) >= u)
-    else sample from    p with x removed, renormalized (the exponential race, as the
-                        sampler: argmax(p' / e), e ~ Exp(1); no renormalization needed)
+    accept x with probability p(x), else sample from p with x removed, renormalized
 
 which yields exactly ``p``: P(x) = p(x); P(y != x) = (1 - p(x)) p(y) / (1 - p(x)) = p(y).
-``p`` is the plain sampler's distribution of that row (``sampler.random_probs``:
-logits processors, temperature, top-k, top-p, min-p), renormalized. Greedy rows keep a
-draft token iff it is the row's argmax (the same argmax the sampler takes, on the same
-logits), so greedy output is token-identical to one-token steps whenever the logits of
-a row do not depend on how many rows the step has.
 
-Rows of one verified request with draft ``d1 .. dk``::
+Both halves are drawn with one exponential race per row, the sampler's own
+(``sampler.py``): ``y = argmax(p / e)``, ``e ~ Exp(1)`` per token, then ``x`` is kept iff
+``x == y``. ``P(y = x) = p(x)`` (accept with probability p(x)), and given ``y != x``, ``y``
+is distributed as ``p`` without ``x``, renormalized: the same rule, and ``y`` is the
+token the sampler itself would have drawn with the same noise. ``p`` is the sampler's
+distribution of the row (``sampler.random_probs``: logits processors, temperature,
+top-k, top-p, min-p). Greedy rows are the same rule with ``e = 1``: a draft is kept iff
+it is the row's argmax (the sampler's argmax, on the same logits)::
 
     row:       0      1      ...   k
     input:     t      d1           dk            (t: the last real token)
-    checks:    d1     d2           -             row j's distribution decides d(j+1)
-    result:    d1 .. da kept (all rows 0 .. a-1 accepted), then one token from row a:
-               the correction (rejected d(a+1) removed) or, when a = k, the bonus
+    target:    y0     y1           yk            y_j = argmax(p_j / e_j)
+    result:    d1 .. da while d(j+1) == y_j, then y_a (the correction, or the bonus
+               when a = k): the tokens one-token steps would have produced
 
-Deviations from vLLM: a draft token with ``p(x) = 0`` is never accepted (vLLM accepts it
-when ``u`` is exactly 0, probability 2^-53); seeded requests use one generator per
-output position (``sampling_metadata.make_generator(seed, num_output + j)``: first the
-uniform of row j, then the race's noise if row j samples), so a seeded request's tokens
-do not depend on its batch mates; vLLM uses one generator per request.
+Deviation from vLLM (same distribution, different draws): vLLM tests acceptance with a
+separate uniform ``u <= p(x)`` and draws the correction from a second race; here one race
+per row decides both, with the noise the sampler uses at that output position
+(``sampling_metadata.make_generator(seed, num_output + j)`` for a seeded request), so a
+seeded request's tokens are the ones it gets without speculation, whatever its draft
+length or batch mates (up to the last-bit differences of a row's logits in a longer
+forward, as for greedy rows). A draft token with ``p(x) = 0`` is never kept.
 """
 
 from __future__ import annotations
@@ -70,63 +72,63 @@ class RejectionSampler:
         reqs = [req for req, d in drafts for _ in range(len(d) + 1)]
         if logits.shape[0] != len(reqs):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(reqs)} draft rows")
-        batch = SamplingBatch.build(reqs, logits.shape[1])
         kernels = self.sampler.kernels
-        if kernels is not None and batch.all_greedy and not batch.needs_logits_processing:
+        if kernels is not None and all(_plain_greedy(r) for r, _ in drafts):
             ids = kernels.greedy_argmax(logits)  # as the sampler's greedy fast path
             if bool((ids >= 0).all()):
-                return self._runs(ids.tolist(), None, drafts)
+                return _runs(ids.tolist(), drafts)
+        batch = SamplingBatch.build(reqs, logits.shape[1])
         x = apply_logits_processors(logits.float(), batch)
         row_max = x.amax(dim=-1)
         if not bool(torch.isfinite(row_max).all()):
             x = sanitize(x)
             row_max = x.amax(dim=-1)
-        probs = None if batch.all_greedy else random_probs(x, row_max, batch)
-        return self._runs(x.argmax(dim=-1).tolist(), probs, drafts)
+        targets = x.argmax(dim=-1)
+        if not batch.all_greedy:
+            probs = random_probs(x, row_max, batch)
+            targets[batch.random_rows] = probs.div_(self._noise(probs, drafts)).argmax(dim=-1)
+        return _runs(targets.tolist(), drafts)
 
-    def _runs(
-        self,
-        targets: list[int],
-        probs: torch.Tensor | None,
-        drafts: Sequence[tuple[Request, list[int]]],
-    ) -> list[list[int]]:
-        """``probs``: the random rows' distributions, in row order (None: all greedy)."""
-        out: list[list[int]] = []
-        row = rrow = 0
+    def _noise(
+        self, probs: torch.Tensor, drafts: Sequence[tuple[Request, list[int]]]
+    ) -> torch.Tensor:
+        """Exp(1) noise for the random rows (in order): a seeded request's row j from
+        ``make_generator(seed, num_output + j)``, drawn as ``Sampler._exponential_noise``
+        draws it; the others from the sampler's generator."""
+        u = torch.empty_like(probs)
+        u.uniform_(generator=self.sampler.generator)
+        row = 0
         for req, draft in drafts:
-            n = len(draft) + 1
-            if req.sampling_params.greedy:
-                out.append(greedy_run(targets[row : row + n], draft))
-            else:
-                assert probs is not None
-                out.append(self.random_run(probs[rrow : rrow + n], draft, req))
-                rrow += n
-            row += n
-        return out
-
-    def random_run(self, probs: torch.Tensor, draft: Sequence[int], req: Request) -> list[int]:
-        """Kept tokens of a random row group; ``probs`` ``[k + 1, V]`` (not normalized)."""
-        p = probs / probs.sum(dim=-1, keepdim=True)
-        k = len(draft)
-        seed = req.sampling_params.seed
-        num_out = len(req.output_token_ids)
-        gens: list[torch.Generator | None] = (
-            [make_generator(seed, num_out + j) for j in range(k + 1)]
-            if seed is not None
-            else [self.sampler.generator] * (k + 1)
-        )
-        p_draft = p[torch.arange(k), torch.tensor(list(draft), dtype=torch.long)].tolist()
-        for j in range(k):
-            u = float(torch.rand(1, dtype=torch.float64, generator=gens[j]))
-            if p_draft[j] > 0.0 and p_draft[j] >= u:
+            sp = req.sampling_params
+            if sp.greedy:
                 continue
-            rest = p[j].clone()
-            rest[draft[j]] = 0.0  # p with the rejected token removed
-            return [*draft[:j], _race(rest, gens[j])]
-        return [*draft, _race(p[k], gens[k])]
+            if sp.seed is not None:
+                num_out = len(req.output_token_ids)
+                for j in range(len(draft) + 1):
+                    u[row + j].uniform_(generator=make_generator(sp.seed, num_out + j))
+            row += len(draft) + 1
+        return u.clamp_min_(_F32_TINY).log_().neg_()
 
 
-def _race(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    """A sample of the (unnormalized) distribution ``p``: ``argmax(p / e)``, e ~ Exp(1)."""
-    e = torch.empty_like(p).uniform_(generator=gen).clamp_min_(_F32_TINY).log_().neg_()
-    return int((p / e).argmax())
+def _plain_greedy(req: Request) -> bool:
+    """A greedy request with no logits processor (the sampler's fast-path condition)."""
+    sp = req.sampling_params
+    return (
+        sp.greedy
+        and not sp.logit_bias
+        and sp.allowed_token_ids is None
+        and not sp.bad_words_token_ids
+        and len(req.output_token_ids) >= sp.min_tokens
+        and not (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0)
+    )
+
+
+def _runs(targets: list[int], drafts: Sequence[tuple[Request, list[int]]]) -> list[list[int]]:
+    """``greedy_run`` of each request's rows of ``targets``."""
+    out: list[list[int]] = []
+    row = 0
+    for _, draft in drafts:
+        n = len(draft) + 1
+        out.append(greedy_run(targets[row : row + n], draft))
+        row += n
+    return out

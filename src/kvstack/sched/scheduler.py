@@ -30,10 +30,10 @@ verification ``update_from_output`` appends the kept tokens one at a time under 
 stop rules and rolls the rest back::
 
     before:   computed t0 .. t(N-2) | scheduled t(N-1) d1 d2 d3   (N tokens, 3 drafts)
-    kept:     d1 d2 + bonus b       -> tokens t0 .. t(N-1) d1 d2 b (N + 3)
-    after:    num_computed_tokens = N + 2 (b's KV is computed next step); the slot of
-              d3 is stale (overwritten next step) and blocks past the last token's slot
-              are freed (``KVManager.rollback_slots``); no unverified token was hashed
+    verified: d1 d2 kept, d3 rejected; c = the token row 2 sampled instead
+    after:    tokens t0 .. t(N-1) d1 d2 c (N + 3); num_computed_tokens = N + 2 (c's KV
+              is computed next step, in d3's stale slot); blocks past the last token's
+              slot are freed (``KVManager.rollback_slots``); no unverified token was hashed
 """
 
 from __future__ import annotations

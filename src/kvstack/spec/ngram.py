@@ -15,12 +15,13 @@ propose what followed them there. vLLM's rule (``v1/spec_decode/ngram_proposer.p
              ^^^^^^^ earliest match     ^^^^^^^ suffix
                      ^^^^^^ draft (k = 3): x y a
 
-vLLM finds the match with a KMP scan of the reversed tokens (numba). Here each ``n``
-from ``max_n`` down is one vectorized numpy comparison of all windows with the suffix;
-the first ``n`` with a hit is the longest, its first hit the earliest: the same answer
-(``tests/spec/test_ngram.py`` checks it against a transcription of vLLM's scan). Cost:
-``O(L * max_n)`` element compares per proposal for ``L`` tokens, in C; measured by
-``benchmarks/speculative.py`` (``propose_us``). vLLM also caps ``k`` by the room left
+vLLM finds the match with a KMP scan of the reversed tokens (numba). Here numpy finds
+the earlier occurrences of the last token, then extends all of them backwards at once,
+one vectorized compare per length up to ``max_n``; the longest (capped at ``max_n``)
+wins, the earliest among equals: the same answer (``tests/spec/test_ngram.py`` checks it
+against a transcription of vLLM's scan). Cost: one pass over the ``L`` tokens plus
+``max_n`` compares of the candidates, ~10-30 us at L = 800 (``propose_us_mean`` in
+``benchmarks/speculative.py``). vLLM also caps ``k`` by the room left
 in ``max_model_len``; here the scheduler cuts every draft to the request's room.
 """
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -45,14 +45,24 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         total = len(token_ids)
-        if k <= 0 or total < self.min_n + 1:  # a match needs an earlier occurrence
+        if k <= 0 or total < max(self.min_n, 2):  # a match needs an earlier occurrence
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        head = tokens[:-1]  # an occurrence must end before the last token
-        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(head, n)  # [total - n, n], row s = tokens[s : s + n]
-            hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
-            if hits.size:
-                start = int(hits[0]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        # Candidate occurrences end where the last token occurs earlier (position e <=
+        # total - 2); extend each backwards while it still equals the suffix, up to max_n.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if ends.size == 0:
+            return []
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for j in range(1, self.max_n):
+            alive &= ends >= j
+            if not alive.any():
+                break
+            alive &= tokens[np.where(alive, ends - j, 0)] == tokens[total - 1 - j]
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[np.flatnonzero(length == best)[0]])  # the earliest of the longest
+        return tokens[end + 1 : end + 1 + k].tolist()
