@@ -16,7 +16,7 @@ from kvstack.sched.scheduler import Scheduler
 
 
 def setup(max_tokens: int = 20, budget: int = 64) -> tuple[Scheduler, KVCacheManager, Request]:
-    kv = KVCacheManager(num_blocks=6, block_size=4)
+    kv = KVCacheManager(num_blocks=8, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv, max_model_len=64)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     req = Request("r", list(range(10, 16)), sp)
@@ -88,7 +88,7 @@ def test_all_accepted_appends_the_bonus_and_keeps_the_blocks() -> None:
     out = sched.schedule()
     sched.update_from_output(out, {"r": 104}, {"r": [101, 102, 103]})
     assert req.output_token_ids == [100, 101, 102, 103, 104]
-    assert req.num_computed_tokens == 9 and len(kv.get_block_ids("r")) == 3
+    assert req.num_computed_tokens == 10 and len(kv.get_block_ids("r")) == 3  # rows 6..9
     sched.check_integrity()
 
 

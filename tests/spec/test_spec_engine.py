@@ -18,9 +18,14 @@ import pytest
 from kvstack import LLM
 from kvstack.engine import LLMEngine
 from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.codecs.int8 import Int8Codec
+from kvstack.kv.codecs.kivi import Kivi2Codec
 from kvstack.kv.events import BlockStored
 from kvstack.kv.manager import KVCacheManager
-from kvstack.request import RequestOutput, SamplingParams
+from kvstack.request import Request, RequestOutput, SamplingParams
+from kvstack.spec.config import SpeculativeConfig
+from kvstack.spec.speculator import Speculator, no_speculation_reason
+from kvstack.structured_outputs import StructuredOutputsParams
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
 VOCAB = 320
@@ -67,6 +72,7 @@ class OracleProposer:
 
 
 def llm(model_dir: Path, spec: dict[str, object] | None, **opts: object) -> LLM:
+    opts = {"num_blocks": 128, **opts}  # (the default 2 GiB pool costs seconds to allocate)
     return LLM(str(model_dir), dtype="float32", seed=0, speculative_config=spec, **opts)
 
 
@@ -163,34 +169,71 @@ def test_greedy_is_identical_with_ngram_and_preemption(model_dir: Path) -> None:
 
 def test_stops_inside_an_accepted_run_end_where_plain_decoding_does(model_dir: Path) -> None:
     ps = prompts()[:1]
-    full = reference(model_dir, ps, [GREEDY])[0]
-    tok = LLM(str(model_dir), dtype="float32").tokenizer
+    plain_llm = llm(model_dir, None)
+    full = plain_llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)[0].outputs[0].token_ids
     # With 5-token drafts always right, the steps after the prefill append outputs
     # 1..6, 7..12, ...: a stop at output 9 or 10 lies inside the second accepted run.
     first = next((i for i in (9, 10) if full[i] not in full[:i]), 9)
-    stop_text = tok.decode(full[first - 1 : first + 1])
+    stop_text = plain_llm.tokenizer.decode(full[first - 1 : first + 1])
     cases = [
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[full[first]]),
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_text]),
     ]
+    spec = llm(model_dir, {**NGRAM, "num_speculative_tokens": 5})
+    eng = spec.engine
+    assert eng.speculator is not None
+    oracle = OracleProposer(ps, [full])  # always the whole true continuation:
+    oracle.rng.random = lambda: 1.0  # type: ignore[method-assign]
+    oracle.rng.randint = lambda a, b: b  # type: ignore[method-assign]
+    eng.speculator.proposer = oracle
     for sp in cases:
-        plain = llm(model_dir, None).generate(prompt_token_ids=ps, sampling_params=sp)[0]
-        spec = llm(model_dir, {**NGRAM, "num_speculative_tokens": 5})
-        eng = spec.engine
-        assert eng.speculator is not None
-        oracle = OracleProposer(ps, [full])  # always the whole true continuation:
-        oracle.rng.random = lambda: 1.0  # type: ignore[method-assign]
-        oracle.rng.randint = lambda a, b: b  # type: ignore[method-assign]
-        eng.speculator.proposer = oracle
-        out = spec.generate(prompt_token_ids=ps, sampling_params=sp)[0]
-        assert out.outputs[0].token_ids == plain.outputs[0].token_ids, sp
-        assert out.outputs[0].text == plain.outputs[0].text
-        assert out.outputs[0].finish_reason == plain.outputs[0].finish_reason
-        assert len(out.outputs[0].token_ids) <= 11  # it stopped inside the second run
-        assert eng.stats().spec_decode["num_accepted_tokens"] > 0
+        plain = plain_llm.generate(prompt_token_ids=ps, sampling_params=sp)[0].outputs[0]
+        before = eng.stats().spec_decode["num_accepted_tokens"]
+        out = spec.generate(prompt_token_ids=ps, sampling_params=sp)[0].outputs[0]
+        assert out.token_ids == plain.token_ids, sp
+        assert (out.text, out.finish_reason) == (plain.text, plain.finish_reason)
+        assert len(out.token_ids) <= 11  # it stopped inside the second run
+        assert eng.stats().spec_decode["num_accepted_tokens"] >= before + 5
         eng.check_integrity()
         assert eng.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_greedy_is_identical_with_a_kv_codec_and_logprobs(model_dir: Path) -> None:
+    """A per-token codec (int8) rolls back; a request asking for logprobs decodes one
+    token per step (no drafts) with its logprobs, next to speculating ones."""
+    ps = prompts()[:3]
+    lp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    sps = [GREEDY, lp, GREEDY]
+    plain = llm(model_dir, None, kv_cache_dtype="int8", num_blocks=256)
+    want = [plain.generate(prompt_token_ids=[p], sampling_params=sp)[0].outputs[0]
+            for p, sp in zip(ps, sps, strict=True)]  # fmt: skip
+    spec = llm(model_dir, NGRAM, kv_cache_dtype="int8", num_blocks=256)
+    got = spec.generate(prompt_token_ids=ps, sampling_params=sps)
+    assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
+    assert got[1].outputs[0].logprobs is not None and want[1].logprobs is not None
+    assert len(got[1].outputs[0].logprobs) == 20
+    assert [sorted(d) for d in got[1].outputs[0].logprobs] == [sorted(d) for d in want[1].logprobs]
+    assert spec.engine.stats().spec_decode["num_drafts"] > 0
+    spec.engine.check_integrity()
+
+
+def test_who_speculates() -> None:
+    def reason(**kw: object) -> str | None:
+        sp = SamplingParams(**kw)  # type: ignore[arg-type]
+        return no_speculation_reason(Request("r", [1, 2], sp))
+
+    assert reason() is None
+    assert reason(temperature=0.7, top_k=5, seed=1, logit_bias={3: 1.0}) is None
+    assert reason(allowed_token_ids=[3, 4]) is None
+    assert reason(logprobs=0) == "logprobs"
+    assert reason(repetition_penalty=1.1) == reason(presence_penalty=0.5) == "penalties"
+    assert reason(min_tokens=3) == "min_tokens"
+    so = StructuredOutputsParams(regex="[ab]+")
+    assert reason(structured_outputs=so) == "structured_outputs"
+    sp = SamplingParams(bad_words=["x"])
+    sp.bad_words_token_ids = [[5]]
+    assert no_speculation_reason(Request("r", [1], sp)) == "bad_words"
 
 
 def expected_counts(k: int, max_tokens: int, correct: bool) -> dict[str, object]:
@@ -254,20 +297,21 @@ def test_seeded_sampling_gives_the_tokens_of_plain_decoding(model_dir: Path) -> 
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=30, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
     want = reference(model_dir, ps[:1], [sp])[0]
-    alone = llm(model_dir, NGRAM).generate(prompt_token_ids=ps[:1], sampling_params=sp)
-    assert alone[0].outputs[0].token_ids == want
     eng = llm(model_dir, NGRAM, num_blocks=256).engine
+    assert eng.speculator is not None
+    # Drafts of the tokens plain decoding sampled, cut short or with a wrong token.
+    eng.speculator.proposer = OracleProposer(ps[:1], [want])
     got = run(eng, ps, [sp, other, other, other, other], stagger=2)
     assert got[0] == want
-    assert eng.stats().spec_decode["num_accepted_tokens"] > 0
+    sd = eng.stats().spec_decode
+    assert 0 < sd["num_accepted_tokens"] < sd["num_draft_tokens"]
 
 
 @pytest.mark.parametrize(
     ("opts", "match"),
     [
         ({"max_num_batched_tokens": 4}, "num_speculative_tokens=4 needs 5 rows"),
-        ({"max_model_len": 5}, "num_speculative_tokens=4 needs 5 rows"),
-        ({"kv_cache_dtype": "kivi2"}, "kivi2"),
+        ({"max_model_len": 5, "block_size": 4}, "num_speculative_tokens=4 needs 5 rows"),
         ({"kv_press": "knorm", "kv_press_ratio": 0.5, "kv_press_every": 8}, "kv-press-every"),
     ],
 )
@@ -276,6 +320,13 @@ def test_engines_that_cannot_roll_back_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         llm(model_dir, NGRAM, **opts)
+
+
+def test_a_codec_that_cannot_roll_back_is_refused() -> None:
+    # kivi2 needs head_dim % 32 == 0 (the tiny model has 16): the check itself, then.
+    assert Kivi2Codec.rolls_back is False and Int8Codec.rolls_back is True
+    with pytest.raises(ConfigError, match="kivi2: the codec encodes a block once it fills"):
+        Speculator.check_engine(SpeculativeConfig("ngram", 4), 2048, 512, 999, "kivi2", False, None)
 
 
 def test_a_repressing_request_is_a_400_and_nothing_leaks(model_dir: Path) -> None:

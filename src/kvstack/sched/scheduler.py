@@ -155,9 +155,10 @@ class Scheduler:
         return budget
 
     def _draft(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """The draft rows a decoding request gets: its proposal, cut so that the rows fit
-        the budget and the kept run (drafts + bonus) fits max_tokens and the context."""
-        draft = req.spec_token_ids
+        """The draft rows a decoding request gets: its proposal (used once), cut so that
+        the rows fit the budget and the kept run (drafts + bonus) fits max_tokens and the
+        context."""
+        draft, req.spec_token_ids = req.spec_token_ids, []
         if not draft or num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return []
         room = min(
