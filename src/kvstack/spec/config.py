@@ -89,10 +89,11 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         )
     if "method" not in value:
         raise ConfigError('speculative_config needs a "method" (kvstack: "ngram")')
-    method = _ALIASES.get(value["method"], value["method"])
+    method: Any = _ALIASES.get(value["method"], value["method"])
     if "num_speculative_tokens" not in value:
         raise ConfigError("speculative_config needs num_speculative_tokens")
-    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    lo: Any = value.get("prompt_lookup_min")
+    hi: Any = value.get("prompt_lookup_max")
     if lo is None and hi is None:
         lo = hi = DEFAULT_PROMPT_LOOKUP
     elif lo is None:
