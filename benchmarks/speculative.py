@@ -183,7 +183,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--readme", action="store_true")
     ap.add_argument("--wait-idle", type=float, default=60.0)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
+    for name in [v for v in VARIANTS if v not in args.variants and v != "plain"]:
+        del VARIANTS[name]
     import torch
 
     engines: dict[str, LLM] = {}
