@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
         "request",
         "prompts",
     ),
-    ("kv", "sched", "stats"),  # 1 bookkeeping and KV memory
+    ("kv", "sched", "spec", "stats"),  # 1 bookkeeping and KV memory, speculation
     ("model",),  # 2 the model, its runner and sampler
     ("config", "vllm_args"),  # 3 engine options, validated against the registries below
     ("engine", "llm", "output_processor", "testing", ""),  # 4 the engine ("" = kvstack)

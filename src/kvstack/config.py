@@ -31,6 +31,7 @@ from kvstack.options import (
     option,
     option_specs,
 )
+from kvstack.spec.config import SpeculativeConfig, parse_speculative_config
 from kvstack.units import parse_size
 
 if TYPE_CHECKING:
@@ -388,6 +389,15 @@ class EngineConfig:
         "grammar engine for structured outputs (response_format, guided_*, forced tool "
         "calls); auto = llguidance",
         group=ENGINE, choices=lambda: ("auto", *_structured_backends()),
+    )  # fmt: skip
+    speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (a field; frozen)
+        None,
+        "speculative decoding without a draft model (vLLM's JSON): "
+        '\'{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
+        '"prompt_lookup_min": M}\' proposes up to K tokens by prompt lookup (the longest '
+        "earlier match of the last M..N tokens; both default to 5) and verifies them in one "
+        "forward; greedy output is unchanged, sampling keeps the model's distribution",
+        group=ENGINE, metavar="JSON", convert=parse_speculative_config,
     )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

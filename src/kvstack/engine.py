@@ -28,13 +28,14 @@ from kvstack.model.fingerprint import model_fingerprint
 from kvstack.model.generation_config import load_generation_defaults
 from kvstack.model.kernels import fallback_counts
 from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
-from kvstack.model.runner import LogitCapture, ModelRunner, RunnerOutput
+from kvstack.model.runner import LogitCapture, ModelRunner
 from kvstack.model.structured import StructuredOutputManager
-from kvstack.output_processor import OutputProcessor, ParentState
+from kvstack.output_processor import OutputProcessor, ParentState, record_logprobs
 from kvstack.prompts import check_cache_salt
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
 from kvstack.sched.scheduler import Scheduler
+from kvstack.spec.speculator import build_speculator
 from kvstack.stats import EngineStats, UsageTracker
 
 logger = logging.getLogger("kvstack.engine")
@@ -103,6 +104,9 @@ class LLMEngine:
         so_backend = config.structured_outputs_backend
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
         self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
+        self.speculator = build_speculator(
+            config, max_len, num_blocks * cc.block_size, codec.rolls_back
+        )  # spec/: speculative decoding, or None
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
@@ -204,6 +208,8 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         press = self.press.resolve(sp)
+        if self.speculator is not None:
+            self.speculator.check_request(sp)
         so = sp.structured_outputs
         grammar = None if so is None else self.structured.compile(so)
         eos = frozenset(self.tokenizer.eos_token_ids)
@@ -268,9 +274,9 @@ class LLMEngine:
             return self._fail_step(out, f"internal error: {exc}")
         if self.connector is not None:
             self.connector.after_step()  # write-through: queue this step's new blocks
-        self._record_logprobs(out, result)
+        record_logprobs(self.scheduler.requests, result)
         now = time.monotonic()
-        changed = self.scheduler.update_from_output(out, result.sampled)
+        changed = self.scheduler.update_from_output(out, result.sampled, result.accepted)
         self.press.after_step((s.request for s in out.scheduled), result.press_queries)
         touched: set[str] = set()
         for req in changed:
@@ -282,6 +288,8 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             touched.add(req.request_id)
         self.structured.release(r.request_id for r in changed if r.is_finished())
+        if self.speculator is not None:  # spec/: count the drafts, propose the next ones
+            self.speculator.after_step(out.scheduled, result.accepted, changed)
         outputs = self.outputs.outputs_for(touched, final_only)
         self.outputs.release_finished(touched)
         return outputs
@@ -293,20 +301,6 @@ class LLMEngine:
             logger.warning("%s: structured output failed: %s", req.request_id, verdict)
             req.error, status = f"structured output failed: {verdict}", RequestStatus.FINISHED_ERROR
         self.scheduler.finish_request(req.request_id, status)
-
-    def _record_logprobs(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        for rid, lp in result.logprobs.items():
-            req = self.scheduler.requests.get(rid)
-            token = result.sampled.get(rid)
-            if req is None or token is None:
-                continue
-            req.output_logprobs.append(lp)
-            if token in lp:
-                req.cumulative_logprob += lp[token].logprob
-        for rid, (_, entries) in result.prompt_logprobs.items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None and req.prompt_logprobs is not None:
-                req.prompt_logprobs.extend(entries)
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         # Blocks were registered in the prefix cache when scheduled; their KV may be
@@ -395,6 +389,7 @@ class LLMEngine:
             press_skipped=dict(press.skipped),
             kv_bytes_per_token=self.kv_bytes_per_token,
             kernel_fallbacks=[[k, r, n] for (k, r), n in fallback_counts().items()],
+            spec_decode=self.speculator.stats.to_dict() if self.speculator is not None else {},
         )
 
     def check_integrity(self) -> None:
@@ -402,6 +397,8 @@ class LLMEngine:
         self.press.check_integrity(self.scheduler.requests)
         self.structured.check_integrity(self.scheduler.requests)
         self.kv_storage.codec.check_integrity()
+        if self.speculator is not None:
+            self.speculator.stats.check_integrity()
         if self.connector is not None:
             self.connector.check_integrity()
 

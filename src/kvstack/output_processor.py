@@ -14,8 +14,9 @@ The incremental detokenizer (``model/detokenizer.py``) does the holding back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstack.model.detokenizer import IncrementalDetokenizer
 from kvstack.model.tokenizer import Tokenizer
@@ -26,6 +27,9 @@ from kvstack.request import (
     RequestOutput,
     RequestStatus,
 )
+
+if TYPE_CHECKING:
+    from kvstack.model.runner import RunnerOutput
 
 
 @dataclass
@@ -80,7 +84,19 @@ class OutputProcessor:
         new = req.output_token_ids[fed:]
         if new and _ended_by_stop_token(req):
             new = new[:-1]  # vLLM: the EOS or stop token's text is not part of the output
-        seq.detok.add_tokens(new)
+        if len(req.output_token_ids) - fed > 1 and req.sampling_params.stop:
+            # Several tokens in one step (speculative decoding): a stop string ends the
+            # output at the token that completes it, as one-token steps would.
+            for i, token in enumerate(new):
+                seq.detok.add_tokens([token])
+                if seq.detok.stopped:
+                    if fed + i + 1 < len(req.output_token_ids):  # tokens past the stop
+                        del req.output_token_ids[fed + i + 1 :]
+                        if req.is_finished():  # by a stop rule at a token now dropped
+                            req.status = RequestStatus.FINISHED_STOPPED
+                    break
+        else:
+            seq.detok.add_tokens(new)
         if seq.detok.stopped:
             req.stop_reason = seq.detok.stop_reason
             return True
@@ -165,6 +181,22 @@ class OutputProcessor:
     def children_of(self, parent_id: str) -> list[str]:
         st = self.parents.get(parent_id)
         return list(st.children) if st else []
+
+
+def record_logprobs(requests: Mapping[str, Request], result: RunnerOutput) -> None:
+    """Append a step's sampled-token and prompt logprobs to their (live) requests."""
+    for rid, lp in result.logprobs.items():
+        req = requests.get(rid)
+        token = result.sampled.get(rid)
+        if req is None or token is None:
+            continue
+        req.output_logprobs.append(lp)
+        if token in lp:
+            req.cumulative_logprob += lp[token].logprob
+    for rid, (_, entries) in result.prompt_logprobs.items():
+        req = requests.get(rid)
+        if req is not None and req.prompt_logprobs is not None:
+            req.prompt_logprobs.extend(entries)
 
 
 def _ended_by_stop_token(req: Request) -> bool:

@@ -288,6 +288,9 @@ class Request:
     press: PressState | None = None
     # Chained hashes of the full blocks of all_token_ids, extended by the KV manager.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Speculative decoding (``spec/``): the proposer's guess of the tokens after
+    # all_token_ids, verified next step. Never part of all_token_ids, never hashed.
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

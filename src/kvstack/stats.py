@@ -55,6 +55,8 @@ class EngineStats:
     kernel_fallbacks: list[list[Any]] = field(default_factory=list)
     # Of num_waiting, those waiting on an offload-tier lookup (vLLM's "deferred" reason).
     num_waiting_deferred: int = 0
+    # Speculative decoding (``spec/stats.py`` ``SpecDecodeStats.to_dict``); empty when off.
+    spec_decode: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

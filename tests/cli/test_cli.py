@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvstack.cli import main
+from kvstack.spec.config import SpeculativeConfig
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -144,7 +145,14 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "max_model_len": (["1024"], 1024),
         "enable_chunked_prefill": ([], False),
     },
-    {"kv_layout": (["contiguous"], "contiguous"), "prefix_cache": (["none"], "none")},
+    {
+        "kv_layout": (["contiguous"], "contiguous"),
+        "prefix_cache": (["none"], "none"),
+        "speculative_config": (
+            ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'],
+            SpeculativeConfig("ngram", 3, prompt_lookup_max=2, prompt_lookup_min=2),
+        ),
+    },
 ]
 
 

@@ -149,6 +149,11 @@ class ContiguousKVManager:
             if s0 + n0 == s:
                 self.free_extents[i - 1 : i + 1] = [(s0, n0 + n)]
 
+    def rollback_slots(self, request: Request) -> int:
+        """A slab is reserved whole up front: rejected draft slots stay in it and are
+        written again by the next step; no block changes hands (returns 0)."""
+        return 0
+
     def waste_slots(self, running: Iterable[Request]) -> int:
         bs = self.block_size
         return sum(

@@ -204,7 +204,8 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(needed))
         if ext:
             self._external[rid] = (len(computed), hit)
-        self._cache_full_blocks(request, num_tokens)
+        # Only real tokens are hashed: draft rows (speculative decoding) are unverified.
+        self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         if ext and self.cache is not None:
             self.cache.on_hit([b for b in blocks[len(computed) : hit] if b.block_hash is not None])
         return [b.block_id for b in blocks]
@@ -285,6 +286,27 @@ class KVCacheManager:
         self._external.pop(rid, None)
         if blocks:
             self.pool.free(reversed(blocks))
+
+    def rollback_slots(self, request: Request) -> int:
+        """Speculative decoding rejected draft rows: keep the blocks up to the slot of the
+        request's last token (its KV comes next step), free the ones after it (tail
+        first); returns how many. Blocks past the last token held only draft rows: never
+        hashed (``allocate_slots`` hashes real tokens only), never shared::
+
+            slots:   [t t t t][t t d d][d d . .]     d = rejected draft row
+            kept:    [t t t t][t t d d]              the stale d slots are written again
+            freed:                     [d d . .]
+        """
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = cdiv(request.num_tokens - request.num_dropped, self.block_size)
+        tail = blocks[keep:]
+        for b in tail:
+            assert b.block_hash is None and b.ref_cnt == 1, f"block {b.block_id} is shared"
+        del blocks[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
 
     def waste_slots(self, running: Iterable[Request]) -> int:
         """Reserved slots not (yet) written: each request's tail-block slack."""

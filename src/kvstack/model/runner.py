@@ -2,7 +2,9 @@
 
 The runner never sees hashes or free lists: only token ids, positions, block tables.
 It reorders the step's requests so single-token rows (decodes) come first, which lets
-attention batch them (see ``model/attention.py``).
+attention batch them (see ``model/attention.py``). A request verifying a draft
+(speculative decoding, ``spec/``) is a short chunk: its last token, then the draft
+tokens, every row's logits kept for ``model/rejection_sampler.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvstack.model.allocator import tune_host_allocator
 from kvstack.model.attention import KERNEL_CHUNK_ROWS, AttentionMetadata, KernelRows, PrefillSeq
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
+from kvstack.model.rejection_sampler import RejectionSampler
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.request import Logprob, Request
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
@@ -38,6 +41,15 @@ class RunnerOutput:
     # Structured outputs: requests whose grammar ended with this step's token ("done")
     # or rejected it (an error message); the engine finishes them.
     grammar_stops: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: per verified request, the draft tokens kept before its
+    # ``sampled`` token (the correction or bonus).
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _row_ids(s: ScheduledRequest) -> list[int]:
+    """The input tokens of a scheduled chunk: the request's, then its draft rows."""
+    d = s.draft_token_ids
+    return _tokens(s.request, s.num_computed_tokens, s.num_new_tokens - len(d)) + d
 
 
 def _tokens(req: Request, start: int, n: int) -> list[int]:
@@ -97,6 +109,8 @@ class LogitPlan:
     sample_reqs: list[Request] = field(default_factory=list)
     # (scheduled request, first index into rows, count) of prompt-logprob chunks
     prompt_lp: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)
+    # Requests verifying a draft: all their rows, in order, after the rows above.
+    verify: list[ScheduledRequest] = field(default_factory=list)
 
 
 def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
@@ -130,6 +144,7 @@ class ModelRunner:
         tune_host_allocator()  # no page faults on each step's activations
         self.kernels = load_kernels()
         self.sampler = Sampler(kernels=self.kernels)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         # Era 5: which rows' queries a press needs (``PressCoordinator.capture_rows``).
         self.press = press
         self.structured = structured  # grammar masks of constrained requests
@@ -169,6 +184,7 @@ class ModelRunner:
             for s, first, n in plan.prompt_lp:
                 self._prompt_logprobs(s, logits[first : first + n], result)
             self._sample(logits, plan, result)
+            self._verify(logits, plan, result)
         return result
 
     # ------------------------------------------------------------------ inputs
@@ -180,7 +196,7 @@ class ModelRunner:
         for s in decodes:
             c = s.num_computed_tokens
             kc = c - s.request.num_dropped
-            inputs.ids.extend(_tokens(s.request, c, 1))
+            inputs.ids.extend(_row_ids(s))
             inputs.positions.append(c)
             inputs.slots.append(s.block_ids[kc // bs] * bs + kc % bs)
 
@@ -195,7 +211,7 @@ class ModelRunner:
         for s in prefills:
             c, n = s.num_computed_tokens, s.num_new_tokens
             kc = c - s.request.num_dropped
-            inputs.ids.extend(_tokens(s.request, c, n))
+            inputs.ids.extend(_row_ids(s))
             inputs.positions.extend(range(c, c + n))
             blocks = s.block_ids[: -(-(kc + n) // bs)]
             if inputs.kernel_seqs is not None and n <= KERNEL_CHUNK_ROWS:  # C++ attention
@@ -333,9 +349,11 @@ class ModelRunner:
     def _logit_plan(ordered: list[ScheduledRequest]) -> LogitPlan:
         plan = LogitPlan()
         row = 0
-        for s in ordered:
+        for s in ordered:  # sampling rows first, then every row of each draft
             n = s.num_new_tokens
-            if _wants_prompt_logprobs(s):
+            if s.draft_token_ids:
+                plan.verify.append(s)
+            elif _wants_prompt_logprobs(s):
                 plan.prompt_lp.append((s, len(plan.rows), n))
                 plan.rows.extend(range(row, row + n))
                 if s.samples:
@@ -346,6 +364,11 @@ class ModelRunner:
                 plan.rows.append(row + n - 1)
                 plan.sample_reqs.append(s.request)
             row += n
+        row = 0
+        for s in ordered:
+            if s.draft_token_ids:
+                plan.rows.extend(range(row, row + s.num_new_tokens))
+            row += s.num_new_tokens
         return plan
 
     # ------------------------------------------------------------------ forward, outputs
@@ -383,6 +406,17 @@ class ModelRunner:
             verdict = None if mask is None or so is None else so.accept(req.request_id, token)
             if verdict is not None:
                 result.grammar_stops[req.request_id] = verdict
+
+    def _verify(self, logits: torch.Tensor, plan: LogitPlan, result: RunnerOutput) -> None:
+        """Speculative decoding: keep each draft's accepted prefix and one token."""
+        if not plan.verify:
+            return
+        first = len(plan.rows) - sum(s.num_new_tokens for s in plan.verify)
+        drafts = [(s.request, s.draft_token_ids) for s in plan.verify]
+        runs = self.rejection_sampler(logits[first:], drafts)
+        for (req, _), run in zip(drafts, runs, strict=True):
+            result.accepted[req.request_id] = run[:-1]
+            result.sampled[req.request_id] = run[-1]
 
     def _prompt_logprobs(
         self, s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput

@@ -62,6 +62,8 @@ __all__ = [
     "apply_logits_processors",
     "apply_top_k",
     "compute_prompt_logprobs",
+    "random_probs",
+    "sanitize",
     "top_p_threshold",
 ]
 
@@ -131,7 +133,7 @@ class Sampler:
             mask.apply(x)
         row_max = x.amax(dim=-1)  # vectorized, ~15x cheaper than argmax / max(dim)
         if not bool(torch.isfinite(row_max).all()):
-            x = _sanitize(x)
+            x = sanitize(x)
             if mask is not None:
                 mask.apply(x)
             row_max = x.amax(dim=-1)
@@ -164,19 +166,7 @@ class Sampler:
         self, x: torch.Tensor, row_max: torch.Tensor, batch: SamplingBatch
     ) -> torch.Tensor:
         """Token ids [R] for the random rows of the processed logits ``x``."""
-        sel = None if batch.all_random else batch.random_rows
-        z = x if sel is None else x[sel]
-        # Shift each row's max to 0 before scaling: no overflow to +inf, no inf - inf.
-        z = (z - _pick(row_max, sel).unsqueeze(1)).div_(_pick(batch.temperature, sel).unsqueeze(1))
-        if not batch.no_top_k:
-            apply_top_k(z, _pick(batch.top_k, sel))
-        probs = torch.softmax(z, dim=-1)
-        thr = None if batch.no_top_p else top_p_threshold(probs, _pick(batch.top_p, sel))
-        if not batch.no_min_p:
-            min_thr = _pick(batch.min_p, sel) * probs.amax(dim=-1)
-            thr = min_thr if thr is None else torch.maximum(thr, min_thr)
-        if thr is not None:
-            probs.masked_fill_(probs < thr.unsqueeze(1), 0.0)
+        probs = random_probs(x, row_max, batch)
         return probs.div_(self._exponential_noise(probs, batch)).argmax(dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -192,6 +182,26 @@ class Sampler:
         for pos, gen in batch.seeded:
             u[pos].uniform_(generator=gen)
         return u.clamp_min_(_F32_TINY).log_().neg_()
+
+
+def random_probs(x: torch.Tensor, row_max: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampling distribution [R, V] of the random rows of the processed logits ``x``:
+    temperature, top-k, softmax, then top-p / min-p zeroing (not renormalized: the
+    exponential race does not need it; ``model/rejection_sampler.py`` renormalizes)."""
+    sel = None if batch.all_random else batch.random_rows
+    z = x if sel is None else x[sel]
+    # Shift each row's max to 0 before scaling: no overflow to +inf, no inf - inf.
+    z = (z - _pick(row_max, sel).unsqueeze(1)).div_(_pick(batch.temperature, sel).unsqueeze(1))
+    if not batch.no_top_k:
+        apply_top_k(z, _pick(batch.top_k, sel))
+    probs = torch.softmax(z, dim=-1)
+    thr = None if batch.no_top_p else top_p_threshold(probs, _pick(batch.top_p, sel))
+    if not batch.no_min_p:
+        min_thr = _pick(batch.min_p, sel) * probs.amax(dim=-1)
+        thr = min_thr if thr is None else torch.maximum(thr, min_thr)
+    if thr is not None:
+        probs.masked_fill_(probs < thr.unsqueeze(1), 0.0)
+    return probs
 
 
 def _pick(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
@@ -229,7 +239,7 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return x
 
 
-def _sanitize(x: torch.Tensor) -> torch.Tensor:
+def sanitize(x: torch.Tensor) -> torch.Tensor:
     """NaN → -inf, +inf → float32 max, rows with no finite logit → all zeros (uniform)."""
     x = torch.nan_to_num(x, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
     dead = torch.isneginf(x.amax(dim=-1))
@@ -341,7 +351,7 @@ def compute_prompt_logprobs(
     for start in range(0, logits.shape[0], chunk_size):
         x = logits[start : start + chunk_size].float()
         if not bool(torch.isfinite(x.amax(dim=-1)).all()):
-            x = _sanitize(x)
+            x = sanitize(x)
         lp = torch.log_softmax(x, dim=-1)
         tgt = targets[start : start + chunk_size]
         out.extend(_logprob_dicts(lp, tgt, [k] * tgt.shape[0]))

@@ -12,6 +12,17 @@ For each scheduled request the step computes KV for tokens
     slot of position p: block_ids[p // block_size] * block_size + p % block_size
 
 The request samples a token this step iff ``c + n == request.num_tokens``.
+
+Speculative decoding (``spec/``): a decoding request may carry ``draft_token_ids``, the
+proposer's guesses, as extra rows after its last token. They count in ``n`` (and in the
+step's token budget) and get KV slots, but are not in ``all_token_ids``::
+
+    all_token_ids:  t0 ... t(N-2) | t(N-1) | d1 d2 d3        (N = num_tokens, 3 drafts)
+                    <- in cache -> <------ this step ------>
+    positions:                      N-1      N  N+1 N+2
+    logits row j predicts position N + j: row 0 checks d1, ..., row 3 is the bonus
+
+The request then samples (``samples``) when ``c + n == num_tokens + len(draft)``.
 """
 
 from __future__ import annotations
@@ -27,11 +38,14 @@ class ScheduledRequest:
     num_computed_tokens: int  # snapshot taken when scheduled (the request's field moves on)
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table (covers computed + new tokens)
+    # Speculative decoding: the last num_new_tokens rows' inputs are these guesses.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step completes the sequence, so a token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        end = self.request.num_tokens + len(self.draft_token_ids)
+        return self.num_computed_tokens + self.num_new_tokens == end
 
 
 @dataclass

@@ -22,6 +22,18 @@ requests whose ``num_computed_tokens`` lags ``num_tokens``. Each step:
 
 Requests that could never run (longer than the context or the whole pool) are refused
 by ``add_request`` so they cannot block the queue.
+
+Speculative decoding (``spec/``): a decoding request with a proposal gets its draft as
+extra rows (``ScheduledRequest.draft_token_ids``), cut to the step's budget and the
+request's room, and only if the pool has the slots without preempting anyone. After
+verification ``update_from_output`` appends the kept tokens one at a time under the
+stop rules and rolls the rest back::
+
+    before:   computed t0 .. t(N-2) | scheduled t(N-1) d1 d2 d3   (N tokens, 3 drafts)
+    verified: d1 d2 kept, d3 rejected; c = the token row 2 sampled instead
+    after:    tokens t0 .. t(N-1) d1 d2 c (N + 3); num_computed_tokens = N + 2 (c's KV
+              is computed next step, in d3's stale slot); blocks past the last token's
+              slot are freed (``KVManager.rollback_slots``); no unverified token was hashed
 """
 
 from __future__ import annotations
@@ -105,7 +117,7 @@ class Scheduler:
             req = s.request
             p, c = req.num_prompt_tokens, s.num_computed_tokens
             self.num_prefill_tokens_computed += min(c + s.num_new_tokens, p) - min(c, p)
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
         self.max_num_running = max(self.max_num_running, len(self.running))
         self.last_num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
@@ -120,7 +132,11 @@ class Scheduler:
             if self.press is not None:  # era 5: a chunk stops at the press point
                 num_new = self.press.max_new_tokens(req, req.num_computed_tokens, num_new)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
-            block_ids = self.kv.allocate_slots(req, num_new)
+            draft = self._draft(req, num_new, budget)
+            block_ids = self.kv.allocate_slots(req, num_new + len(draft))
+            if block_ids is None and draft:  # speculation never preempts anyone
+                draft = []
+                block_ids = self.kv.allocate_slots(req, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -130,10 +146,27 @@ class Scheduler:
                 block_ids = self.kv.allocate_slots(req, num_new)
             if block_ids is None:
                 break
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids))
+            num_new += len(draft)
+            out.scheduled.append(
+                ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids, draft)
+            )
             budget -= num_new
             i += 1
         return budget
+
+    def _draft(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The draft rows a decoding request gets: its proposal (used once), cut so that
+        the rows fit the budget and the kept run (drafts + bonus) fits max_tokens and the
+        context."""
+        draft, req.spec_token_ids = req.spec_token_ids, []
+        if not draft or num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return []
+        room = min(
+            budget - 1,
+            req.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return draft[: max(0, room)]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Step 2: admit waiting requests in arrival order while budget, seats and blocks
@@ -191,6 +224,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         if self.press is not None:
             self.press.on_request_preempted(req)
         req.num_preemptions += 1
@@ -198,22 +232,37 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ results
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
         """Append each sampled token, apply token-level stop rules, free finished requests.
 
+        ``accepted`` (speculative decoding): per verified request, the draft tokens kept
+        before its ``sampled`` token. The run is appended token by token and cut at the
+        first stop (EOS, stop token, max_tokens, context), exactly where one-token steps
+        would have stopped; a request that goes on is rolled back past the rejected rows.
         Returns the requests that received a token (finished ones included).
         """
         changed: list[Request] = []
         for s in out.scheduled:
             req = s.request
-            if req.is_finished() or req.request_id not in sampled:
+            rid = req.request_id
+            if req.is_finished() or rid not in sampled:
                 continue
-            token = sampled[req.request_id]
-            req.output_token_ids.append(token)
+            run = [*accepted.get(rid, ()), sampled[rid]] if accepted else [sampled[rid]]
             changed.append(req)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish_request(req.request_id, status)
+            for token in run:
+                req.output_token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.finish_request(rid, status)
+                    break
+            if s.draft_token_ids and not req.is_finished():
+                req.num_computed_tokens = req.num_tokens - 1  # the kept run's KV, not its last
+                self.kv.rollback_slots(req)
         return changed
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

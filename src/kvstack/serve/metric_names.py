@@ -67,6 +67,11 @@ VLLM_FAMILIES = frozenset(
         "kv_block_lifetime_seconds",
         "kv_block_idle_before_evict_seconds",
         "kv_block_reuse_gap_seconds",
+        # speculative decoding (``vllm/v1/spec_decode/metrics.py``, counters)
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
     }
 )
 

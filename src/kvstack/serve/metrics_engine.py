@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -77,9 +77,32 @@ class EngineCollector(Collector):
             c.add_metric(vllm, float(value))
             yield c
         yield _info(self.m.cache_info)
+        if s.spec_decode:
+            yield from _spec_decode_metrics(vllm, s.spec_decode)
         yield from _own_metrics(self.m, name)
         if s.offload:
             yield from _offload_metrics(name, s.offload)
+
+
+def _spec_decode_metrics(vllm: list[str], spec: Mapping[str, Any]) -> Iterator[Metric]:
+    """vLLM's ``SpecDecodingProm`` counters (only with ``--speculative-config``, as vLLM):
+    labels ``model_name``, ``engine``; per position also ``position`` ("0" .. k - 1)."""
+    for key, field, doc in (
+        ("spec_decode_num_drafts", "num_drafts", "Number of spec decoding drafts."),
+        ("spec_decode_num_draft_tokens", "num_draft_tokens", "Number of draft tokens."),
+        ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Number of accepted tokens."),
+    ):
+        c = CounterMetricFamily(metric_name(key), doc, labels=VLLM_LABELS)
+        c.add_metric(vllm, float(spec[field]))
+        yield c
+    per_pos = CounterMetricFamily(
+        metric_name("spec_decode_num_accepted_tokens_per_pos"),
+        "Accepted tokens per draft position.",
+        labels=[*VLLM_LABELS, "position"],
+    )
+    for pos, count in enumerate(spec["accepted_per_pos"]):
+        per_pos.add_metric([*vllm, str(pos)], float(count))
+    yield per_pos
 
 
 def _info(cache_info: Mapping[str, str]) -> Metric:

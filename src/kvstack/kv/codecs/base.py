@@ -54,6 +54,9 @@ class CacheShape:
 class KVCodec(abc.ABC):
     name: ClassVar[str]
     identity: bool = False  # stores the activation dtype unchanged (attention reads in place)
+    # Rejected draft slots (speculative decoding) may simply be written again: true of
+    # codecs that encode each token alone; false of one that encodes a block as it fills.
+    rolls_back: bool = True
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
         self.check_head_dim(shape.head_dim)

@@ -45,6 +45,7 @@ class _WritePlan:
 
 class Kivi2Codec(KVCodec):
     name = "kivi2"
+    rolls_back = False  # a filled block is quantized at once: rejected drafts would stay in
 
     @classmethod
     def check_head_dim(cls, head_dim: int) -> None:

@@ -32,6 +32,11 @@ from kvstack.tools.bench.report import (
     format_report,
     plot_latencies,
 )
+from kvstack.tools.bench.spec_decode import (
+    fetch_spec_counters,
+    format_spec_decode,
+    spec_decode_summary,
+)
 from kvstack.tools.bench.traffic import arrival_offsets, order_requests
 from kvstack.tools.command import run_tool
 from kvstack.tools.workloads.builders import make_spec, make_workload
@@ -339,7 +344,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     label = args.label or cfg.base_url
     rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    spec_before = fetch_spec_counters(cfg.base_url, cfg.api_key)  # vLLM's spec_decode_*
     results, duration, model, workload, agent = _send(args, cfg, label, rate_text)
+    spec = spec_decode_summary(spec_before, fetch_spec_counters(cfg.base_url, cfg.api_key))
     slos = dict(args.goodput or [])
     metrics: BenchResult = calculate_metrics(results, duration, args.percentiles, slos)
     configured: list[tuple[str, object]] = [("Server:", label), ("Model:", model)]
@@ -347,6 +354,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if cfg.max_concurrency:
         configured.append(("Maximum request concurrency:", cfg.max_concurrency))
     print(format_report(metrics, configured), flush=True)
+    if spec is not None:
+        print(format_spec_decode(spec), flush=True)
     if agent is not None:
         print(format_agent_report(agent.summary), flush=True)
 
@@ -366,6 +375,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             "max_concurrency": cfg.max_concurrency,
             "settings": _settings(args),
             **metrics.to_json(),
+            **(spec or {}),
         }
         if agent is not None:
             result["agent"] = agent.summary.to_json()

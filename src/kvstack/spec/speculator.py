@@ -1,0 +1,149 @@
+"""``Speculator``: the engine's hooks for speculative decoding (plain Python, layer 1).
+
+Life of one draft (``k = num_speculative_tokens``)::
+
+    step t     sample token x   -> Speculator.after_step: propose d1..dk from prompt +
+                                   output (ends in x); kept in Request.spec_token_ids
+    step t+1   scheduler        -> rows [x d1 .. dk'] (k' <= k: cut to the budget and the
+                                   request's room), slots for all of them allocated
+               runner           -> logits of every row; model/rejection_sampler.py keeps
+                                   d1..da and one token of its own (bonus / correction)
+               scheduler        -> tokens appended one by one under the stop rules; the
+                                   rejected slots rolled back (sched/scheduler.py)
+               Speculator       -> counters (vLLM's spec_decode_*), the next proposal
+
+Which requests speculate: vLLM's rule (``v1/spec_decode``: requests whose sampling
+depends on the tokens before each row do not draft) extended to every such feature
+here. A request with penalties (presence, frequency, repetition), ``min_tokens`` not
+yet reached, ``bad_words``, structured outputs (grammar state per row) or ``logprobs``
+decodes one token per step, exactly as without speculation: its output is the same,
+only not faster. (Deviation: vLLM 0.32 returns logprobs of speculated tokens; here a
+request asking for logprobs does not speculate.) ``allowed_token_ids``, ``logit_bias``,
+temperature, top-k/p, min-p and seeds are the same for every row, so they speculate.
+
+Engine-wide conflicts are one ``ConfigError`` at startup (``check_engine``); a request
+that sets ``kv_press_every`` is a 400 (``check_request``): a press repeated while
+decoding captures the queries of draft rows, and its compaction cannot be rolled back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.spec import build_proposer
+from kvstack.spec.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from kvstack.config import EngineConfig
+    from kvstack.request import Request, SamplingParams
+    from kvstack.sched.output import ScheduledRequest
+    from kvstack.spec.config import SpeculativeConfig
+
+
+def build_speculator(
+    config: EngineConfig, max_model_len: int, num_slots: int, codec_rolls_back: bool
+) -> Speculator | None:
+    """The engine's ``Speculator`` for ``config.speculative_config`` (None: off), after
+    ``Speculator.check_engine``."""
+    spec, cc = config.speculative_config, config.cache
+    if spec is None:
+        return None
+    Speculator.check_engine(
+        spec, config.scheduler.max_num_batched_tokens, max_model_len, num_slots,
+        cc.kv_cache_dtype, codec_rolls_back, cc.kv_press_every,
+    )  # fmt: skip
+    return Speculator(spec)
+
+
+def no_speculation_reason(req: Request) -> str | None:
+    """Why ``req`` decodes without drafts now (None: it may speculate)."""
+    sp = req.sampling_params
+    if sp.logprobs is not None:
+        return "logprobs"
+    if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0:
+        return "penalties"
+    if len(req.output_token_ids) < sp.min_tokens:
+        return "min_tokens"
+    if sp.bad_words_token_ids:
+        return "bad_words"
+    if sp.structured_outputs is not None:
+        return "structured_outputs"
+    return None
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = build_proposer(config)
+        self.stats = SpecDecodeStats(self.k)
+
+    @staticmethod
+    def check_engine(
+        config: SpeculativeConfig,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_slots: int,
+        codec: str,
+        codec_rolls_back: bool,
+        press_every: int | None,
+    ) -> None:
+        """One ``ConfigError`` for an engine that cannot verify ``k`` drafts: ``k + 1``
+        rows must fit the step's budget, the context and the pool; the codec must allow
+        rejected slots to be written again; no press may repeat while decoding."""
+        k = config.num_speculative_tokens
+        room = min(max_num_batched_tokens, max_model_len - 1, num_slots)
+        if k + 1 > room:
+            raise ConfigError(
+                f"speculative_config: num_speculative_tokens={k} needs {k + 1} rows per step "
+                f"but the cache's room is {room} (max_num_batched_tokens "
+                f"{max_num_batched_tokens}, max_model_len - 1 = {max_model_len - 1}, "
+                f"{num_slots} KV slots)"
+            )
+        if not codec_rolls_back:
+            raise ConfigError(
+                f"speculative_config cannot be combined with --kv-cache-dtype {codec}: the "
+                "codec encodes a block once it fills and cannot roll back rejected tokens"
+            )
+        if press_every is not None:
+            raise ConfigError(
+                "speculative_config cannot be combined with --kv-press-every: a press "
+                "repeated while decoding cannot roll back rejected draft tokens"
+            )
+
+    @staticmethod
+    def check_request(sp: SamplingParams) -> None:
+        """``InvalidRequestError`` (a 400) for a request this engine cannot speculate on."""
+        if sp.kv_press_every is not None:
+            raise InvalidRequestError(
+                "kv_press_every cannot be combined with speculative decoding (this server "
+                "runs with speculative_config): a press repeated while decoding cannot roll "
+                "back rejected draft tokens",
+                param="kv_press_every",
+            )
+
+    def after_step(
+        self,
+        scheduled: Iterable[ScheduledRequest],
+        accepted: Mapping[str, list[int]],
+        changed: Iterable[Request],
+    ) -> None:
+        """Count this step's verified drafts, then propose the next ones for every
+        request that received tokens and still runs."""
+        for s in scheduled:
+            if s.draft_token_ids:
+                rid = s.request.request_id
+                self.stats.observe_draft(len(s.draft_token_ids), len(accepted.get(rid, ())))
+        t0 = time.perf_counter()
+        n = 0
+        for req in changed:
+            if req.is_finished() or no_speculation_reason(req) is not None:
+                req.spec_token_ids = []
+                continue
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, self.k)
+            n += 1
+        self.stats.propose_seconds += time.perf_counter() - t0
+        self.stats.num_proposals += n
