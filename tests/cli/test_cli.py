@@ -144,6 +144,8 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "max_num_batched_tokens": (["512"], 512),
         "max_model_len": (["1024"], 1024),
         "enable_chunked_prefill": ([], False),
+        "kv_cache_metrics": ([], True),
+        "kv_cache_metrics_sample": (["0.5"], 0.5),
     },
     {
         "kv_layout": (["contiguous"], "contiguous"),

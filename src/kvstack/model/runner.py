@@ -295,7 +295,7 @@ class ModelRunner:
         codec = self.kv.codec
         return (
             self.kernels is not None
-            and (codec.identity or codec.kernel_view(0) is not None)
+            and (codec.identity or (codec.engine_kernel and codec.kernel_view(0) is not None))
             and all(_layer_lens(s.request) is None for s in scheduled)
         )
 

@@ -57,6 +57,10 @@ class KVCodec(abc.ABC):
     # Rejected draft slots (speculative decoding) may simply be written again: true of
     # codecs that encode each token alone; false of one that encodes a block as it fills.
     rolls_back: bool = True
+    # The engine sends this codec's decodes and short chunks to the C++ codec attention
+    # (through ``kernel_view``); False keeps the PyTorch reference path, counted as the
+    # ``encoded_cache`` fallback.
+    engine_kernel: bool = True
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
         self.check_head_dim(shape.head_dim)

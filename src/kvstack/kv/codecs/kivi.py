@@ -45,6 +45,12 @@ class _WritePlan:
 
 class Kivi2Codec(KVCodec):
     name = "kivi2"
+    # Off until fixed: with prefix hits and preemption in a 12-block pool the kernel's
+    # greedy tokens (fp32, default model) differed from the reference path's from the 8th
+    # token of one request (tests/kv/test_codecs.py::
+    # test_codec_outputs_unchanged_by_prefix_reuse_and_preemption[kivi2]); the kernel
+    # itself matches the reference in tests/model/test_codec_kernel.py.
+    engine_kernel = False
     rolls_back = False  # a filled block is quantized at once: rejected drafts would stay in
 
     @classmethod
