@@ -330,7 +330,8 @@ def readme_section(doc: dict[str, Any]) -> str:
 def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
     """Replace the text between the benchmark markers of ``readme`` with ``section``."""
     text = readme.read_text()
-    start, end = text.find(README_BEGIN), text.find(README_END)
+    start = text.find(README_BEGIN)
+    end = text.find(README_END, start)  # the block's own end: other tables end the same way
     if start < 0 or end < start:
         raise SystemExit(
             f"{readme} has no '{README_BEGIN}' ... '{README_END}' block; add the two markers "
