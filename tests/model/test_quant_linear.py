@@ -175,12 +175,14 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 def test_vnni_kernel_matches_its_int8_activation_reference(
     kernels: Kernels, kind: str, n: int, k: int
 ) -> None:
-    if not kernels.quant_linear_vnni_ok(k, 32, 8):
-        pytest.skip("no AVX512-VNNI on this CPU (the float kernel serves it)")
     w = random_packed(kind, n, k, seed=n + k)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    if not kernels.quant_linear_vnni_ok(k, 32, 8):  # no AVX512-VNNI: refused, never wrong
+        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+            kernels.quant_linear_vnni(x, w.q, w.scale, w.min, w.group, w.bits)
+        return
     assert kernels.quant_linear_vnni_ok(w.in_features, w.group, w.bits)
     ref_w = dequantize_reference(w)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
     xq = int8_activations(x)
     bound = (xq.abs() @ ref_w.abs().T) * (k * 2**-22)
     for m in (1, 3, 4, 5, 11):
