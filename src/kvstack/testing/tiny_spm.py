@@ -19,12 +19,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-_WORDS = tuple(
+_WORD_TEXT = (
     "the quick brown fox jumps over lazy dog model token cache block prefix server "
     "request stream attention layer weight quantized memory paged radix tree hello world "
     "never ever again every evening seven eleven twelve number letter bigger smaller "
     "international interesting interest internet intern internal tokenization token tokens"
-).split()
+)
+_WORDS = tuple(_WORD_TEXT.split())
 _EXTRA = (
     "Numbers 0123456789 and 3.14159, 2026-12-02; punctuation: !?.,;:'\"()[]{}<>/\\|@#$%^&*_+=-~`",
     "Tabs\tand\ttabs, new\nlines\n\nand  double  spaces   triple.",
@@ -50,9 +51,15 @@ def train_spm_bpe(
     add_dummy_prefix: bool = True,
     user_defined: tuple[str, ...] = ("<start_of_turn>", "<end_of_turn>", "<tool>"),
     control: tuple[str, ...] = ("<ctl>",),
+    byte_fallback: bool = True,
+    specials: tuple[str, str, str] = ("<unk>", "<s>", "</s>"),
     name: str = "spm",
 ) -> Path:
-    """Train a SentencePiece BPE model (byte fallback on, like Llama's) and return its path."""
+    """Train a SentencePiece BPE model (byte fallback on, like Llama's) and return its path.
+
+    ``specials`` are the unknown, BOS and EOS pieces (ids 0, 1, 2): Llama's by default,
+    ``("<unk>", "<bos>", "<eos>")`` for a Gemma-like vocabulary.
+    """
     import sentencepiece as spm
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,7 +70,7 @@ def train_spm_bpe(
         model_prefix=str(folder / name),
         model_type="bpe",
         vocab_size=vocab_size,
-        byte_fallback=True,
+        byte_fallback=byte_fallback,
         character_coverage=1.0,
         add_dummy_prefix=add_dummy_prefix,
         remove_extra_whitespaces=False,
@@ -75,6 +82,9 @@ def train_spm_bpe(
         unk_id=0,
         bos_id=1,
         eos_id=2,
+        unk_piece=specials[0],
+        bos_piece=specials[1],
+        eos_piece=specials[2],
         pad_id=-1,
         minloglevel=2,
         num_threads=1,
@@ -83,18 +93,29 @@ def train_spm_bpe(
 
 
 def spm_gguf_metadata(
-    model_file: Path, *, add_bos: bool | None = True, add_eos: bool = False
+    model_file: Path,
+    *,
+    add_bos: bool | None = True,
+    add_eos: bool = False,
+    gemma_spaces: bool = False,
 ) -> dict[str, Any]:
-    """The ``tokenizer.*`` metadata llama.cpp's converter writes for this SentencePiece model."""
+    """The ``tokenizer.*`` metadata llama.cpp's converter writes for this SentencePiece model.
+
+    ``add_bos=None`` leaves ``add_bos_token`` out (older files); ``gemma_spaces`` spells
+    pieces of two or more "▁" with real spaces, as Gemma's GGUF files do.
+    """
     from sentencepiece import sentencepiece_model_pb2 as pb2
 
     proto = pb2.ModelProto()
     proto.ParseFromString(model_file.read_bytes())
     pieces = list(proto.pieces)
+    tokens = [p.piece for p in pieces]
+    if gemma_spaces:
+        tokens = [" " * len(t) if len(t) > 1 and not t.strip("\u2581") else t for t in tokens]
     md: dict[str, Any] = {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": [p.piece for p in pieces],
+        "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": [float(p.score) for p in pieces],
         "tokenizer.ggml.token_type": [int(p.type) for p in pieces],
         "tokenizer.ggml.add_space_prefix": bool(proto.normalizer_spec.add_dummy_prefix),
