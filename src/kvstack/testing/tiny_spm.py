@@ -106,7 +106,7 @@ def spm_gguf_metadata(
     """
     from sentencepiece import sentencepiece_model_pb2 as pb2
 
-    proto = pb2.ModelProto()
+    proto = pb2.ModelProto()  # type: ignore[attr-defined]  # generated protobuf module
     proto.ParseFromString(model_file.read_bytes())
     pieces = list(proto.pieces)
     tokens = [p.piece for p in pieces]
