@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvstack.errors import ModelLoadError
+from kvstack.model.detokenizer import IncrementalDetokenizer
 from kvstack.model.gguf_reader import GGUFFile
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.testing.tiny_spm import (
@@ -273,6 +274,30 @@ def test_gemma_chat_template_matches_transformers(models: dict[str, Path], tmp_p
         assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     end = tok.backend.token_to_id("<end_of_turn>")
     assert end is not None and end in tok.eos_token_ids
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt or ())
+    return [*(detok.add_tokens(i) for i in ids), detok.finish()]
+
+
+@pytest.mark.parametrize(("kind", "arch"), [("llama", "llama"), ("gemma", "gemma3")])
+def test_streaming_detokenizer(models: dict[str, Path], kind: str, arch: str) -> None:
+    """Byte-fallback characters are never streamed in halves; the deltas add up to decode().
+
+    (On random ids the sum can differ where byte tokens form invalid UTF-8: tokenizers'
+    ByteFallback, like transformers, turns a whole bad byte run into U+FFFDs.)
+    """
+    tok = Tokenizer.from_gguf(gguf_of(models, kind, arch, gemma_spaces=kind == "gemma"))
+    for text in CORPUS:
+        ids = tok.encode(text, add_special_tokens=False)
+        deltas = _stream(tok, ids)
+        assert all("\ufffd" not in d for d in deltas), text
+        assert "".join(deltas) == tok.decode(ids), text
+    # After a prompt, a generated "▁hello" is " hello": the prompt gives the decoder context.
+    prompt, out = tok.encode("Say:"), tok.encode("hello 🤖 world", add_special_tokens=False)
+    space = " " if arch == "llama" else ""
+    assert "".join(_stream(tok, out, prompt)) == space + tok.decode(out)
 
 
 # ------------------------------------------------------------------ bad metadata
