@@ -18,6 +18,7 @@ import pytest
 from kvstack.errors import ModelLoadError
 from kvstack.model.detokenizer import IncrementalDetokenizer
 from kvstack.model.gguf_reader import GGUFFile
+from kvstack.model.registry import load_tokenizer
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.testing.tiny_spm import (
     spm_gguf_metadata,
@@ -274,6 +275,18 @@ def test_gemma_chat_template_matches_transformers(models: dict[str, Path], tmp_p
         assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     end = tok.backend.token_to_id("<end_of_turn>")
     assert end is not None and end in tok.eos_token_ids
+
+
+def test_registry_and_hf_folder_round_trip(models: dict[str, Path], tmp_path: Path) -> None:
+    """``load_tokenizer`` reads a SentencePiece GGUF; ``save_pretrained`` keeps every id."""
+    path = gguf_of(models, "gemma", "gemma3", gemma_spaces=True)
+    tok = load_tokenizer(path, chat_template=GEMMA_TEMPLATE)
+    assert tok.chat_template == GEMMA_TEMPLATE and tok.bos_token_id == 1
+    tok.save_pretrained(tmp_path / "hf")
+    again = Tokenizer.from_hf_folder(tmp_path / "hf")
+    for text in TEXTS:
+        assert again.encode(text) == tok.encode(text), text
+    assert again.apply_chat_template(CONVERSATION) == tok.apply_chat_template(CONVERSATION)
 
 
 def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None) -> list[str]:
