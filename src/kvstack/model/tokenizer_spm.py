@@ -11,13 +11,15 @@ way llama.cpp's converter writes it::
 
 There are no merges in the file. SentencePiece's BPE (and llama.cpp's ``llm_tokenizer_spm``)
 repeatedly joins the adjacent pair whose joined piece is in the vocabulary with the best
-score; a ``tokenizers`` BPE model instead applies ranked merge rules. The two agree when
-every split ``piece = left + right`` with both halves in the vocabulary becomes a merge
-rule ranked by the joined piece's score (``spm_merges``), which is also how transformers
-turns a GGUF or a ``tokenizer.model`` into a fast tokenizer; the ranking below reproduces
-transformers' order exactly, so the ids match ``AutoTokenizer.from_pretrained(dir,
-gguf_file=...)``. Characters outside the vocabulary become their UTF-8 byte tokens
-(SentencePiece's ``byte_fallback``), or the unknown token when the file has no byte tokens.
+score; a ``tokenizers`` BPE model instead applies ranked merge rules. Making every split
+``piece = left + right`` with both halves in the vocabulary a merge rule ranked by the
+joined piece's score (``spm_merges``) turns the one into the other; it is also how
+transformers turns a GGUF or a ``tokenizer.model`` into a fast tokenizer, and the ranking
+below reproduces transformers' order, ties included, so the ids match
+``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` (tests/model/test_tokenizer_spm.py
+also checks them against ``sentencepiece`` on vocabularies it trains). Characters outside
+the vocabulary become their UTF-8 byte tokens (SentencePiece's ``byte_fallback``), or the
+unknown token when the file has no byte tokens.
 
 Text handling follows transformers' GGUF conversion, by ``general.architecture``:
 
