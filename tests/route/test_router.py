@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -31,43 +30,11 @@ from router_util import (
     MODEL_ID,
     BgLoop,
     FakeReplica,
-    RouterUnderTest,
     free_port,
     hexes,
     sse,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def bg() -> Iterator[BgLoop]:
-    loop = BgLoop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture
-def fakes(bg: BgLoop) -> Iterator[list[FakeReplica]]:
-    made = [FakeReplica(bg, "a").start(), FakeReplica(bg, "b").start()]
-    made.sort(key=lambda f: f.url)  # round_robin starts at the first id in sorted order
-    made[0].name, made[1].name = "a", "b"
-    yield made
-    for f in made:
-        f.stop()
-
-
-@pytest.fixture
-def make_router(bg: BgLoop) -> Iterator[Callable[..., RouterUnderTest]]:
-    made: list[RouterUnderTest] = []
-
-    def make(urls: list[str], **kw: Any) -> RouterUnderTest:
-        r = RouterUnderTest(bg, urls, **kw)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
 
 
 def test_proxies_json_and_streams_in_order(fakes: list[FakeReplica], make_router: Any) -> None:

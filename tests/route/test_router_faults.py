@@ -6,45 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from kvstack.errors import ConfigError
 from kvstack.route.router.discovery import DnsDiscovery, parse_networks, refused_reason
-from router_util import BgLoop, FakeReplica, RouterUnderTest
-
-
-@pytest.fixture(scope="module")
-def bg() -> Iterator[BgLoop]:
-    loop = BgLoop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture
-def fakes(bg: BgLoop) -> Iterator[list[FakeReplica]]:
-    made = [FakeReplica(bg, "a").start(), FakeReplica(bg, "b").start()]
-    made.sort(key=lambda f: f.url)
-    made[0].name, made[1].name = "a", "b"
-    yield made
-    for f in made:
-        f.stop()
-
-
-@pytest.fixture
-def make_router(bg: BgLoop) -> Iterator[Callable[..., RouterUnderTest]]:
-    made: list[RouterUnderTest] = []
-
-    def make(urls: list[str], **kw: Any) -> RouterUnderTest:
-        r = RouterUnderTest(bg, urls, **kw)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
+from router_util import FakeReplica
 
 
 def test_a_500_is_the_requests_error_not_a_backend_failure(

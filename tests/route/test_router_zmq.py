@@ -272,13 +272,6 @@ def test_kv_events_port_covers_discovered_backends() -> None:
     assert EventEndpoints().kind("http://10.0.0.6:8000") == "sse"
 
 
-@pytest.fixture(scope="module")
-def bg() -> Iterator[BgLoop]:
-    loop = BgLoop()
-    yield loop
-    loop.close()
-
-
 def test_router_sends_a_prefix_to_the_real_replica_whose_zmq_events_hold_it(
     bg: BgLoop, tmp_path: Path, ipc_dir: Path
 ) -> None:

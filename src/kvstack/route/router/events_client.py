@@ -17,7 +17,6 @@ Invariants: the loop never raises (every error is logged and turns into stale + 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -25,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import aiohttp
+
+from kvstack.route.router.follower_task import FollowerTask
 
 logger = logging.getLogger("kvstack.route.events")
 
@@ -73,7 +74,7 @@ class SSEParser:
                 self._data.append(value[1:] if value.startswith(" ") else value)
 
 
-class EventFollower:
+class EventFollower(FollowerTask):
     """Keeps ``index`` in step with the KV events of the replica at ``url``.
 
     ``headers`` go with every request (``Authorization`` when the servers need an API key).
@@ -81,6 +82,8 @@ class EventFollower:
     waits forever, which is right when the server sends no heartbeats: a hung replica is
     then caught by the health loop instead (``BackendPool`` restarts the follower).
     """
+
+    index: EventSink
 
     def __init__(
         self,
@@ -104,37 +107,12 @@ class EventFollower:
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
         self._session = session
-        self._task: asyncio.Task[None] | None = None
         self.connected = False
         self.connects = 0  # successful connections (the first one included)
         self.disconnects = 0
         self.batches = 0
         self.last_batch_ts: float | None = None  # time.time() of the last applied batch
         self.last_error: str | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    @property
-    def fresh(self) -> bool:
-        return self.index.is_fresh(self.replica_id)
-
-    def start(self) -> None:
-        """Start following (idempotent); needs a running event loop."""
-        if not self.running:
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name=f"kv-events:{self.replica_id}"
-            )
-
-    async def stop(self) -> None:
-        """Cancel the loop and wait for it to end (the index is left as it is)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self.connected = False
 
     async def restart(self) -> None:
         """Drop the current connection and reconnect now (a fresh snapshot follows)."""

@@ -47,6 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvstack.route.policy.vllm_events import MalformedBatchError, VllmBatch, decode_batch
 from kvstack.route.policy.vllm_index import VllmEventIndex
+from kvstack.route.router.follower_task import FollowerTask
 
 logger = logging.getLogger("kvstack.route.events")
 
@@ -64,8 +65,11 @@ class ZmqEndpoint:
     replay_endpoint: str | None = None
 
 
-class ZmqEventFollower:
+class ZmqEventFollower(FollowerTask):
     """Keeps ``index`` in step with the ZMQ KV events of one backend (module docstring)."""
+
+    index: VllmEventIndex
+    task_prefix = "kv-events-zmq"
 
     def __init__(
         self,
@@ -89,7 +93,6 @@ class ZmqEventFollower:
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._task: asyncio.Task[None] | None = None
         self.next_seq: int | None = None  # the seq the next applied batch must have
         self._replayed_from: int | None = None  # lowest seq a replay of this connection sent
         self.connected = False
@@ -100,29 +103,6 @@ class ZmqEventFollower:
         self.last_error: str | None = None
 
     # -- the EventSource protocol ----------------------------------------------------------
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    @property
-    def fresh(self) -> bool:
-        return self.index.is_fresh(self.replica_id)
-
-    def start(self) -> None:
-        """Start following (idempotent); needs a running event loop."""
-        if not self.running:
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name=f"kv-events-zmq:{self.replica_id}"
-            )
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self.connected = False
 
     async def restart(self) -> None:
         """Reconnect from scratch: the view is cleared and rebuilt by a replay from 0."""
