@@ -172,8 +172,8 @@ def _rope_scaling(g: GGUFFile, arch: str, head_dim: int, theta: float) -> RopeSc
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
     """Build a ``ModelConfig`` from a parsed GGUF's ``{arch}.*`` metadata and tensor shapes."""
     md = g.metadata
-    arch = md.get("general.architecture")
-    family = arch_for_gguf(arch, g.path)
+    family = arch_for_gguf(md.get("general.architecture"), g.path)
+    arch = str(md["general.architecture"])  # the metadata prefix
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{key}", default)
@@ -191,7 +191,7 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     if "token_embd.weight" not in g.tensors:
         raise ModelLoadError(f"{g.path}: missing tensor token_embd.weight")
     theta = float(get("rope.freq_base", 10000.0))
-    features = family.gguf_features(md, str(arch), g.path)
+    features = family.gguf_features(md, arch, g.path)
     try:
         return ModelConfig(
             vocab_size=g.tensors["token_embd.weight"].shape[0],
