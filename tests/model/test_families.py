@@ -172,28 +172,40 @@ def _check(name: str, refs: list[tuple[list[int], list[float]]], outs: list[Any]
                 break
 
 
-def test_greedy_matches_transformers_batched_chunked_preempted_and_cached(
-    tiny: Tiny, prompts: list[list[int]]
+@pytest.fixture(scope="module")
+def refs(tiny: Tiny, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    return [hf_greedy(tiny.hf, ids, NEW_TOKENS) for ids in prompts]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_batched_and_on_prefix_hits(
+    tiny: Tiny, prompts: list[list[int]], refs: list[tuple[list[int], list[float]]]
 ) -> None:
-    refs = [hf_greedy(tiny.hf, ids, NEW_TOKENS) for ids in prompts]
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    path = str(tiny.folder)
-    llm = LLM(path, dtype="float32", block_size=4, num_blocks=64)
-    _check(
-        "batch",
-        refs,
-        llm.generate(prompt_token_ids=prompts, sampling_params=sp, check_integrity=True),
-    )
-    again = llm.generate(prompt_token_ids=prompts, sampling_params=sp, check_integrity=True)
+    llm = LLM(str(tiny.folder), dtype="float32", block_size=4, num_blocks=64)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(), check_integrity=True)
+    _check("batch", refs, outs)
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(), check_integrity=True)
     assert sum(o.num_cached_tokens for o in again) > 0, "expected prefix-cache hits"
     _check("prefix hits", refs, again)
-    chunked = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=7, max_num_seqs=3)
-    _check(
-        "chunked",
-        refs,
-        chunked.generate(prompt_token_ids=prompts, sampling_params=sp, check_integrity=True),
+
+
+def test_greedy_matches_transformers_chunked_and_preempted(
+    tiny: Tiny, prompts: list[list[int]], refs: list[tuple[list[int], list[float]]]
+) -> None:
+    llm = LLM(
+        str(tiny.folder),
+        dtype="float32",
+        block_size=4,
+        num_blocks=64,
+        max_num_batched_tokens=7,
+        max_num_seqs=3,
     )
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(), check_integrity=True)
+    _check("chunked", refs, outs)
     small = LLM(str(tiny.gguf), dtype="float32", block_size=4, num_blocks=14, max_num_seqs=5)
-    outs = small.generate(prompt_token_ids=prompts, sampling_params=sp, check_integrity=True)
+    outs = small.generate(prompt_token_ids=prompts, sampling_params=greedy(), check_integrity=True)
     assert small.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
     _check("preempted", refs, outs)
