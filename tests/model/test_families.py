@@ -209,3 +209,28 @@ def test_greedy_matches_transformers_chunked_and_preempted(
     outs = small.generate(prompt_token_ids=prompts, sampling_params=greedy(), check_integrity=True)
     assert small.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
     _check("preempted", refs, outs)
+
+
+@pytest.mark.parametrize(("arch", "head_dim"), [("qwen2", 16), ("qwen3", 128), ("mistral", 16)])
+def test_transformers_reads_the_ggufs_kvstack_writes(
+    tmp_path: Path, arch: str, head_dim: int
+) -> None:
+    """transformers' own GGUF reader (which un-permutes q/k for llama only) gives logits
+    identical to the original model: the written layout is llama.cpp's. Its qwen3 reader
+    ignores ``qwen3.attention.key_length`` (head_dim 128 then, its default); a Mistral
+    GGUF is written as llama.cpp writes one, ``general.architecture = "llama"``, and
+    kvstack reads it as the llama family with the same weights."""
+    cfg = tiny_family_config(arch, head_dim=head_dim)
+    weights = random_llama_weights(cfg, seed=2)
+    hf = transformers_model(cfg, weights)
+    gguf_arch = "llama" if arch == "mistral" else arch
+    write_gguf(tmp_path / "m.gguf", cfg, weights, architecture=gguf_arch)
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(back(ids).logits, hf(ids).logits, atol=1e-5)
+    loaded = load_model(str(tmp_path / "m.gguf"))
+    assert loaded.config.architecture == gguf_arch
+    assert all(torch.equal(loaded.weights[n], w) for n, w in weights.items())
