@@ -234,3 +234,26 @@ def test_transformers_reads_the_ggufs_kvstack_writes(
     loaded = load_model(str(tmp_path / "m.gguf"))
     assert loaded.config.architecture == gguf_arch
     assert all(torch.equal(loaded.weights[n], w) for n, w in weights.items())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_packed_gguf_weights_keep_the_unpermuted_rows(
+    tmp_path: Path, arch: str, prompts: list[list[int]]
+) -> None:
+    """``--quantization gguf`` keeps a Q8_0 GGUF's q/k rows as written (no un-permutation
+    for these families): its tokens and logprobs are those of the dequantized model."""
+    cfg = tiny_family_config(arch)
+    path = write_gguf(tmp_path / "q8.gguf", cfg, random_llama_weights(cfg, seed=4), dtype="Q8_0")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    runs = []
+    for quantization in ("none", "gguf"):
+        llm = LLM(
+            str(path), dtype="float32", num_blocks=64, block_size=4, quantization=quantization
+        )
+        outs = llm.generate(prompt_token_ids=prompts[:3], sampling_params=sp)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    for (want, want_lp), (got, got_lp) in zip(*runs, strict=True):
+        assert got == want
+        assert want_lp is not None and got_lp is not None
+        for t, a, b in zip(got, want_lp, got_lp, strict=True):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
