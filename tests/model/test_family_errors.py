@@ -14,6 +14,7 @@ import torch
 from kvstack.errors import ModelLoadError
 from kvstack.model.arch import ARCHITECTURES
 from kvstack.model.registry import load_model
+from kvstack.model.safetensors import config_from_hf
 from kvstack.model_config import ModelConfig
 from kvstack.testing.families import tiny_family_config
 from kvstack.testing.tiny_models import random_llama_weights, write_gguf, write_hf_folder
@@ -149,3 +150,43 @@ def test_windows_that_never_bind_load_as_full_attention(tmp_path: Path) -> None:
 def test_qwen3_biases_are_refused(tmp_path: Path) -> None:
     msg = load_error(folder_with(tmp_path, "qwen3", attention_bias=True))
     assert "config.json sets attention_bias=True" in msg
+
+
+# The keys of released config.json files (abridged: the keys kvstack reads).
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "max_window_layers": 21, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}  # fmt: skip
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+    "tie_word_embeddings": False, "vocab_size": 32000,
+}  # fmt: skip
+
+
+def test_released_configs() -> None:
+    where = Path("cfg")
+    q25 = config_from_hf(QWEN25_05B, where)
+    assert (q25.architecture, q25.qkv_bias, q25.qk_norm, q25.head_dim) == ("qwen2", True, False, 64)
+    assert q25.sliding_window is None and q25.kv_bytes_per_token(2) == 24 * 2 * 2 * 64 * 2
+    q3 = config_from_hf(QWEN3_06B, where)
+    assert (q3.architecture, q3.qkv_bias, q3.qk_norm, q3.head_dim) == ("qwen3", False, True, 128)
+    assert q3.num_heads * q3.head_dim == 2048 != q3.hidden_size
+    with pytest.raises(ModelLoadError, match="sliding_window 4096 is shorter than the context"):
+        config_from_hf(MISTRAL_7B_V01, where)
+    v03 = config_from_hf({**MISTRAL_7B_V01, "sliding_window": None}, where)
+    assert (v03.architecture, v03.head_dim, v03.sliding_window) == ("mistral", 128, None)
