@@ -65,7 +65,7 @@ def head_rms_norm(
     assert layer.q_norm is not None and layer.k_norm is not None
     t, d, qs, ks = qkv.shape[0], heads.head_dim, heads.q_size, heads.kv_size
     for lo, hi, w in ((0, qs, layer.q_norm), (qs, qs + ks, layer.k_norm)):
-        part = qkv[:, lo:hi].reshape(-1, d)  # a copy: the rows of qkv are strided
+        part = qkv[:, lo:hi].reshape(-1, d)  # [T * heads, d]; rms_norm returns a new tensor
         qkv[:, lo:hi] = ops.rms_norm(part, w, eps).view(t, hi - lo)
 
 
