@@ -3,6 +3,7 @@ one ``ModelLoadError`` naming the field, never a traceback from deeper down."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -90,16 +91,29 @@ def test_gguf_metadata_and_tensors_the_family_needs(tmp_path: Path) -> None:
     assert "unexpected tensor 'blk.0.attn_q.bias' (not a llama weight)" in msg
 
 
-def test_missing_gguf_metadata_key(tmp_path: Path) -> None:
-    path = tmp_path / "bare.gguf"
+def bare_gguf(path: Path, **metadata: int | str) -> Path:
+    """A qwen3 GGUF holding only ``metadata`` (``qwen3.`` keys) and an embedding."""
     writer = gguf.GGUFWriter(str(path), arch="qwen3")
-    writer.add_uint32("qwen3.block_count", 2)
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            writer.add_string(f"qwen3.{key}", value)
+        else:
+            writer.add_uint32(f"qwen3.{key}", value)
     writer.add_tensor("token_embd.weight", torch.zeros(320, 64).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_missing_or_malformed_gguf_metadata(tmp_path: Path) -> None:
+    path = bare_gguf(tmp_path / "bare.gguf", block_count=2)
     assert "missing metadata key qwen3.embedding_length" in load_error(path)
+    path = bare_gguf(tmp_path / "str.gguf", embedding_length="wide", block_count=2)
+    assert "invalid model metadata: invalid literal for int() with base 10: 'wide'" in load_error(
+        path
+    )
 
 
 def test_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
@@ -190,3 +204,15 @@ def test_released_configs() -> None:
         config_from_hf(MISTRAL_7B_V01, where)
     v03 = config_from_hf({**MISTRAL_7B_V01, "sliding_window": None}, where)
     assert (v03.architecture, v03.head_dim, v03.sliding_window) == ("mistral", 128, None)
+
+
+@pytest.mark.parametrize("released", [QWEN25_05B, QWEN3_06B, MISTRAL_7B_V01])
+def test_any_bad_value_is_a_load_error(released: dict[str, Any]) -> None:
+    """Every key of a released config set to a wrong value or dropped: a ModelConfig or one
+    ModelLoadError, never another exception (Python's json reads Infinity and NaN)."""
+    extra = ("rope_scaling", "rope_parameters", "layer_types", "head_dim", "max_window_layers")
+    for base in (released, {**released, "use_sliding_window": True}):
+        for key in (*base, *extra):
+            for bad in (None, "x", -1, 0, 2.5, float("inf"), float("nan"), [], {}, True):
+                with contextlib.suppress(ModelLoadError):
+                    config_from_hf({**base, key: bad}, Path("cfg"))

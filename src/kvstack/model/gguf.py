@@ -183,16 +183,17 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             raise ModelLoadError(f"{g.path}: per-layer {arch}.{key} is not supported")
         return value
 
-    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
-    rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ModelLoadError(f"{g.path}: partial RoPE ({rope_dim} of {head_dim}) not supported")
     if "token_embd.weight" not in g.tensors:
         raise ModelLoadError(f"{g.path}: missing tensor token_embd.weight")
-    theta = float(get("rope.freq_base", 10000.0))
-    features = family.gguf_features(md, arch, g.path)
     try:
+        hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
+        rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ModelLoadError(f"{g.path}: partial RoPE ({rope_dim} of {head_dim}) not supported")
+        theta = float(get("rope.freq_base", 10000.0))
+        context = int(get("context_length", 2048))
+        features = family.gguf_features(md, arch, context, g.path)
         return ModelConfig(
             vocab_size=g.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
@@ -204,7 +205,7 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta,
             rope_scaling=_rope_scaling(g, arch, head_dim, theta),
-            max_position_embeddings=int(get("context_length", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in g.tensors,
             architecture=family.name,
             name=str(md.get("general.name", g.path.stem)),
@@ -212,7 +213,7 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             qk_norm=features.qk_norm,
             sliding_window=features.sliding_window,
         )
-    except (ValueError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise ModelLoadError(f"{g.path}: invalid model metadata: {e}") from e
 
 

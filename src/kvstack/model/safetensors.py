@@ -50,6 +50,8 @@ def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
     theta = float((params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if not scaling:
         return theta, None
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{where}: invalid rope_scaling {scaling!r} (an object)")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
         return theta, None
@@ -69,12 +71,16 @@ def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"{where}: invalid llama3 rope_scaling {scaling!r}") from e
 
 
-def _int(cfg: dict[str, Any], key: str, where: Path, family: str) -> int:
-    """``cfg[key]`` as a positive int, or ``ModelLoadError`` naming ``key``."""
-    if cfg.get(key) is None:
+def _int(cfg: dict[str, Any], key: str, where: Path, family: str, default: int = 0) -> int:
+    """``cfg[key]`` as a positive int (``default`` when absent or null, if not 0), or a
+    ``ModelLoadError`` naming ``key``."""
+    value = cfg.get(key)
+    if value is None:
+        if default:
+            return default
         raise ModelLoadError(f"{where}: config.json lacks {key!r} (needed by {family} models)")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
         raise ModelLoadError(f"{where}: config.json {key}={value!r} is not an integer")
     if value <= 0:
         raise ModelLoadError(f"{where}: config.json {key}={value!r} must be positive")
@@ -87,23 +93,23 @@ def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) ->
     arch = arch_for_hf(cfg, where)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{where}: activation {cfg.get('hidden_act')!r} is not supported")
-    hidden = _int(cfg, "hidden_size", where, arch.name)
-    heads = _int(cfg, "num_attention_heads", where, arch.name)
-    if arch.needs_head_dim:
-        head_dim = _int(cfg, "head_dim", where, arch.name)
-    else:
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-    context = int(cfg.get("max_position_embeddings", 2048))
+
+    def size(key: str, default: int = 0) -> int:
+        return _int(cfg, key, where, arch.name, default)
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    head_dim = size("head_dim") if arch.needs_head_dim else size("head_dim", hidden // heads)
+    context = size("max_position_embeddings", 2048)
     features = arch.hf_features(cfg, context, where)
-    theta, scaling = _rope(cfg, where)
     try:
+        theta, scaling = _rope(cfg, where)
         return ModelConfig(
-            vocab_size=_int(cfg, "vocab_size", where, arch.name),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size", where, arch.name),
-            num_layers=_int(cfg, "num_hidden_layers", where, arch.name),
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=size("num_key_value_heads", heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
@@ -116,7 +122,7 @@ def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) ->
             qk_norm=features.qk_norm,
             sliding_window=features.sliding_window,
         )
-    except (TypeError, ValueError, ZeroDivisionError) as e:  # ConfigError is a ValueError
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:  # ConfigError too
         raise ModelLoadError(f"{where}: invalid config.json ({e})") from e
 
 

@@ -53,9 +53,10 @@ class Architecture:
         """The features of a ``config.json`` whose context is ``context`` tokens."""
         return Features()
 
-    def gguf_features(self, md: Mapping[str, Any], prefix: str, where: Path) -> Features:
+    def gguf_features(
+        self, md: Mapping[str, Any], prefix: str, context: int, where: Path
+    ) -> Features:
         """The features of a GGUF's metadata (keys ``{prefix}.*``)."""
-        context = int(md.get(f"{prefix}.context_length", 2048))
         return Features(sliding_window=gguf_window(md, prefix, context, where))
 
     def describe(self) -> str:

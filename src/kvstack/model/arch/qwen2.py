@@ -34,7 +34,7 @@ def qwen_window(cfg: Mapping[str, Any], context: int, where: Path) -> int | None
         try:
             first = int(cfg.get("max_window_layers", 0))
             sliding = first < int(cfg["num_hidden_layers"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ModelLoadError(f"{where}: invalid max_window_layers ({e})") from e
     return (
         check_window(cfg.get("sliding_window"), context, where, "sliding_window")
@@ -54,8 +54,10 @@ class Qwen2(Architecture):
         reject_keys(cfg, ("mlp_bias",), "MLP biases are not supported", where)
         return Features(qkv_bias=True, sliding_window=qwen_window(cfg, context, where))
 
-    def gguf_features(self, md: Mapping[str, Any], prefix: str, where: Path) -> Features:
-        window = super().gguf_features(md, prefix, where).sliding_window
+    def gguf_features(
+        self, md: Mapping[str, Any], prefix: str, context: int, where: Path
+    ) -> Features:
+        window = super().gguf_features(md, prefix, context, where).sliding_window
         return Features(qkv_bias=True, sliding_window=window)
 
 

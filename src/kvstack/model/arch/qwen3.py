@@ -38,8 +38,10 @@ class Qwen3(Architecture):
         )
         return Features(qk_norm=True, sliding_window=qwen_window(cfg, context, where))
 
-    def gguf_features(self, md: Mapping[str, Any], prefix: str, where: Path) -> Features:
-        window = super().gguf_features(md, prefix, where).sliding_window
+    def gguf_features(
+        self, md: Mapping[str, Any], prefix: str, context: int, where: Path
+    ) -> Features:
+        window = super().gguf_features(md, prefix, context, where).sliding_window
         return Features(qk_norm=True, sliding_window=window)
 
 
