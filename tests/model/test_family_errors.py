@@ -211,8 +211,9 @@ def test_any_bad_value_is_a_load_error(released: dict[str, Any]) -> None:
     """Every key of a released config set to a wrong value or dropped: a ModelConfig or one
     ModelLoadError, never another exception (Python's json reads Infinity and NaN)."""
     extra = ("rope_scaling", "rope_parameters", "layer_types", "head_dim", "max_window_layers")
+    values: tuple[object, ...] = (None, "x", -1, 0, 2.5, float("inf"), float("nan"), [], {}, True)
     for base in (released, {**released, "use_sliding_window": True}):
         for key in (*base, *extra):
-            for bad in (None, "x", -1, 0, 2.5, float("inf"), float("nan"), [], {}, True):
+            for bad in values:
                 with contextlib.suppress(ModelLoadError):
                     config_from_hf({**base, key: bad}, Path("cfg"))
