@@ -30,6 +30,7 @@ WAIT_S = 30.0  # far past every deadline below: a hang fails the test, it never 
 class Live:
     port: int
     engine: AsyncEngine
+    server: uvicorn.Server
 
     def connect(self) -> socket.socket:
         s = socket.create_connection(("127.0.0.1", self.port), timeout=WAIT_S)
@@ -60,7 +61,7 @@ def serving(
     while not server.started:
         thread.join(0.05)
         assert thread.is_alive(), "server failed to start"
-    yield Live(opts.port, engine)
+    yield Live(opts.port, engine, server)
     server.should_exit = True
     thread.join(30)
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
@@ -129,6 +130,13 @@ def _check_the_cap(live: Live) -> None:
     try:
         for s in held:  # headers sent, body pending: each holds a connection and a task
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+        # uvicorn counts open connections when a request's headers are parsed: the extra
+        # one must connect only after the held ones' headers were (a loaded machine parsed
+        # them after the extra connected, and all five got 503).
+        deadline = time.monotonic() + WAIT_S
+        while len(live.server.server_state.tasks) < len(held):
+            assert time.monotonic() < deadline, "the held requests never started"
+            time.sleep(0.01)
         with live.connect() as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert recv_all(extra).startswith(b"HTTP/1.1 503")

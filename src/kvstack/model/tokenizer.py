@@ -1,18 +1,12 @@
-"""Tokenizer: byte-level BPE from GGUF metadata or a Hugging Face ``tokenizer.json``, and chat.
+"""Tokenizer: GGUF metadata or a Hugging Face ``tokenizer.json``, special tokens and chat.
 
-A GGUF file carries the tokenizer as metadata (llama.cpp key names)::
-
-    tokenizer.ggml.model       "gpt2"  (byte-level BPE; the only kind supported from GGUF)
-    tokenizer.ggml.pre         pre-tokenizer name ("smollm", "llama-bpe", "qwen2", ...)
-    tokenizer.ggml.tokens      [str]   vocabulary, spelled in GPT-2's byte alphabet
-    tokenizer.ggml.merges      [str]   "a b" merge rules, best first
-    tokenizer.ggml.token_type  [int]   1 normal, 3 control, 4 user-defined, ...
-    tokenizer.ggml.{bos,eos,unknown,padding}_token_id, add_bos_token, add_eos_token
-    tokenizer.chat_template    Jinja2 template
-
-It is rebuilt with the ``tokenizers`` library the way transformers rebuilds it, so token ids
-match ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``. Control tokens become special
-added tokens, so ``"<|im_start|>"`` in text encodes to its single id.
+``Tokenizer.from_gguf`` rebuilds the tokenizer a GGUF file describes
+(``kvstack.model.tokenizer_gguf``: byte-level BPE, ``tokenizer.ggml.model = "gpt2"``, or
+SentencePiece BPE, ``"llama"``, built in ``kvstack.model.tokenizer_spm``) with the
+``tokenizers`` library the way transformers rebuilds it, so token ids match
+``AutoTokenizer.from_pretrained(dir, gguf_file=...)``. Control tokens become special added
+tokens, so ``"<|im_start|>"`` or ``"<start_of_turn>"`` in text encodes to its single id.
+``tokenizer.chat_template`` is the chat template.
 
 Chat templates are rendered by ``kvstack.model.chat_template`` (a sandboxed Jinja2
 environment configured like transformers').
@@ -26,15 +20,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import BPE
 
 from kvstack.errors import InvalidRequestError, ModelLoadError
 from kvstack.model.chat_template import render_chat_template
+from kvstack.model.tokenizer_gguf import build_backend_from_gguf, bytes_to_unicode
 
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
+__all__ = ["Tokenizer", "build_backend_from_gguf", "bytes_to_unicode"]
+
 # Tokens that end a chat turn in common templates; counted as EOS when the template uses them.
 TURN_END_TOKENS = (
     "<|im_end|>",
@@ -44,130 +37,6 @@ TURN_END_TOKENS = (
     "<end_of_turn>",
     "<|endoftext|>",
 )
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# ``tokenizer.ggml.pre`` values whose split regex differs from GPT-2's; others use GPT-2's.
-PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-def build_backend_from_gguf(md: Mapping[str, Any]) -> BackendTokenizer:
-    """A ``tokenizers.Tokenizer`` equivalent to the byte-level BPE the metadata describes."""
-    kind = md.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-            "load the model from a Hugging Face folder with a tokenizer.json instead"
-        )
-    tokens: list[str] = md.get("tokenizer.ggml.tokens") or []
-    merges_raw: list[str] = md.get("tokenizer.ggml.merges") or []
-    if not tokens:
-        raise ModelLoadError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens")
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {
-        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-        for i, t in enumerate(tokens)
-    }
-    merges = []
-    for m in merges_raw:
-        left, sep, right = m.partition(" ")
-        if sep:
-            merges.append((left, right))
-    backend = BackendTokenizer(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-        )
-    )
-    split = PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre", ""))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-
-    types: list[int] = md.get("tokenizer.ggml.token_type") or []
-    special_ids = {
-        md[f"tokenizer.ggml.{k}_token_id"]
-        for k in ("bos", "eos", "unknown", "padding")
-        if isinstance(md.get(f"tokenizer.ggml.{k}_token_id"), int)
-    }
-    special = [
-        AddedToken(t, normalized=False, special=True)
-        for i, (t, ty) in enumerate(zip(tokens, types, strict=False))
-        if (ty == TOKEN_TYPE_CONTROL or i in special_ids) and set(t) <= alphabet
-    ]
-    backend.add_special_tokens(special)
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, ty in zip(tokens, types, strict=False)
-        if ty == TOKEN_TYPE_USER_DEFINED and t in vocab
-    ]
-    backend.add_tokens(user)
-
-    _set_post_processor(backend, md, tokens)
-    return backend
-
-
-def _set_post_processor(
-    backend: BackendTokenizer, md: Mapping[str, Any], tokens: list[str]
-) -> None:
-    """Add BOS/EOS around encoded text when the GGUF asks for it (``add_bos_token``...)."""
-    around: dict[str, tuple[str, int] | None] = {"bos": None, "eos": None}
-    for key in around:
-        tid = md.get(f"tokenizer.ggml.{key}_token_id")
-        if md.get(f"tokenizer.ggml.add_{key}_token") and isinstance(tid, int):
-            around[key] = (tokens[tid], tid)
-    bos, eos = around["bos"], around["eos"]
-    if bos is None and eos is None:
-        return
-
-    def seq(x: str, type_id: int) -> str:
-        parts = [f"{bos[0]}:{type_id}"] if bos else []
-        return " ".join([*parts, f"${x}:{type_id}", *([f"{eos[0]}:{type_id}"] if eos else [])])
-
-    backend.post_processor = processors.TemplateProcessing(
-        single=seq("A", 0),
-        pair=f"{seq('A', 0)} {seq('B', 1)}",
-        special_tokens=list(dict.fromkeys(t for t in (bos, eos) if t is not None)),
-    )
 
 
 def _token_str(value: Any) -> str | None:
@@ -240,9 +109,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build from the metadata of the GGUF file at ``path``."""
-        from kvstack.model.gguf import GGUFFile
+        from kvstack.model.gguf_reader import GGUFFile
 
-        with GGUFFile.open(path) as g:
+        with GGUFFile.open(path) as g:  # the header only: no tensor is read
             return cls.from_gguf_metadata(g.metadata, source=str(path))
 
     @classmethod
