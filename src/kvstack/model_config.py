@@ -29,9 +29,20 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (the only family kvstack serves today).
+    """Architecture of a Llama-style decoder and the features its family adds.
 
-    Invariant: ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention).
+    ``architecture`` names its entry in ``model/arch/`` (``llama``, ``qwen2``, ``qwen3``,
+    ``mistral``); the forward (``model/llama.py``) reads only the typed features below:
+
+    - ``qkv_bias``: the q, k and v projections carry a bias, o_proj does not (Qwen2);
+    - ``qk_norm``: a per-head RMSNorm of ``head_dim`` weights on q and on k before RoPE
+      (Qwen3);
+    - ``head_dim``: explicit, may differ from ``hidden_size // num_heads`` (Qwen3);
+    - ``sliding_window``: the checkpoint's attention window, kept only when it never binds
+      (at least ``max_position_embeddings``: every key stays visible); None = none.
+
+    Invariants: ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention);
+    a ``sliding_window`` is never shorter than the context (kvstack attends to every key).
     """
 
     vocab_size: int
@@ -48,12 +59,21 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     architecture: str = "llama"
     name: str = "model"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
+            )
+        window = self.sliding_window
+        if window is not None and window < self.max_position_embeddings:
+            raise ConfigError(
+                f"sliding_window {window} is shorter than the context "
+                f"({self.max_position_embeddings}); kvstack has no windowed attention"
             )
 
     @property

@@ -1,13 +1,17 @@
-"""GGUF loader: llama-architecture weights (dequantized to float32) and a ``ModelConfig``.
+"""GGUF loader: weights (dequantized to float32) and a ``ModelConfig`` of any family in
+``ARCHITECTURES`` (``model/arch/``: ``general.architecture`` llama, qwen2, qwen3, mistral).
 
 The file is parsed by ``kvstack.model.gguf_reader.GGUFFile`` (header via ``mmap`` +
 ``struct``, dequantization via ``gguf.quants``); this module maps llama.cpp's tensor names
-to Hugging Face names, rebuilds the ``ModelConfig`` from the ``{arch}.*`` metadata and checks
-that every weight is present with the right shape.
+to Hugging Face names, rebuilds the ``ModelConfig`` from the ``{arch}.*`` metadata (the
+family adds its features) and checks that every weight is present with the right shape,
+and no other one.
 
-llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each head's RoPE
-pairs are interleaved (``x[2i], x[2i+1]``); Hugging Face Llama rotates halves
-(``x[i], x[i + d/2]``). ``unpermute_qk`` undoes it, ``permute_qk`` re-applies it (for writers).
+For its ``LLAMA`` arch llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k``
+so that each head's RoPE pairs are interleaved (``x[2i], x[2i+1]``); Hugging Face Llama
+rotates halves (``x[i], x[i + d/2]``). ``unpermute_qk`` undoes it, ``permute_qk``
+re-applies it (for writers). Families written unpermuted (qwen2, qwen3: llama.cpp runs
+them with NeoX rotate-half RoPE) say so with ``Architecture.gguf_permuted_qk``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from kvstack.errors import ModelLoadError
+from kvstack.model.arch import ARCHITECTURES, Architecture, arch_for_gguf
 from kvstack.model.gguf_reader import GGUF_MAGIC, SUPPORTED_TYPES, GGUFFile, GGUFTensorInfo, Q
 from kvstack.model_config import ModelConfig, RopeScaling
 
@@ -32,6 +37,7 @@ __all__ = [
     "check_weights",
     "config_from_gguf",
     "expected_shapes",
+    "gguf_family",
     "hf_name",
     "load_gguf",
     "permute_qk",
@@ -39,9 +45,7 @@ __all__ = [
     "unpermute_qk",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral")
-
-# GGUF tensor name (``{i}`` = layer) -> Hugging Face Llama parameter name.
+# GGUF tensor name (``blk.{i}.<name>.weight|bias``) -> Hugging Face parameter name.
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -52,6 +56,8 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -78,14 +84,19 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None if it is not a llama weight."""
+    """Hugging Face name of a GGUF tensor, or None if it is no weight kvstack knows."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[3] in ("weight", "bias")
+    ):
         sub = LAYER_NAMES.get(parts[2])
         if sub is not None:
-            return f"model.layers.{int(parts[1])}.{sub}.weight"
+            return f"model.layers.{int(parts[1])}.{sub}.{parts[3]}"
     return None
 
 
@@ -161,12 +172,8 @@ def _rope_scaling(g: GGUFFile, arch: str, head_dim: int, theta: float) -> RopeSc
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
     """Build a ``ModelConfig`` from a parsed GGUF's ``{arch}.*`` metadata and tensor shapes."""
     md = g.metadata
-    arch = md.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{g.path}: unsupported architecture {arch!r}; kvstack serves llama-family "
-            f"models ({', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    family = arch_for_gguf(md.get("general.architecture"), g.path)
+    arch = str(md["general.architecture"])  # the metadata prefix
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{key}", default)
@@ -176,15 +183,17 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             raise ModelLoadError(f"{g.path}: per-layer {arch}.{key} is not supported")
         return value
 
-    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
-    rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ModelLoadError(f"{g.path}: partial RoPE ({rope_dim} of {head_dim}) not supported")
     if "token_embd.weight" not in g.tensors:
         raise ModelLoadError(f"{g.path}: missing tensor token_embd.weight")
-    theta = float(get("rope.freq_base", 10000.0))
     try:
+        hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
+        rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ModelLoadError(f"{g.path}: partial RoPE ({rope_dim} of {head_dim}) not supported")
+        theta = float(get("rope.freq_base", 10000.0))
+        context = int(get("context_length", 2048))
+        features = family.gguf_features(md, arch, context, g.path)
         return ModelConfig(
             vocab_size=g.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
@@ -196,17 +205,21 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta,
             rope_scaling=_rope_scaling(g, arch, head_dim, theta),
-            max_position_embeddings=int(get("context_length", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in g.tensors,
-            architecture="llama",
+            architecture=family.name,
             name=str(md.get("general.name", g.path.stem)),
+            qkv_bias=features.qkv_bias,
+            qk_norm=features.qk_norm,
+            sliding_window=features.sliding_window,
         )
-    except (ValueError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise ModelLoadError(f"{g.path}: invalid model metadata: {e}") from e
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF weight name a llama model with ``cfg`` needs, with its shape."""
+    """Every HF weight name a model with ``cfg`` needs, with its shape (the features add
+    q/k/v biases, ``qkv_bias``, and per-head q/k norm weights, ``qk_norm``)."""
     h, q, kv, i = (
         cfg.hidden_size,
         cfg.num_heads * cfg.head_dim,
@@ -230,9 +243,14 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj": (i, h),
         "mlp.down_proj": (h, i),
     }
+    if cfg.qk_norm:
+        per_layer.update({"self_attn.q_norm": (cfg.head_dim,), "self_attn.k_norm": (cfg.head_dim,)})
+    biases = {"self_attn.q_proj": (q,), "self_attn.k_proj": (kv,), "self_attn.v_proj": (kv,)}
     for layer in range(cfg.num_layers):
         for sub, shape in per_layer.items():
             shapes[f"model.layers.{layer}.{sub}.weight"] = shape
+        for sub, shape in biases.items() if cfg.qkv_bias else ():
+            shapes[f"model.layers.{layer}.{sub}.bias"] = shape
     return shapes
 
 
@@ -253,16 +271,19 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: Pat
 def load_gguf(
     path: str | Path, *, num_threads: int | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a llama GGUF: its ``ModelConfig`` and float32 weights under Hugging Face names."""
+    """Load a GGUF: its ``ModelConfig`` and float32 weights under Hugging Face names."""
     with GGUFFile.open(path) as g:
         cfg = config_from_gguf(g)
+        wanted = expected_shapes(cfg)
         names: dict[str, str] = {}
         for name in g.tensors:
             target = hf_name(name)
-            if target is None:
+            if target is None or target not in wanted:
                 if name in IGNORED_TENSORS or name.endswith(".attn_rot_embd"):
                     continue
-                raise ModelLoadError(f"{g.path}: unexpected tensor {name!r} (not a llama weight)")
+                raise ModelLoadError(
+                    f"{g.path}: unexpected tensor {name!r} (not a {cfg.architecture} weight)"
+                )
             names[name] = target
         for name in names:
             qtype = Q(g.tensors[name].qtype)
@@ -271,11 +292,13 @@ def load_gguf(
                     f"{g.path}: tensor {name!r} has unsupported quantization type {qtype.name}"
                 )
 
+        permuted = gguf_family(cfg).gguf_permuted_qk
+
         def convert(name: str) -> tuple[str, torch.Tensor]:
             w = g.tensor(name)
-            if name.endswith(".attn_q.weight"):
+            if permuted and name.endswith((".attn_q.weight", ".attn_q.bias")):
                 w = unpermute_qk(w, cfg.num_heads).contiguous()
-            elif name.endswith(".attn_k.weight"):
+            elif permuted and name.endswith((".attn_k.weight", ".attn_k.bias")):
                 w = unpermute_qk(w, cfg.num_kv_heads).contiguous()
             return names[name], w
 
@@ -289,6 +312,11 @@ def load_gguf(
             raise ModelLoadError(f"{g.path}: cannot decode tensor data ({e})") from e
     check_weights(cfg, weights, Path(path))
     return cfg, weights
+
+
+def gguf_family(cfg: ModelConfig) -> Architecture:
+    """The family of a loaded config (whether its GGUF q/k rows are permuted)."""
+    return ARCHITECTURES.get(cfg.architecture)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

@@ -1,4 +1,12 @@
-"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on a paged KV cache.
+"""Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on a paged KV cache.
+
+It runs every family of ``model/arch/`` (llama, qwen2, qwen3, mistral): they differ only
+in ``ModelConfig`` features applied to the fused q/k/v rows before RoPE, as their
+transformers modeling files do (``qwen2/modeling_qwen2.py``: ``q_proj`` ... with a bias;
+``qwen3/modeling_qwen3.py``: ``q_norm(q_proj(x).view(..., head_dim))``, the same for k)::
+
+    qkv = x Wqkv (+ b_qkv if qkv_bias)
+    q_h = rms_norm(q_h, w_qnorm), k_h = rms_norm(k_h, w_knorm)  per head, if qk_norm
 
 One ``forward`` runs all tokens of a step, flattened: the linear layers see one
 ``[T, hidden]`` matrix (prefill chunks and decode tokens of many requests together),
@@ -44,6 +52,21 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: LinearOp
     down: LinearOp
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 KVH) d] (Qwen2)
+    q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+def head_rms_norm(
+    ops: LayerOps, qkv: torch.Tensor, heads: HeadShape, layer: LayerWeights, eps: float
+) -> None:
+    """Qwen3's per-head RMSNorm of the q and k heads of ``qkv`` ``[T, (H + 2 KVH) d]``, in
+    place (each head of ``head_dim`` values normalized on its own, before RoPE)."""
+    assert layer.q_norm is not None and layer.k_norm is not None
+    t, d, qs, ks = qkv.shape[0], heads.head_dim, heads.q_size, heads.kv_size
+    for lo, hi, w in ((0, qs, layer.q_norm), (qs, qs + ks, layer.k_norm)):
+        part = qkv[:, lo:hi].reshape(-1, d)  # [T * heads, d]; rms_norm returns a new tensor
+        qkv[:, lo:hi] = ops.rms_norm(part, w, eps).view(t, hi - lo)
 
 
 class LlamaModel:
@@ -72,6 +95,9 @@ class LlamaModel:
                 w(name)
             return lin.build(list(names), weights)
 
+        def optional(on: bool, *names: str) -> torch.Tensor | None:
+            return torch.cat([w(n) for n in names]).to(dtype) if on else None
+
         self.embed = w("model.embed_tokens.weight").to(dtype)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -85,6 +111,11 @@ class LlamaModel:
                     post_norm=w(p + "post_attention_layernorm.weight").to(dtype),
                     gate_up=linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                     down=linear(mlp + "down_proj.weight"),
+                    qkv_bias=optional(
+                        config.qkv_bias, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"
+                    ),
+                    q_norm=optional(config.qk_norm, a + "q_norm.weight"),
+                    k_norm=optional(config.qk_norm, a + "k_norm.weight"),
                 )
             )
         self.norm = w("model.norm.weight").to(dtype)
@@ -125,6 +156,10 @@ class LlamaModel:
             else:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            if layer.q_norm is not None:
+                head_rms_norm(ops, qkv, heads, layer, eps)
             cache = kv.layer(li)
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
             for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries

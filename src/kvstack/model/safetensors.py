@@ -1,7 +1,7 @@
 """Hugging Face folder loader: ``config.json`` + ``*.safetensors`` (single or sharded).
 
-Accepted folders hold a ``LlamaForCausalLM`` (or ``MistralForCausalLM`` without sliding
-window) checkpoint::
+Accepted folders hold a checkpoint of a family in ``ARCHITECTURES`` (``model/arch/``:
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``)::
 
     config.json                          architecture and hyper-parameters
     model.safetensors                    one file, or
@@ -21,11 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvstack.errors import ModelLoadError
+from kvstack.model.arch import arch_for_hf
 from kvstack.model.gguf import check_weights, expected_shapes
 from kvstack.model_config import ModelConfig, RopeScaling
-
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
@@ -52,6 +50,8 @@ def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
     theta = float((params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if not scaling:
         return theta, None
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{where}: invalid rope_scaling {scaling!r} (an object)")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
         return theta, None
@@ -71,46 +71,58 @@ def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"{where}: invalid llama3 rope_scaling {scaling!r}") from e
 
 
+def _int(cfg: dict[str, Any], key: str, where: Path, family: str, default: int = 0) -> int:
+    """``cfg[key]`` as a positive int (``default`` when absent or null, if not 0), or a
+    ``ModelLoadError`` naming ``key``."""
+    value = cfg.get(key)
+    if value is None:
+        if default:
+            return default
+        raise ModelLoadError(f"{where}: config.json lacks {key!r} (needed by {family} models)")
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ModelLoadError(f"{where}: config.json {key}={value!r} is not an integer")
+    if value <= 0:
+        raise ModelLoadError(f"{where}: config.json {key}={value!r} must be positive")
+    return int(value)
+
+
 def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) -> ModelConfig:
-    """Build a ``ModelConfig`` from a Llama ``config.json`` dict."""
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type")
-    if (
-        not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs)
-        and model_type not in SUPPORTED_MODEL_TYPES
-    ):
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {archs or model_type!r}; kvstack serves "
-            f"llama-family models ({', '.join(SUPPORTED_HF_ARCHITECTURES)})"
-        )
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{where}: attention/MLP biases are not supported")
+    """Build a ``ModelConfig`` from a ``config.json`` dict of any family in
+    ``ARCHITECTURES`` (``model/arch/``): the shared keys here, the family's own there."""
+    arch = arch_for_hf(cfg, where)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{where}: activation {cfg.get('hidden_act')!r} is not supported")
-    if model_type == "mistral" and cfg.get("sliding_window"):
-        raise ModelLoadError(f"{where}: sliding-window attention is not supported")
-    theta, scaling = _rope(cfg, where)
+
+    def size(key: str, default: int = 0) -> int:
+        return _int(cfg, key, where, arch.name, default)
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    head_dim = size("head_dim") if arch.needs_head_dim else size("head_dim", hidden // heads)
+    context = size("max_position_embeddings", 2048)
+    features = arch.hf_features(cfg, context, where)
     try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        theta, scaling = _rope(cfg, where)
         return ModelConfig(
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=size("num_key_value_heads", heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            architecture="llama",
+            architecture=arch.name,
             name=name or str(cfg.get("_name_or_path") or where.name),
+            qkv_bias=features.qkv_bias,
+            qk_norm=features.qk_norm,
+            sliding_window=features.sliding_window,
         )
-    except KeyError as e:
-        raise ModelLoadError(f"{where}: config.json lacks {e.args[0]!r}") from e
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:  # ConfigError too
         raise ModelLoadError(f"{where}: invalid config.json ({e})") from e
 
 
@@ -139,7 +151,7 @@ def _shard_files(root: Path) -> list[Path]:
 
 
 def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a Llama checkpoint folder: its ``ModelConfig`` and float32 weights."""
+    """Load a checkpoint folder: its ``ModelConfig`` and float32 weights."""
     root = Path(folder)
     cfg = config_from_hf(read_hf_config(root), root)
     wanted = expected_shapes(cfg)
@@ -153,7 +165,9 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
                     elif key.endswith("rotary_emb.inv_freq") or key == "lm_head.weight":
                         continue  # derived buffer / tied head
                     else:
-                        raise ModelLoadError(f"{file}: unexpected tensor {key!r} for a llama model")
+                        raise ModelLoadError(
+                            f"{file}: unexpected tensor {key!r} for a {cfg.architecture} model"
+                        )
         except ModelLoadError:
             raise
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from kvstack.model.arch import ARCHITECTURES
 from kvstack.model.gguf import (
     GLOBAL_NAMES,
     LAYER_NAMES,
@@ -137,12 +138,14 @@ def random_llama_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.
     """Random float32 weights under Hugging Face names, scaled so activations stay O(1).
 
     Linear layers are N(0, 1/in_features), embeddings N(0, 1/hidden) (so tied logits have
-    unit spread after the final norm), norm weights 1 + N(0, 0.1^2).
+    unit spread after the final norm), norm weights 1 + N(0, 0.1^2), biases N(0, 0.1^2).
     """
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            w = 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:
             w = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif "embed_tokens" in name or name == "lm_head.weight":
             w = torch.randn(shape, generator=gen) / math.sqrt(config.hidden_size)
@@ -197,15 +200,15 @@ def _tokenizer_metadata(
 
 
 def gguf_name(hf: str) -> str:
-    """GGUF tensor name of a Hugging Face llama weight name."""
+    """GGUF tensor name of a Hugging Face weight name."""
     for g_name, h_name in GLOBAL_NAMES.items():
         if hf == h_name:
             return g_name
-    parts = hf.split(".")  # model.layers.{i}.{sub...}.weight
+    parts = hf.split(".")  # model.layers.{i}.{sub...}.weight|bias
     sub = ".".join(parts[3:-1])
     for g_sub, h_sub in LAYER_NAMES.items():
         if h_sub == sub:
-            return f"blk.{parts[2]}.{g_sub}.weight"
+            return f"blk.{parts[2]}.{g_sub}.{parts[-1]}"
     raise KeyError(hf)
 
 
@@ -216,21 +219,23 @@ def write_gguf(
     tokenizer_from: Path | None = None,
     dtype: str = "F32",
     *,
-    architecture: str = "llama",
+    architecture: str | None = None,
     embedding_dtype: str | None = None,
     rope_scaling_keys: bool = True,
 ) -> Path:
-    """Write ``weights`` as a llama GGUF the way llama.cpp's converter would.
+    """Write ``weights`` as a GGUF of ``architecture`` (default ``config.architecture``)
+    the way llama.cpp's converter would.
 
     2-D weights are stored as ``dtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
     Q4_K: rows of a multiple of 256), the
-    embedding as ``embedding_dtype`` (default ``dtype``), norms as F32; q/k rows are
-    permuted to llama.cpp's interleaved RoPE layout. Llama-3 RoPE scaling is written as
-    llama.cpp does (a ``rope_freqs.weight`` tensor) plus, unless ``rope_scaling_keys`` is
-    False, ``{arch}.rope.scaling.*`` keys. Returns ``path``.
+    embedding as ``embedding_dtype`` (default ``dtype``), norms and biases as F32; q/k rows
+    are permuted to llama.cpp's interleaved RoPE layout for the families it permutes
+    (llama, mistral; not qwen2, qwen3: ``Architecture.gguf_permuted_qk``). Llama-3 RoPE
+    scaling is written as llama.cpp does (a ``rope_freqs.weight`` tensor) plus, unless
+    ``rope_scaling_keys`` is False, ``{arch}.rope.scaling.*`` keys. Returns ``path``.
     """
     path = Path(path)
-    arch = architecture
+    arch = architecture or config.architecture
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name(config.name)
     w.add_file_type(int(_FILE_TYPES.get(dtype, gguf.LlamaFileType.ALL_F32)))
@@ -280,11 +285,13 @@ def write_gguf(
                 key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING
             )
 
+    known = arch in ARCHITECTURES.names()
+    permuted = ARCHITECTURES.get(arch).gguf_permuted_qk if known else True
     for name, tensor in weights.items():
         t = tensor.detach().to(torch.float32)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute_qk(t, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute_qk(t, config.num_kv_heads)
         arr = t.contiguous().numpy()
         kind = (embedding_dtype or dtype) if "embed_tokens" in name else dtype
@@ -305,10 +312,11 @@ def write_gguf(
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
-    """A ``config.json`` dict for ``LlamaForCausalLM`` matching ``config``."""
+    """A ``config.json`` dict matching ``config`` for its family's transformers class."""
+    family = ARCHITECTURES.get(config.architecture)
     d: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.hf_classes[0]],
+        "model_type": family.model_types[0],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -327,6 +335,13 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "float32",
         "_name_or_path": config.name,
     }
+    if config.architecture in ("qwen2", "qwen3"):
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        del d["mlp_bias"]
+    if config.architecture in ("qwen2", "mistral"):
+        d.pop("attention_bias")
+    if config.architecture == "mistral":
+        d.update(sliding_window=config.sliding_window)
     return d
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from kvstack.model.gguf import hf_name, unpermute_qk
+from kvstack.model.gguf import gguf_family, hf_name, unpermute_qk
 from kvstack.model.gguf_reader import GGUFFile
 from kvstack.model.kernels import note_fallback
 from kvstack.model.quant.packed import PackedWeight, pack_u4
@@ -123,11 +123,13 @@ def pack_gguf(raw: np.ndarray, qtype: int) -> PackedWeight | None:
 
 
 def packed_gguf_weights(path: str | Path, cfg: ModelConfig) -> dict[str, PackedWeight]:
-    """The 2-D weights of a llama GGUF with a packed kernel, under Hugging Face names, q/k
-    rows un-permuted as ``load_gguf`` does. Every other type is left to the dequantizing
-    loader with one warning naming the type (and a ``kernel_fallback_total`` count)."""
+    """The 2-D weights of a GGUF with a packed kernel, under Hugging Face names, q/k rows
+    un-permuted as ``load_gguf`` does (for families whose GGUFs are permuted). Every other
+    type is left to the dequantizing loader with one warning naming the type (and a
+    ``kernel_fallback_total`` count)."""
     out: dict[str, PackedWeight] = {}
     unpacked: dict[str, list[str]] = {}
+    permuted = gguf_family(cfg).gguf_permuted_qk
     with GGUFFile.open(path) as g:
         for name, info in g.tensors.items():
             target = hf_name(name)
@@ -138,7 +140,7 @@ def packed_gguf_weights(path: str | Path, cfg: ModelConfig) -> dict[str, PackedW
                 unpacked.setdefault(Q(info.qtype).name, []).append(name)
                 continue
             heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(name.split(".")[-2])
-            if heads is not None:
+            if heads is not None and permuted:
                 pw = pw.rows(unpermute_qk(torch.arange(pw.out_features), heads))
             out[target] = pw
     for qtype, names in unpacked.items():

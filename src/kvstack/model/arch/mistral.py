@@ -1,0 +1,37 @@
+"""Mistral (``MistralForCausalLM``; transformers ``models/mistral/modeling_mistral.py``).
+
+The Llama layout; what differs is ``sliding_window``: Mistral-7B v0.1 attends to the last
+4,096 keys only, later releases set it to null (full attention). kvstack has no windowed
+attention (neither the PyTorch path nor the C++ kernels mask old keys), so a window shorter
+than the context is refused, naming ``sliding_window``; a null one, or one covering the
+whole context, is the Llama forward exactly. llama.cpp writes Mistral GGUFs as
+``general.architecture = "llama"`` (the llama family); ``"mistral"`` is accepted too,
+permuted as llama.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvstack.model.arch.base import Architecture, Features, check_window, reject_keys
+
+
+class Mistral(Architecture):
+    name = "mistral"
+    hf_classes = ("MistralForCausalLM",)
+    model_types = ("mistral",)
+    gguf_names = ("mistral",)
+    gguf_permuted_qk = True
+    summary = "Mistral 7B v0.2+ (MistralForCausalLM): no sliding window shorter than the context"
+
+    def hf_features(self, cfg: Mapping[str, Any], context: int, where: Path) -> Features:
+        reject_keys(
+            cfg, ("attention_bias", "mlp_bias"), "attention/MLP biases are not supported", where
+        )
+        window = check_window(cfg.get("sliding_window"), context, where, "sliding_window")
+        return Features(sliding_window=window)
+
+
+MISTRAL = Mistral()
