@@ -1,69 +1,31 @@
-"""Start a real ``kvstack serve`` process on a free loopback port for tests."""
+"""Start a real ``kvstack serve`` process on a free loopback port for tests (the soak's
+``Proc`` child), and in-process aiohttp / uvicorn servers."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvstack.testing.soak import Proc, free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ServerProcess", "free_port", "serve_aiohttp", "serve_uvicorn"]
 
 
-class ServerProcess:
-    """``with ServerProcess(["--api-key", "k"]) as srv: srv.url`` (terminated on exit)."""
+class ServerProcess(Proc):
+    """``with ServerProcess(["--api-key", "k"]) as srv: srv.url`` (terminated on exit);
+    ``srv.tail()`` is the end of its log, ``srv.log`` the log file."""
 
     def __init__(self, args: list[str], log: Path, timeout_s: float = 180.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = args
-        self.log_path = log
+        super().__init__("server", ["serve", *args], log)
         self.timeout_s = timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "kvstack.cli", "serve", "--port", str(self.port), *self.args]
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
+        self.log.write_bytes(b"")
+        self.start(self.timeout_s)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -74,7 +36,6 @@ def serve_aiohttp(app: Any) -> Iterator[str]:
     """An aiohttp ``app`` on a free 127.0.0.1 port, served by its own loop in a thread;
     yields its base URL."""
     import asyncio
-    import socket
     import threading
 
     from aiohttp import web
