@@ -52,7 +52,7 @@ def _generate(path: Path, codec: str, dtype: str) -> list[list[int]]:
 
 # kivi2's engine path is off (KIVICodec.engine_kernel; tests/kv/test_codecs.py found a
 # mismatch under prefix hits and preemption), so it has no kernel run to compare here.
-@pytest.mark.parametrize("codec", ["int8", "fp8", "fp8_e5m2", "int4", "rotated4", "bf16"])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4", "bf16"])
 def test_greedy_tokens_unchanged_by_the_kernel(
     tiny64: Path, codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
