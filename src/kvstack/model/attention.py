@@ -173,9 +173,9 @@ def chunk_context(
     their own rows read them, and row ``p`` may attend an encoded token ``j < bs * (p //
     bs)`` or an own-block token ``bs * (p // bs) <= j <= p``::
 
-        bs 4, kc 6, n 4:   encoded 0..9        own 4..9
-        row 6:             x x x x . . . . . .  x x x .  .  .
-        row 8:             x x x x x x x x . .  . . . .  x  .
+        bs 4, kc 6, n 4:    encoded 0..9           own-block rows 4..9
+        row 6 (block 1):    x x x x . . . . . .    x x x . . .
+        row 8 (block 2):    x x x x x x x x . .    . . . . x .
     """
     kb, vb = cache.gather(block_ids)
     bs, kvh, hd = kb.shape[-3], kb.shape[-2], kb.shape[-1]
@@ -241,7 +241,6 @@ def paged_attention(
     just the blocks a row needs. Returns ``[T, H, d]``.
     """
     every = meta.kernel_rows
-    kvh, hd = k.shape[1], k.shape[2]
     if every is not None and meta.kernels is not None:
         if cache.k is not None:
             head = meta.kernels.paged_attention(
