@@ -8,6 +8,7 @@ read falls back with one warning and a count."""
 from __future__ import annotations
 
 import logging
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -50,9 +51,7 @@ def _generate(path: Path, codec: str, dtype: str) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in first + rest]
 
 
-# kivi2's engine path is off (KIVICodec.engine_kernel; tests/kv/test_codecs.py found a
-# mismatch under prefix hits and preemption), so it has no kernel run to compare here.
-@pytest.mark.parametrize("codec", ["int8", "fp8", "fp8_e5m2", "int4", "rotated4", "bf16"])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4", "bf16"])
 def test_greedy_tokens_unchanged_by_the_kernel(
     tiny64: Path, codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -64,6 +63,36 @@ def test_greedy_tokens_unchanged_by_the_kernel(
     reference = _generate(tiny64, codec, "float32")
     assert kernels_mod.fallback_counts().get(key, 0) > before, "the reference path was not taken"
     assert fused == reference
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_kivi2_tokens_unchanged_by_chunking_prefix_hits_and_preemption(
+    tiny64: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KIVI's rows read their own block at full precision and earlier blocks from codes
+    however the tokens were cut into steps: one prefill per prompt in a roomy pool gives
+    the greedy tokens of 10-token chunks, prefix hits and recompute after preemption in
+    8 blocks. (Before, a row saw its own block quantized iff its step filled it.)"""
+    if path == "reference":
+        monkeypatch.setattr(CODECS.get("kivi2"), "kernel_view", lambda self, layer: None)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = {"dtype": "float32", "kv_cache_dtype": "kivi2", "max_num_seqs": 3}
+    plain = LLM(str(tiny64), prefix_cache="none", num_blocks=64, **kw)
+    tight = LLM(str(tiny64), num_blocks=8, max_num_batched_tokens=10, **kw)
+    for seed in (3, 5):
+        rng = random.Random(seed)
+        prefix = [rng.randrange(100, 40000) for _ in range(rng.randrange(30, 60))]
+        ps = [
+            prefix + [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 14))]
+            for _ in range(3)
+        ]
+        want = [
+            o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=sp)
+        ]
+        got = tight.generate(prompt_token_ids=ps, sampling_params=sp, check_integrity=True)
+        assert [o.outputs[0].token_ids for o in got] == want, f"seed {seed}"
+    stats = tight.get_stats()
+    assert stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0
 
 
 def test_a_codec_without_a_kernel_view_warns_once_and_counts(

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvstack.kv.codecs import CacheShape, KVCodec, codec_class
-from kvstack.model.attention import KernelRows, codec_attention, prefill_attention
+from kvstack.kv.storage import LayerCache
+from kvstack.model.attention import KernelRows, chunk_context, codec_attention, prefill_attention
 from kvstack.model.kernels import Kernels
 
 CODECS = ["int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4", "bf16"]
@@ -36,8 +37,8 @@ def _fill(codec: KVCodec, g: torch.Generator, dtype: torch.dtype, kvh: int, hd: 
         k[:, :, 3] += 6.0  # an outlier channel, as real keys have
         codec.write(0, slots[:-3], k[:-3], v[:-3])
         tails.append((slots[-3:], k[-3:], v[-3:]))
-    for slots, k, v in tails:  # the last tokens of every sequence in one step
-        codec.write(0, slots, k, v)
+    # the last tokens of every sequence in one step: a row's own block is one it wrote
+    codec.write(0, *(torch.cat(x) for x in zip(*tails, strict=True)))
     return tables
 
 
@@ -50,12 +51,10 @@ def _rows(tables: list[torch.Tensor]) -> KernelRows:
 
 
 def _reference(codec: KVCodec, q: torch.Tensor, table: torch.Tensor, before: int, n: int):
-    kb, vb = codec.gather(0, table)
-    kvh, hd = kb.shape[-2], kb.shape[-1]
-    keys = kb.reshape(-1, kvh, hd)[: before + n]
-    vals = vb.reshape(-1, kvh, hd)[: before + n]
     mask = torch.arange(before + n)[None, :] <= torch.arange(before, before + n)[:, None]
-    return prefill_attention(q, keys, vals, mask, hd**-0.5)
+    cache = LayerCache(0, codec, None, None)
+    keys, vals, mask = chunk_context(cache, table, before, mask)
+    return prefill_attention(q, keys, vals, mask, q.shape[-1] ** -0.5)
 
 
 def _codec(name: str, dtype: torch.dtype, kvh: int, hd: int) -> KVCodec:
@@ -101,25 +100,33 @@ def test_kernel_matches_the_reference_path(
         r += n
 
 
-def test_kivi_residual_blocks_are_read_from_the_pool(kernels: Kernels) -> None:
-    """A filling block is served from the bf16 residual pool: overwriting its codes (which
-    are stale for a filling block) changes nothing, overwriting the pool row does."""
+def test_kivi_reads_a_rows_own_block_at_full_precision(kernels: Kernels) -> None:
+    """A row's own block comes from the step's full-precision rows (``step_index``): the
+    filling block of sequence 2 (its codes are stale: overwriting them changes nothing),
+    and block 1 of sequence 6 (30 + 3 tokens), which the last write filled and quantized:
+    its own rows (positions 30, 31) read it exactly, the row in block 2 reads its codes."""
     g = torch.Generator().manual_seed(8)
     codec = _codec("kivi2", torch.float32, 3, 64)
     tables = _fill(codec, g, torch.float32, 3, 64)
     rows = _rows(tables)
     q = torch.randn(rows.num_rows, 9, 64, generator=g)
     view = codec.kernel_view(0)
-    assert view is not None
+    assert view is not None and view.res_k is not None and view.residual_of is not None
     before = codec_attention(kernels, q, view, rows, 0.125)
     last = int(tables[2][-1])  # sequence 2 holds 41 tokens: its third block is filling
-    slot = int(codec.residual_of[last])  # type: ignore[attr-defined]
+    slot = int(view.residual_of[last])
     assert slot >= 0
     codec.k_codes[0, last] = 0xFF  # type: ignore[attr-defined]
     assert torch.equal(codec_attention(kernels, q, view, rows, 0.125), before)
-    codec.res_k[0, slot, 8] += 1.0  # type: ignore[attr-defined]  (token 40 of sequence 2)
+    view.res_k[slot, 8] += 1.0  # token 40 of sequence 2
     after = codec_attention(kernels, q, view, rows, 0.125)
     assert not torch.equal(after[2], before[2]) and torch.equal(after[:2], before[:2])
+    full = int(tables[6][1])
+    assert int(codec.residual_of[full]) < 0 <= int(view.residual_of[full])  # type: ignore[attr-defined]
+    view.res_k[int(view.residual_of[full])] += 1.0
+    moved = codec_attention(kernels, q, view, rows, 0.125)
+    assert not torch.equal(moved[-3:-1], after[-3:-1])  # positions 30, 31: block 1 exact
+    assert torch.equal(moved[-1], after[-1]) and torch.equal(moved[:-3], after[:-3])
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "int4", "kivi2", "rotated4"])

@@ -52,6 +52,17 @@ class LayerCache:
             return self.k[block_ids], self.v[block_ids]
         return self.codec.gather(self.layer, block_ids)
 
+    @property
+    def own_block_exact(self) -> bool:
+        """A row reads its own block through ``gather_own`` (``KVCodec.own_block_exact``)."""
+        return self.k is None and self.codec.own_block_exact
+
+    def gather_own(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole blocks as the rows inside them read them (``KVCodec.gather_own``)."""
+        if self.k is not None and self.v is not None:
+            return self.k[block_ids], self.v[block_ids]
+        return self.codec.gather_own(self.layer, block_ids)
+
 
 class KVStorage:
     def __init__(

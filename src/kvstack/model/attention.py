@@ -162,6 +162,39 @@ def codec_attention(
     return out
 
 
+def chunk_context(
+    cache: LayerCache, block_ids: torch.Tensor, kc: int, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and mask ``[n, ...]`` for the ``n`` rows of a chunk after ``kc`` KV
+    tokens, through its blocks (``block_ids`` cover ``kc + n`` tokens, ``mask`` ``[n, kc +
+    n]``). For a codec with ``own_block_exact`` each row reads the blocks before its own
+    one through ``gather`` and its own block through ``gather_own``: the keys are the
+    ``kc + n`` encoded tokens followed by the tokens from the chunk's first block on, as
+    their own rows read them, and row ``p`` may attend an encoded token ``j < bs * (p //
+    bs)`` or an own-block token ``bs * (p // bs) <= j <= p``::
+
+        bs 4, kc 6, n 4:    encoded 0..9           own-block rows 4..9
+        row 6 (block 1):    x x x x . . . . . .    x x x . . .
+        row 8 (block 2):    x x x x x x x x . .    . . . . x .
+    """
+    kb, vb = cache.gather(block_ids)
+    bs, kvh, hd = kb.shape[-3], kb.shape[-2], kb.shape[-1]
+    n = mask.shape[0]
+    kk = kb.view(-1, kvh, hd)[: kc + n]
+    vv = vb.view(-1, kvh, hd)[: kc + n]
+    if not cache.own_block_exact:
+        return kk, vv, mask
+    first = kc // bs
+    ko, vo = cache.gather_own(block_ids[first:])
+    s0 = first * bs
+    own_start = (torch.arange(kc, kc + n) // bs * bs)[:, None]
+    j = torch.arange(kc + n)[None, :]
+    keys = torch.cat((kk, ko.view(-1, kvh, hd)[: kc + n - s0]))
+    vals = torch.cat((vv, vo.view(-1, kvh, hd)[: kc + n - s0]))
+    both = torch.cat((mask & (j < own_start), mask[:, s0:] & (j[:, s0:] >= own_start)), 1)
+    return keys, vals, both
+
+
 def _decode_rows(
     q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -181,8 +214,14 @@ def _decode_rows(
         note_fallback("paged_decode_attention", reason)
     bias = layer_bias[cache.layer] if layer_bias is not None else meta.decode_bias
     assert bias is not None
-    keys, vals = cache.gather(meta.decode_block_tables)  # [D, blocks, bs, KVH, d]
+    tables = meta.decode_block_tables
+    keys, vals = cache.gather(tables)  # [D, blocks, bs, KVH, d]
     kvh, hd = keys.shape[-2], keys.shape[-1]
+    if cache.own_block_exact:  # each row's last block as the rows inside it read it
+        assert meta.decode_context_lens is not None
+        rows = torch.arange(nd)
+        own = (meta.decode_context_lens - 1) // keys.shape[2]
+        keys[rows, own], vals[rows, own] = cache.gather_own(tables[rows, own])
     return decode_attention(q, keys.view(nd, -1, kvh, hd), vals.view(nd, -1, kvh, hd), bias, scale)
 
 
@@ -202,7 +241,6 @@ def paged_attention(
     just the blocks a row needs. Returns ``[T, H, d]``.
     """
     every = meta.kernel_rows
-    kvh, hd = k.shape[1], k.shape[2]
     if every is not None and meta.kernels is not None:
         if cache.k is not None:
             head = meta.kernels.paged_attention(
@@ -223,12 +261,11 @@ def paged_attention(
             out[: meta.num_decodes] = _decode_rows(q[: meta.num_decodes], cache, meta, scale)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
+        mask = p.layer_masks[cache.layer] if p.layer_masks is not None else p.mask
         if p.block_ids is None:
             kk, vv = k[rows], v[rows]
         else:
-            kb, vb = cache.gather(p.block_ids)
-            kk = kb.view(-1, kvh, hd)[: p.ctx_len]
-            vv = vb.view(-1, kvh, hd)[: p.ctx_len]
-        mask = p.layer_masks[cache.layer] if p.layer_masks is not None else p.mask
+            assert mask is not None
+            kk, vv, mask = chunk_context(cache, p.block_ids, p.ctx_len - p.q_len, mask)
         out[rows] = prefill_attention(q[rows], kk, vv, mask, scale, p.num_seqs)
     return out

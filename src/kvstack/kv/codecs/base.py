@@ -61,6 +61,11 @@ class KVCodec(abc.ABC):
     # (through ``kernel_view``); False keeps the PyTorch reference path, counted as the
     # ``encoded_cache`` fallback.
     engine_kernel: bool = True
+    # True when a row reads the tokens of its own block (``p // block_size``) otherwise
+    # than the rows after that block do (KIVI: its own block at full precision, earlier
+    # blocks decoded from codes); attention then reads the own block through
+    # ``gather_own`` and the earlier ones through ``gather``.
+    own_block_exact: bool = False
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
         self.check_head_dim(shape.head_dim)
@@ -94,6 +99,11 @@ class KVCodec(abc.ABC):
     @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every block-indexed tensor, ``[num_layers, num_blocks, ...]``."""
+
+    def gather_own(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks as the rows inside them read them, right after this step
+        wrote ``layer`` (``own_block_exact``); by default the same as ``gather``."""
+        return self.gather(layer, block_ids)
 
     def kernel_view(self, layer: int) -> KernelView | None:
         """How the C++ attention reads ``layer`` in place, or None: attention then takes

@@ -16,6 +16,19 @@ the slot. Invariants (``check_integrity``): a block has a residual slot iff it i
 partially filled; slots in use + free slots == capacity; a request has at most one
 filling block, and a press compaction needs one more for a moment, so ``max_num_seqs +
 1`` slots always suffice.
+
+What a row reads (``own_block_exact``): the token at KV position ``p`` attends to the
+blocks before its own block decoded from their 2-bit codes and to the tokens of its own
+block (``p // block_size``) at full precision, even when this very step filled and
+quantized that block. So a row sees the same K/V however the tokens were cut into steps
+(one prefill, chunked prefill, a prefix hit, recompute after preemption, decodes)::
+
+    row p = 37 (bs 16):  [ block 0: codes ][ block 1: codes ][ block 2: 32..37 exact ]
+
+Every row of a step lies in a block the step wrote, so the full-precision rows of a
+row's own block are the write's ``[blocks touched, bs, H, d]`` buffer of the layer
+(residual rows + this step's rows), kept until the next layer's write (``gather_own``;
+the kernel reads it as its residual pool through ``step_index``).
 """
 
 from __future__ import annotations
@@ -45,13 +58,8 @@ class _WritePlan:
 
 class Kivi2Codec(KVCodec):
     name = "kivi2"
-    # Off until fixed: with prefix hits and preemption in a 12-block pool the kernel's
-    # greedy tokens (fp32, default model) differed from the reference path's from the 8th
-    # token of one request (tests/kv/test_codecs.py::
-    # test_codec_outputs_unchanged_by_prefix_reuse_and_preemption[kivi2]); the kernel
-    # itself matches the reference in tests/model/test_codec_kernel.py.
-    engine_kernel = False
     rolls_back = False  # a filled block is quantized at once: rejected drafts would stay in
+    own_block_exact = True
 
     @classmethod
     def check_head_dim(cls, head_dim: int) -> None:
@@ -93,6 +101,12 @@ class Kivi2Codec(KVCodec):
         self.free_res = list(range(cap - 1, -1, -1))
         self._plan: _WritePlan | None = None
         self._release: list[int] = []
+        # This step's touched blocks at full precision, for the last layer written:
+        # step_index[b] = row of block b in _step_k/_step_v, -1 if b was not written.
+        self.step_index = torch.full((N,), -1, dtype=torch.long)
+        self._no_step = torch.full((N,), -1, dtype=torch.long)
+        self._step_layer = -1
+        self._step_k = self._step_v = self.res_k[0, :0]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_params, self.v_codes, self.v_params]
@@ -142,10 +156,14 @@ class Kivi2Codec(KVCodec):
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         s = self.shape
         if layer == 0:
+            if self._plan is not None:  # the previous step's blocks
+                self.step_index[self._plan.blocks] = -1
             self._plan = self._make_plan(slots)
+            self.step_index[self._plan.blocks] = torch.arange(self._plan.blocks.numel())
         plan = self._plan
         assert plan is not None
         n = plan.blocks.numel()
+        steps = []
         has_old = plan.old_res >= 0
         for x, res, codes, params, per_channel in (
             (k, self.res_k, self.k_codes, self.k_params, True),
@@ -155,6 +173,7 @@ class Kivi2Codec(KVCodec):
             if has_old.any():
                 tmp[has_old] = res[layer, plan.old_res[has_old]]
             tmp.view(-1, s.num_kv_heads, s.head_dim)[plan.rows] = x.to(self.dtype)
+            steps.append(tmp)
             done = plan.complete
             if done.any():
                 full = tmp[done].float()  # [m, bs, H, d]
@@ -171,10 +190,11 @@ class Kivi2Codec(KVCodec):
             live = ~done
             if live.any():
                 res[layer, plan.new_res[live]] = tmp[live]
+        self._step_k, self._step_v = steps
+        self._step_layer = layer
         if layer == s.num_layers - 1:
             self.free_res.extend(self._release)
             self._release = []
-            self._plan = None
 
     # ------------------------------------------------------------------ read
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +214,25 @@ class Kivi2Codec(KVCodec):
         tail = (*block_ids.shape, *k.shape[1:])
         return k.view(tail), v.view(tail)
 
+    def gather_own(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks as the rows inside them read them: this step's full-precision rows of a
+        block the step wrote at ``layer`` (even one it filled and quantized), else
+        ``gather``."""
+        k, v = self.gather(layer, block_ids)
+        if self._step_layer != layer:
+            return k, v
+        idx = self.step_index[block_ids]
+        live = idx >= 0
+        if live.any():
+            k[live] = self._step_k[idx[live]]
+            v[live] = self._step_v[idx[live]]
+        return k, v
+
     def kernel_view(self, layer: int) -> KernelView | None:
-        """Codes and parameters in place, and the residual pool with each block's slot."""
+        """Codes and parameters in place; as the residual pool, the full-precision rows of
+        the blocks this step wrote at ``layer`` (``step_index``), which the kernel reads
+        for a row's own block only (the layer's last write; none before it)."""
+        here = self._step_layer == layer
         return KernelView(
             "kivi2",
             self.k_codes[layer],
@@ -203,9 +240,9 @@ class Kivi2Codec(KVCodec):
             self.k_params[layer],
             self.v_params[layer],
             group=V_GROUP,
-            res_k=self.res_k[layer],
-            res_v=self.res_v[layer],
-            residual_of=self.residual_of,
+            res_k=self._step_k if here else self.res_k[layer, :0],
+            res_v=self._step_v if here else self.res_v[layer, :0],
+            residual_of=self.step_index if here else self._no_step,
         )
 
     # ------------------------------------------------------------------ bookkeeping

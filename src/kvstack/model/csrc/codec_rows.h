@@ -4,8 +4,10 @@
 // Row r of a layer is token i of block b for KV head h: r = (b * BS + i) * KVH + h.
 // Codes of row r start at byte r * code_bytes; per-row bf16 parameters at r * k_cols
 // (k) or r * v_cols (v). KIVI keys are the exception: their (scale, zero) pairs are per
-// block and channel, [NB, KVH, HD, 2], and a block that is still filling lives in the
-// residual pool in the activation dtype (residual_of[b] >= 0).
+// block and channel, [NB, KVH, HD, 2], and a row reads the tokens of its own block (the
+// block of its last context token) at full precision from the residual pool in the
+// activation dtype when residual_of[b] >= 0 (the blocks the step wrote: the one still
+// filling, or one the step filled and quantized), every earlier block from its codes.
 //
 // Two readers: row_scalar (any ISA, any head_dim; fully dequantized, natural order) and,
 // with AVX-512, row64 (head_dim 64, four vectors of 16 channels; natural order, except
@@ -36,6 +38,7 @@ struct CodecView {
   const void* res_v;
   bool res_float;  // residual pool is float32 (else bfloat16)
   const int64_t* residual_of;  // [NB] residual slot of each block, -1 if none; or null
+                               // (read only for a row's own block)
   const float* signs;  // rotated4: [HD] signs of the rotation (codes hold x R); or null
   int64_t KVH, BS, HD;
 
@@ -112,12 +115,13 @@ static inline void residual_row_scalar(const CodecView& c, bool is_k, int64_t rs
                          : bf(static_cast<const c10::BFloat16*>(base)[off + d]);
 }
 
-// The dequantized row (K if is_k, else V) of token i of block blk, head kh: dst[HD].
+// The dequantized row (K if is_k, else V) of token i of block blk, head kh: dst[HD];
+// own: blk is the reading row's own block (its residual rows, if any, are read).
 // Equal to the codec's PyTorch decode in float32 (same products, no rounding after).
 static void row_scalar(const CodecView& c, bool is_k, int64_t blk, int64_t i, int64_t kh,
-                       float* dst) {
+                       bool own, float* dst) {
   const int64_t HD = c.HD, r = (blk * c.BS + i) * c.KVH + kh;
-  const int64_t rs = c.residual(blk);
+  const int64_t rs = own ? c.residual(blk) : -1;
   if (rs >= 0) return residual_row_scalar(c, is_k, rs, i, kh, dst);
   const uint8_t* code = (is_k ? c.kc : c.vc) + r * c.code_bytes;
   const c10::BFloat16* p = is_k ? c.kp + r * c.k_cols : c.vp + r * c.v_cols;

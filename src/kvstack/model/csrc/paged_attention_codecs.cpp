@@ -40,14 +40,14 @@ void codec_rows_generic(const CodecView& cv, const T* q, const int64_t* tables,
   at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * HD), acc(G * HD), row(HD), sc;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / KVH, kh = w % KVH, L = lens[r];
+      const int64_t r = w / KVH, kh = w % KVH, L = lens[r], own = (L - 1) / BS;
       const int64_t* table = tables + table_of(tidx, r) * MB;
       sc.assign(G * L, 0.f);
       for (int64_t i = 0; i < G * HD; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * HD + i]);
       if (cv.signs)
         for (int64_t g = 0; g < G; ++g) rotate(qf.data() + g * HD, cv.signs, HD, false);
       for (int64_t t = 0; t < L; ++t) {
-        row_scalar(cv, true, table[t / BS], t % BS, kh, row.data());
+        row_scalar(cv, true, table[t / BS], t % BS, kh, t / BS == own, row.data());
         for (int64_t g = 0; g < G; ++g) {
           float s = 0.f;
           for (int64_t i = 0; i < HD; ++i) s += qf[g * HD + i] * row[i];
@@ -63,7 +63,7 @@ void codec_rows_generic(const CodecView& cv, const T* q, const int64_t* tables,
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        row_scalar(cv, false, table[t / BS], t % BS, kh, row.data());
+        row_scalar(cv, false, table[t / BS], t % BS, kh, t / BS == own, row.data());
         for (int64_t g = 0; g < G; ++g)
           for (int64_t i = 0; i < HD; ++i) acc[g * HD + i] += sc[g * L + t] * row[i];
       }
@@ -98,21 +98,23 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// Where a pass is: block bi of the table, token i in it, the block's residual slot (kivi2)
-// and its key parameters.
+// Where a pass is: block bi of the table, token i in it, the block's residual slot (kivi2:
+// only in the row's own block, table index own) and its key parameters.
 template <Codec C>
 struct Cursor {
   const CodecView& cv;
   const int64_t* table;
-  int64_t kh, nblocks, bi, i, blk, rs = -1;
+  int64_t kh, nblocks, own, bi, i, blk, rs = -1;
   KiviKeys kk;
-  Cursor(const CodecView& c, const int64_t* t, int64_t h, int64_t t0, int64_t t1, bool is_k)
-      : cv(c), table(t), kh(h), nblocks((t1 + c.BS - 1) / c.BS), bi(t0 / c.BS), i(t0 % c.BS) {
+  Cursor(const CodecView& c, const int64_t* t, int64_t h, int64_t t0, int64_t t1, int64_t o,
+         bool is_k)
+      : cv(c), table(t), kh(h), nblocks((t1 + c.BS - 1) / c.BS), own(o), bi(t0 / c.BS),
+        i(t0 % c.BS) {
     enter(is_k);
   }
   void enter(bool is_k) {
     blk = table[bi];
-    rs = cv.residual(blk);
+    rs = bi == own ? cv.residual(blk) : -1;
     if constexpr (C == Codec::kKivi2)
       if (is_k && rs < 0) kk.load(cv, blk, kh);
     if (bi + 1 < nblocks) prefetch_block(cv, is_k, table[bi + 1], kh);
@@ -141,7 +143,8 @@ struct Cursor {
 // decoded once for the G heads. The next block is prefetched.
 template <Codec C, int GT>
 void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
-                  int64_t t0, int64_t t1, int g_rt, float scale, CodecPartial* parts) {
+                  int64_t t0, int64_t t1, int64_t own, int g_rt, float scale,
+                  CodecPartial* parts) {
   constexpr bool kBf16 = GT > 0 && kHasBf16Dot;
   const int G = GT > 0 ? GT : g_rt;
   const int64_t n = t1 - t0, np = (n + 15) / 16 * 16;
@@ -160,7 +163,7 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
     for (int g = 0; g < G; ++g)
       for (int k = 0; k < 2; ++k) qh[g][k] = _mm512_cvtne2ps_pbh(qv[g][2 * k + 1], qv[g][2 * k]);
 #endif
-  Cursor<C> ck(cv, table, kh, t0, t1, true);
+  Cursor<C> ck(cv, table, kh, t0, t1, own, true);
   for (int64_t j0 = 0; j0 < np; j0 += 16) {
     const int live_n = static_cast<int>(std::min<int64_t>(16, n - j0));
     for (int j = 0; j < 16; ++j) {
@@ -215,7 +218,7 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
   __m512 acc[kMaxG][4];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
-  Cursor<C> cvv(cv, table, kh, t0, t1, false);
+  Cursor<C> cvv(cv, table, kh, t0, t1, own, false);
   for (int64_t j = 0; j < n; ++j) {
     __m512 x[4];
     const float f = cvv.next(false, x);
@@ -249,20 +252,20 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
       if (cv.signs)
         for (int64_t g = 0; g < G; ++g) rotate(qf + g * 64, cv.signs, 64, false);
       const int64_t* table = tables + table_of(tidx, r) * MB;
-      const int64_t t1 = std::min(lens[r], t0 + kCodecPart);
+      const int64_t t1 = std::min(lens[r], t0 + kCodecPart), own = (lens[r] - 1) / cv.BS;
       CodecPartial* pp = parts.data() + pi * H + kh * G;
       const int g = static_cast<int>(G);
       if (!std::is_same_v<T, c10::BFloat16>) {  // float32 queries: float32 dots
-        codec_part64<C, 0>(cv, qf, table, kh, t0, t1, g, scale, pp);
+        codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
         continue;
       }
       switch (g) {  // the common GQA ratios with G in registers; others at run time
-        case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
-        case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
-        case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
-        case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
-        case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, g, scale, pp); break;
-        default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, g, scale, pp);
+        case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+        case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+        case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+        case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+        case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+        default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
       }
     }
   });
