@@ -46,7 +46,7 @@ def load_error(path: Path) -> str:
 
 
 def test_registry_lists_every_family() -> None:
-    assert ARCHITECTURES.names() == ("llama", "qwen2", "qwen3", "mistral")
+    assert ARCHITECTURES.names() == ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 
 def test_unknown_architecture(tmp_path: Path) -> None:
