@@ -30,6 +30,7 @@ from kvstack.model.kernels import fallback_counts
 from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
 from kvstack.model.runner import LogitCapture, ModelRunner
 from kvstack.model.structured import StructuredOutputManager
+from kvstack.model.window import check_window_support
 from kvstack.output_processor import OutputProcessor, ParentState, record_logprobs
 from kvstack.prompts import check_cache_salt
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -72,6 +73,8 @@ class LLMEngine:
             mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs
         )
         codec = self.kv_storage.codec
+        # A sliding window with an encoded or pressed cache: one clear error (model/window.py).
+        check_window_support(mc, None if codec.identity else cc.kv_cache_dtype, cc.kv_press)
         self.kv_bytes_per_token = (
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
@@ -94,7 +97,11 @@ class LLMEngine:
         # Era 5: per-request press state and the hooks scheduler, runner and step call.
         self.press = PressCoordinator(
             PressDefaults(
-                cc.kv_press, cc.kv_press_ratio, cc.kv_press_every, cc.kv_layout == "paged"
+                cc.kv_press,
+                cc.kv_press_ratio,
+                cc.kv_press_every,
+                cc.kv_layout == "paged",
+                windowed=mc.has_window,
             ),
             self.kv_manager,
             self.kv_storage,

@@ -38,11 +38,20 @@ class ModelConfig:
     - ``qk_norm``: a per-head RMSNorm of ``head_dim`` weights on q and on k before RoPE
       (Qwen3);
     - ``head_dim``: explicit, may differ from ``hidden_size // num_heads`` (Qwen3);
-    - ``sliding_window``: the checkpoint's attention window, kept only when it never binds
-      (at least ``max_position_embeddings``: every key stays visible); None = none.
+    - ``sliding_window``: the attention window W of the sliding layers (None = none): a
+      query at position p attends keys (p - W, p], W of them, as transformers'
+      ``masking_utils.sliding_window_overlay`` (``model/window.py``);
+    - ``window_layers``: which layers slide (True) and which attend to every key; None =
+      every layer slides when ``sliding_window`` is set (Mistral). ``layer_window(i)``
+      is what the forward reads. Every block of a sequence stays allocated (the KV of
+      keys older than the window is kept, never read): no memory is freed yet.
+
+    - ``rope_local_theta``: the RoPE base of the sliding layers (None: ``rope_theta``);
+      ``query_pre_attn_scalar``: the attention scale is its ``-0.5`` power (None:
+      ``head_dim``'s) (both Gemma 3, whose layer runs in ``model/gemma3.py``).
 
     Invariants: ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention);
-    a ``sliding_window`` is never shorter than the context (kvstack attends to every key).
+    a ``sliding_window`` is positive; ``window_layers`` has one entry per layer.
     """
 
     vocab_size: int
@@ -62,6 +71,9 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -70,11 +82,39 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
         window = self.sliding_window
-        if window is not None and window < self.max_position_embeddings:
+        if window is not None and window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {window}")
+        layers = self.window_layers
+        if layers is not None and len(layers) != self.num_layers:
             raise ConfigError(
-                f"sliding_window {window} is shorter than the context "
-                f"({self.max_position_embeddings}); kvstack has no windowed attention"
+                f"window_layers names {len(layers)} layers, the model has {self.num_layers}"
             )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of ``layer``: None when it attends to every key (a full-attention
+        layer, or a window that covers the whole context)."""
+        w = self.sliding_window
+        if w is None or w >= self.max_position_embeddings:
+            return None
+        if self.window_layers is not None and not self.window_layers[layer]:
+            return None
+        return w
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of ``layer``: ``rope_local_theta`` on a sliding layer, if set."""
+        slides = self.window_layers is None or self.window_layers[layer]
+        if self.sliding_window is not None and slides and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def has_window(self) -> bool:
+        """True when some layer attends to fewer keys than the context holds."""
+        return any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @property
     def q_per_kv(self) -> int:

@@ -46,7 +46,7 @@ def load_error(path: Path) -> str:
 
 
 def test_registry_lists_every_family() -> None:
-    assert ARCHITECTURES.names() == ("llama", "qwen2", "qwen3", "mistral")
+    assert ARCHITECTURES.names() == ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 
 def test_unknown_architecture(tmp_path: Path) -> None:
@@ -116,34 +116,57 @@ def test_missing_or_malformed_gguf_metadata(tmp_path: Path) -> None:
     )
 
 
-def test_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
-    msg = load_error(folder_with(tmp_path / "m", "mistral", sliding_window=256))
-    assert "sliding_window 256 is shorter than the context (512 tokens)" in msg
-    msg = load_error(
-        folder_with(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=64)
+def test_sliding_windows_load_per_layer_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    """Windows shorter than the context load (``model/window.py``), on the layers
+    transformers' configs slide: Mistral every layer; Qwen2/Qwen3 those of ``layer_types``
+    or from ``max_window_layers`` on (transformers' default 28: none of 2 layers)."""
+
+    def windows(folder: Path) -> list[int | None]:
+        cfg = load_model(str(folder)).config
+        return [cfg.layer_window(i) for i in range(cfg.num_layers)]
+
+    assert windows(folder_with(tmp_path / "m", "mistral", sliding_window=256)) == [256, 256]
+    q = folder_with(
+        tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1
     )
-    assert "sliding_window 64 is shorter than the context" in msg
+    assert windows(q) == [None, 64]
+    q = folder_with(
+        tmp_path / "q0", "qwen2", use_sliding_window=True, sliding_window=64,
+        max_window_layers=None,
+    )  # fmt: skip
+    assert windows(q) == [None, None]
     types = ["full_attention", "sliding_attention"]
     folder = folder_with(
         tmp_path / "q3", "qwen3", use_sliding_window=True, sliding_window=64, layer_types=types
     )
-    assert "sliding_window 64" in load_error(folder)
+    assert windows(folder) == [None, 64]
+    bad_types = folder_with(
+        tmp_path / "q4", "qwen3", use_sliding_window=True, sliding_window=64, layer_types="x"
+    )
+    assert "invalid layer_types 'x'" in load_error(bad_types)
     for bad in (0, -5, "wide", True):
         msg = load_error(folder_with(tmp_path / f"b{bad}", "mistral", sliding_window=bad))
         assert f"invalid sliding_window {bad!r}" in msg
 
 
-def test_gguf_sliding_window_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GGUF's ``{arch}.attention.sliding_window`` is checked as config.json's is."""
+@pytest.mark.parametrize("value", [100, 0])
+def test_gguf_sliding_window_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: int
+) -> None:
+    """A GGUF's ``{arch}.attention.sliding_window`` is checked as config.json's is and
+    slides every layer."""
 
     class Writer(gguf.GGUFWriter):
         def write_header_to_file(self, *args: Any, **kwargs: Any) -> None:
-            self.add_uint32("qwen2.attention.sliding_window", 100)
+            self.add_uint32("qwen2.attention.sliding_window", value)
             super().write_header_to_file(*args, **kwargs)
 
     monkeypatch.setattr(gguf, "GGUFWriter", Writer)
-    msg = load_error(write_gguf(tmp_path / "w.gguf", *tiny("qwen2")))
-    assert "qwen2.attention.sliding_window 100 is shorter than the context (512 tokens)" in msg
+    path = write_gguf(tmp_path / "w.gguf", *tiny("qwen2"))
+    if value:
+        assert load_model(str(path)).config.layer_window(1) == 100
+    else:
+        assert "invalid qwen2.attention.sliding_window 0" in load_error(path)
 
 
 def test_windows_that_never_bind_load_as_full_attention(tmp_path: Path) -> None:
@@ -200,8 +223,8 @@ def test_released_configs() -> None:
     q3 = config_from_hf(QWEN3_06B, where)
     assert (q3.architecture, q3.qkv_bias, q3.qk_norm, q3.head_dim) == ("qwen3", False, True, 128)
     assert q3.num_heads * q3.head_dim == 2048 != q3.hidden_size
-    with pytest.raises(ModelLoadError, match="sliding_window 4096 is shorter than the context"):
-        config_from_hf(MISTRAL_7B_V01, where)
+    v01 = config_from_hf(MISTRAL_7B_V01, where)  # 4,096 of 32,768: every layer slides
+    assert [v01.layer_window(i) for i in (0, 31)] == [4096, 4096]
     v03 = config_from_hf({**MISTRAL_7B_V01, "sliding_window": None}, where)
     assert (v03.architecture, v03.head_dim, v03.sliding_window) == ("mistral", 128, None)
 

@@ -37,6 +37,10 @@ Rows of one step are ordered decodes first, then prefill chunks::
         query 0: x x x x x x          position 5
         query 1: x x x x x x x        position 6
         query 2: x x x x x x x x      position 7
+
+* A sliding-window layer (``window``; Mistral, Qwen2's sliding layers, Gemma 3's local
+  layers) sees only keys ``(p - W, p]`` on every path: the kernels start each row at key
+  ``max(0, L - W)``, the PyTorch paths mask the older keys (``model/window.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from kvstack.kv.codecs import KernelView
 from kvstack.kv.storage import LayerCache
 from kvstack.model.kernels import Kernels, note_fallback
+from kvstack.model.window import decode_window_bias, prefill_window_mask
 
 
 @dataclass
@@ -66,6 +71,15 @@ class PrefillSeq:
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend; None if pure causal
     num_seqs: int = 1
     layer_masks: list[torch.Tensor] | None = None  # per layer, after an uneven press
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per window, lazily
+
+    def mask_for(self, layer: int, window: int | None) -> torch.Tensor | None:
+        """The mask of ``layer`` (None: causal); a window masks keys older than it."""
+        if window is not None:
+            if window not in self.window_masks:
+                self.window_masks[window] = prefill_window_mask(self.q_len, self.ctx_len, window)
+            return self.window_masks[window]
+        return self.layer_masks[layer] if self.layer_masks is not None else self.mask
 
 
 KERNEL_CHUNK_ROWS = 12  # prefill chunks up to this length take the C++ kernel
@@ -102,6 +116,22 @@ class AttentionMetadata:
     captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     # Set when every row goes to the C++ kernel (then ``prefills`` is empty).
     kernel_rows: KernelRows | None = None
+    # Window -> decode_bias with the slots older than it masked (lazily, fallback path).
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_bias_for(self, layer: int, window: int | None) -> torch.Tensor:
+        """The fallback decode path's additive mask for ``layer`` (windowed if ``window``)."""
+        if self.decode_layer_bias is not None:
+            return self.decode_layer_bias[layer]
+        assert self.decode_bias is not None
+        if window is None:
+            return self.decode_bias
+        if window not in self.window_bias:
+            assert self.decode_context_lens is not None
+            self.window_bias[window] = decode_window_bias(
+                self.decode_bias, self.decode_context_lens, window
+            )
+        return self.window_bias[window]
 
 
 def decode_attention(
@@ -196,7 +226,7 @@ def chunk_context(
 
 
 def _decode_rows(
-    q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int
 ) -> torch.Tensor:
     """Decode rows without ``KernelRows``: the C++ decode kernel, or (encoded caches,
     uneven presses, no kernels) the PyTorch gather path, counted as a fallback."""
@@ -206,14 +236,13 @@ def _decode_rows(
     if meta.kernels is not None and cache.k is not None and layer_bias is None:
         assert meta.decode_context_lens is not None
         out: torch.Tensor = meta.kernels.paged_decode_attention(
-            q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale
+            q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale, window
         )
         return out
     if meta.kernels is not None and cache.layer == 0:  # counted, once per step
         reason = "encoded_cache" if cache.k is None else "uneven_press"
         note_fallback("paged_decode_attention", reason)
-    bias = layer_bias[cache.layer] if layer_bias is not None else meta.decode_bias
-    assert bias is not None
+    bias = meta.decode_bias_for(cache.layer, window or None)
     tables = meta.decode_block_tables
     keys, vals = cache.gather(tables)  # [D, blocks, bs, KVH, d]
     kvh, hd = keys.shape[-2], keys.shape[-1]
@@ -232,24 +261,28 @@ def paged_attention(
     cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for all rows of a step. The new K/V must already be in the cache.
 
     q ``[T, H, d]``, k/v ``[T, KVH, d]`` (this step's); ``cache`` is one layer of the
     KV storage. Unencoded caches are read in place (the C++ decode kernel, or indexing);
     an encoded one (era 5 codecs) is read through ``cache.gather``, which dequantizes
-    just the blocks a row needs. Returns ``[T, H, d]``.
+    just the blocks a row needs. ``window``: this layer's sliding window (None: every key;
+    ``model/window.py``). Returns ``[T, H, d]``.
     """
     every = meta.kernel_rows
+    w = window or 0  # the kernels' "no window"
     if every is not None and meta.kernels is not None:
         if cache.k is not None:
             head = meta.kernels.paged_attention(
                 q[: every.num_rows], cache.k, cache.v, every.block_tables, every.table_index,
-                every.context_lens, scale,
+                every.context_lens, scale, w,
             )  # fmt: skip
         else:  # the runner sets kernel_rows for an encoded cache only with a kernel view
             view = cache.kernel_view
             assert view is not None, "kernel rows over a cache the kernel cannot read"
+            assert not w, "codec kernels have no window (model/window.py refuses the pair)"
             head = codec_attention(meta.kernels, q[: every.num_rows], view, every, scale)
         if not meta.prefills:
             return head
@@ -258,10 +291,10 @@ def paged_attention(
     else:
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = _decode_rows(q[: meta.num_decodes], cache, meta, scale)
+            out[: meta.num_decodes] = _decode_rows(q[: meta.num_decodes], cache, meta, scale, w)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
-        mask = p.layer_masks[cache.layer] if p.layer_masks is not None else p.mask
+        mask = p.mask_for(cache.layer, window)
         if p.block_ids is None:
             kk, vv = k[rows], v[rows]
         else:

@@ -83,8 +83,9 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None if it is no weight kvstack knows."""
+def hf_name(gguf_name: str, family: Architecture | None = None) -> str | None:
+    """Hugging Face name of a GGUF tensor, or None if it is no weight kvstack knows
+    (``family.gguf_layer_names`` first: Gemma 3 names its norms its own way)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
@@ -94,7 +95,8 @@ def hf_name(gguf_name: str) -> str | None:
         and parts[1].isdigit()
         and parts[3] in ("weight", "bias")
     ):
-        sub = LAYER_NAMES.get(parts[2])
+        own = family.gguf_layer_names if family is not None else {}
+        sub = own.get(parts[2], LAYER_NAMES.get(parts[2]))
         if sub is not None:
             return f"model.layers.{int(parts[1])}.{sub}.{parts[3]}"
     return None
@@ -203,7 +205,7 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             num_kv_heads=int(get("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=theta,
+            rope_theta=features.rope_theta or theta,
             rope_scaling=_rope_scaling(g, arch, head_dim, theta),
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in g.tensors,
@@ -212,6 +214,9 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
             qkv_bias=features.qkv_bias,
             qk_norm=features.qk_norm,
             sliding_window=features.sliding_window,
+            window_layers=features.window_layers,
+            rope_local_theta=features.rope_local_theta,
+            query_pre_attn_scalar=features.query_pre_attn_scalar,
         )
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise ModelLoadError(f"{g.path}: invalid model metadata: {e}") from e
@@ -245,6 +250,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qk_norm:
         per_layer.update({"self_attn.q_norm": (cfg.head_dim,), "self_attn.k_norm": (cfg.head_dim,)})
+    per_layer.update({norm: (h,) for norm in ARCHITECTURES.get(cfg.architecture).extra_layer_norms})
     biases = {"self_attn.q_proj": (q,), "self_attn.k_proj": (kv,), "self_attn.v_proj": (kv,)}
     for layer in range(cfg.num_layers):
         for sub, shape in per_layer.items():
@@ -275,9 +281,10 @@ def load_gguf(
     with GGUFFile.open(path) as g:
         cfg = config_from_gguf(g)
         wanted = expected_shapes(cfg)
+        family = gguf_family(cfg)
         names: dict[str, str] = {}
         for name in g.tensors:
-            target = hf_name(name)
+            target = hf_name(name, family)
             if target is None or target not in wanted:
                 if name in IGNORED_TENSORS or name.endswith(".attn_rot_embd"):
                     continue
@@ -292,7 +299,7 @@ def load_gguf(
                     f"{g.path}: tensor {name!r} has unsupported quantization type {qtype.name}"
                 )
 
-        permuted = gguf_family(cfg).gguf_permuted_qk
+        permuted, offset = family.gguf_permuted_qk, family.gguf_norm_offset
 
         def convert(name: str) -> tuple[str, torch.Tensor]:
             w = g.tensor(name)
@@ -300,6 +307,8 @@ def load_gguf(
                 w = unpermute_qk(w, cfg.num_heads).contiguous()
             elif permuted and name.endswith((".attn_k.weight", ".attn_k.bias")):
                 w = unpermute_qk(w, cfg.num_kv_heads).contiguous()
+            if offset and name.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + w
+                w = w - offset
             return names[name], w
 
         # numpy's dequantization releases the GIL for large arrays: threads help.

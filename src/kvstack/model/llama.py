@@ -129,7 +129,9 @@ class LlamaModel:
             config.rope_theta,
             config.rope_scaling,
         )
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale  # head_dim ** -0.5 unless the family says
+        # Per layer: its sliding window, None = every key (model/window.py).
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
 
     @torch.inference_mode()
@@ -164,7 +166,7 @@ class LlamaModel:
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
             for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
                 meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
-            a = paged_attention(q, k, v, cache, meta, self.scale)
+            a = paged_attention(q, k, v, cache, meta, self.scale, self.windows[li])
             x, residual = ops.add_rms_norm(
                 layer.o(a.reshape(t, heads.q_size)), residual, layer.post_norm, eps
             )

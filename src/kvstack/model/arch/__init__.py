@@ -1,7 +1,7 @@
 """``ARCHITECTURES``: the model families kvstack serves, and how a checkpoint finds its own.
 
 One ``Architecture`` per family (``base.py``), one module each: ``llama``, ``qwen2``,
-``qwen3``, ``mistral``. A Hugging Face folder is matched by its ``config.json``
+``qwen3``, ``mistral``, ``gemma3``. A Hugging Face folder is matched by its ``config.json``
 ``architectures`` classes first, then its ``model_type``; a GGUF by
 ``general.architecture``. Anything else is a ``ModelLoadError`` listing the families.
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 from kvstack.errors import ModelLoadError
 from kvstack.model.arch.base import Architecture, Features, check_window
+from kvstack.model.arch.gemma3 import GEMMA3
 from kvstack.model.arch.llama import LLAMA
 from kvstack.model.arch.mistral import MISTRAL
 from kvstack.model.arch.qwen2 import QWEN2
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 ARCHITECTURES: Registry[Architecture] = Registry("model architecture")
-for _arch in (LLAMA, QWEN2, QWEN3, MISTRAL):
+for _arch in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3):
     ARCHITECTURES.add(_arch.name, _arch, help=_arch.summary)
 
 

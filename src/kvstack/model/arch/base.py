@@ -9,7 +9,7 @@ A family is a small module of ``model/arch/`` holding one ``Architecture`` regis
   ``model_type`` values, GGUF ``general.architecture`` values;
 - which features a checkpoint turns on (``hf_features``, ``gguf_features``), refusing with
   a ``ModelLoadError`` naming the field anything the forward cannot run as the reference
-  does (a bias on o_proj, a sliding window shorter than the context...);
+  does (a bias on o_proj, attention logit softcapping...);
 - whether llama.cpp's converter permuted the q/k rows of its GGUFs (``gguf_permuted_qk``:
   its ``LLAMA`` arch interleaves each head's RoPE pairs; Qwen2/Qwen3 are written as they
   are, since llama.cpp runs them with NeoX-style rotate-half RoPE).
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvstack.errors import ModelLoadError
 
@@ -36,6 +36,10 @@ class Features:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None  # which layers slide; None = all
+    rope_theta: float | None = None  # overrides the shared parse (Gemma 3's global base)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale ** -2 (Gemma 3)
 
 
 class Architecture:
@@ -47,6 +51,13 @@ class Architecture:
     gguf_names: tuple[str, ...] = ()  # GGUF general.architecture
     gguf_permuted_qk: bool = False  # llama.cpp interleaved the q/k rows (its LLAMA arch)
     needs_head_dim: bool = False  # config.json must give head_dim (no hidden/heads default)
+    hidden_act_key: str = "hidden_act"  # config.json key of the MLP activation ...
+    hidden_act: str = "silu"  # ... and the one value the forward runs
+    # GGUF: llama.cpp names that differ from ``model/gguf.py`` LAYER_NAMES, and what its
+    # converter added to every ``*norm.weight`` (Gemma: 1), subtracted back on load.
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {}
+    gguf_norm_offset: float = 0.0
+    extra_layer_norms: tuple[str, ...] = ()  # per-layer norms beyond Llama's two (Gemma 3)
     summary: str = ""  # one line for ``--help`` and errors
 
     def hf_features(self, cfg: Mapping[str, Any], context: int, where: Path) -> Features:
@@ -71,17 +82,13 @@ def reject_keys(cfg: Mapping[str, Any], keys: tuple[str, ...], why: str, where: 
 
 
 def check_window(window: object, context: int, where: Path, field: str) -> int | None:
-    """A sliding window kvstack can serve: None (full attention) or one never shorter than
-    ``context`` (it never hides a key); else ``ModelLoadError`` naming ``field``."""
+    """A sliding window: None (full attention) or a positive token count (one shorter than
+    ``context`` hides older keys, ``model/window.py``); else ``ModelLoadError`` naming
+    ``field``."""
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ModelLoadError(f"{where}: invalid {field} {window!r} (a positive token count)")
-    if window < context:
-        raise ModelLoadError(
-            f"{where}: {field} {window} is shorter than the context ({context} tokens): "
-            "sliding-window attention is not supported (kvstack attends to every key)"
-        )
     return window
 
 

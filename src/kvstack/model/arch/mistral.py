@@ -1,12 +1,11 @@
 """Mistral (``MistralForCausalLM``; transformers ``models/mistral/modeling_mistral.py``).
 
 The Llama layout; what differs is ``sliding_window``: Mistral-7B v0.1 attends to the last
-4,096 keys only, later releases set it to null (full attention). kvstack has no windowed
-attention (neither the PyTorch path nor the C++ kernels mask old keys), so a window shorter
-than the context is refused, naming ``sliding_window``; a null one, or one covering the
-whole context, is the Llama forward exactly. llama.cpp writes Mistral GGUFs as
-``general.architecture = "llama"`` (the llama family); ``"mistral"`` is accepted too,
-permuted as llama.
+4,096 keys only (every layer; ``model/window.py``), later releases set it to null (full
+attention). A null window, or one covering the whole context, is the Llama forward
+exactly. The KV of keys older than the window stays allocated (no memory is freed yet).
+llama.cpp writes Mistral GGUFs as ``general.architecture = "llama"`` (the llama family);
+``"mistral"`` is accepted too, permuted as llama.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ class Mistral(Architecture):
     model_types = ("mistral",)
     gguf_names = ("mistral",)
     gguf_permuted_qk = True
-    summary = "Mistral 7B v0.2+ (MistralForCausalLM): no sliding window shorter than the context"
+    summary = "Mistral 7B (MistralForCausalLM): sliding-window attention"
 
     def hf_features(self, cfg: Mapping[str, Any], context: int, where: Path) -> Features:
         reject_keys(

@@ -14,6 +14,7 @@ size as ``qwen3.attention.key_length``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,12 @@ class Qwen3(Architecture):
             "Qwen3 with biases (o_proj included) is not supported",
             where,
         )
-        return Features(qk_norm=True, sliding_window=qwen_window(cfg, context, where))
+        return replace(qwen_window(cfg, context, where), qk_norm=True)
 
     def gguf_features(
         self, md: Mapping[str, Any], prefix: str, context: int, where: Path
     ) -> Features:
-        window = super().gguf_features(md, prefix, context, where).sliding_window
-        return Features(qk_norm=True, sliding_window=window)
+        return replace(super().gguf_features(md, prefix, context, where), qk_norm=True)
 
 
 QWEN3 = Qwen3()

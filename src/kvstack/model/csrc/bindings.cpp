@@ -7,10 +7,10 @@
 
 TORCH_LIBRARY(kvstack, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor",
+        "Tensor context_lens, float scale, int window=0) -> Tensor",
         &paged_decode_attention);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor? table_index, Tensor context_lens, float scale) -> Tensor",
+        "Tensor? table_index, Tensor context_lens, float scale, int window=0) -> Tensor",
         &paged_attention);
   m.def("paged_attention_codec(Tensor q, str kind, int group, Tensor k_codes, Tensor v_codes, "
         "Tensor k_params, Tensor v_params, Tensor? res_k, Tensor? res_v, Tensor? residual_of, "

@@ -7,10 +7,10 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
+                                     torch::Tensor context_lens, double scale, int64_t window);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
-                              torch::Tensor context_lens, double scale);
+                              torch::Tensor context_lens, double scale, int64_t window);
 torch::Tensor paged_attention_codec(
     torch::Tensor q, std::string kind, int64_t group, torch::Tensor k_codes,
     torch::Tensor v_codes, torch::Tensor k_params, torch::Tensor v_params,

