@@ -202,17 +202,17 @@ def paged_attention(
     just the blocks a row needs. Returns ``[T, H, d]``.
     """
     every = meta.kernel_rows
-    kvh, hd = k.shape[1], k.shape[2]
     if every is not None and meta.kernels is not None:
+        rows_q = q if every.num_rows == q.shape[0] else q[: every.num_rows]
         if cache.k is not None:
             head = meta.kernels.paged_attention(
-                q[: every.num_rows], cache.k, cache.v, every.block_tables, every.table_index,
+                rows_q, cache.k, cache.v, every.block_tables, every.table_index,
                 every.context_lens, scale,
             )  # fmt: skip
         else:  # the runner sets kernel_rows for an encoded cache only with a kernel view
             view = cache.kernel_view
             assert view is not None, "kernel rows over a cache the kernel cannot read"
-            head = codec_attention(meta.kernels, q[: every.num_rows], view, every, scale)
+            head = codec_attention(meta.kernels, rows_q, view, every, scale)
         if not meta.prefills:
             return head
         out = torch.empty_like(q)
@@ -221,6 +221,7 @@ def paged_attention(
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = _decode_rows(q[: meta.num_decodes], cache, meta, scale)
+    kvh, hd = k.shape[1], k.shape[2]
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.num_seqs * p.q_len)
         if p.block_ids is None:
