@@ -6,10 +6,11 @@ ignored. Each engine stage is wrapped with a timer (``LLMEngine.step`` -> schedu
 ``ModelRunner.execute`` (inputs, ``LlamaModel.forward``, sampling), update and output
 processing); ``--torch-profile`` adds a torch.profiler table of the decode steps (top ops
 by self CPU time). ``--clock thread --threads 1`` measures CPU time instead of wall
-time (a loaded machine stalls OpenMP barriers). Timings are medians over ``--runs`` runs; the machine is shared, so
-other processes' CPU use during the runs is printed with the figures.
+time (a loaded machine stalls OpenMP barriers). Timings are medians over ``--runs`` runs;
+the machine is shared, so other processes' CPU use during the runs is printed with them.
 
-    PYTHONPATH=src python benchmarks/profile_decode.py --variant bf16: --variant gguf:quantization=gguf
+    cd benchmarks && PYTHONPATH=../src python profile_decode.py \
+        --variant bf16: --variant gguf:quantization=gguf --clock thread --threads 1
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 from bench_common import LoadMeter
 from latency import build_prompts, parse_variant
-
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 clock = time.perf_counter

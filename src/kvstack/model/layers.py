@@ -63,7 +63,7 @@ class Linear:
         if self.amx is not None and amx_linear.use_amx(x, self.out_features):
             return self._amx_ops.amx_linear(x, self.amx, self.out_features)  # type: ignore[union-attr]
         if self.packed is not None:
-            return _LINEAR_POINTWISE(x, self.packed, None, "none", [], "")  # type: ignore[no-any-return]
+            return _LINEAR_POINTWISE(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
 

@@ -102,7 +102,6 @@ def split_qkv(qkv: torch.Tensor, heads: HeadShape) -> QKV:
     return rows[:, :h], rows[:, h : h + kvh], rows[:, h + kvh :]
 
 
-
 class TorchOps:
     """The reference path: PyTorch ops, as Hugging Face's Llama."""
 

@@ -3,15 +3,17 @@
 Decode (``M <= PREFILL_ROWS`` rows) is memory-bound; which op runs was measured on one
 thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels.json):
 
-- bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and int8 per channel:
+- bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and (without VNNI) int8:
   PyTorch's weight-only ops, as gpt-fast calls them (``TorchWeightOp``:
   ``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``): fastest at M = 1..16,
   ~2x kvstack's own kernel at M = 1. Their scales and zeros are bf16 (a deviation: the
   weights they multiply differ from the packed ones by <= 2^-9 of a group's scale/zero);
-- 8-bit groups in bf16 (Q8_0, e.g. the default model's 57 MB lm_head) on a CPU with
-  AVX512-VNNI: ``quant_linear_vnni`` (int8 activations x VNNI, llama.cpp's arithmetic
-  for Q8_0): 2.7 vs 4.6 ms (CPU time, one thread, AMD EPYC, 2026-12-02) for the default
-  model's lm_head at M = 1 (``Q8_VNNI``);
+- 8-bit weights in bf16 (Q8_0, e.g. the default model's 57 MB lm_head, and int8 per
+  channel) on a CPU with AVX512-VNNI: ``quant_linear_vnni`` (int8 activations x VNNI,
+  llama.cpp's arithmetic for Q8_0), ``Q8_VNNI``. The default model's lm_head at M = 1,
+  CPU time on one thread (AMD EPYC, 2026-12-02, shared machine): Q8_0 2.7 ms vs 4.6 ms
+  for ``quant_linear``; int8 per channel 2.2 ms vs 5.0 ms for ``_weight_int8pack_mm``
+  (the layers' shapes: equal within 10 %);
 - everything else (and every float32 model): ``torch.ops.kvstack.quant_linear``
   (``csrc/quant_linear.cpp``): the packed bytes read once, 32 weights at a time
   dequantized in registers, bit-identical to gguf-py's dequantization; float32 sums (so
@@ -111,10 +113,11 @@ class QuantLinear:
             None if self.dense is not None or self.vnni else torch_weight_op(weight, dtype)
         )
         self._decode: Any = None  # the decode path, bound at first use (_decode_fn)
-        if kernels is not None and self.torch_op is None and Q8_VNNI and weight.bits == 8:
-            self.vnni = dtype == torch.bfloat16 and bool(
-                kernels.quant_linear_vnni_ok(weight.in_features, weight.group, weight.bits)
-            )
+        if kernels is not None and self.dense is None and Q8_VNNI and weight.bits == 8:
+            if dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(
+                weight.in_features, weight.group, weight.bits
+            ):
+                self.vnni, self.torch_op = True, None
 
     @property
     def kernel(self) -> str:
@@ -151,5 +154,5 @@ class QuantLinear:
         if x.shape[0] <= self.prefill_rows:
             if self._decode is None:
                 self._decode = self._decode_fn()
-            return self._decode(x)  # type: ignore[no-any-return]
+            return self._decode(x)
         return F.linear(x, self.dequantize(x.dtype))
