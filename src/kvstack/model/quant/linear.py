@@ -113,11 +113,10 @@ class QuantLinear:
             None if self.dense is not None or self.vnni else torch_weight_op(weight, dtype)
         )
         self._decode: Any = None  # the decode path, bound at first use (_decode_fn)
-        if kernels is not None and self.dense is None and Q8_VNNI and weight.bits == 8:
-            if dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(
-                weight.in_features, weight.group, weight.bits
-            ):
-                self.vnni, self.torch_op = True, None
+        q8_vnni = Q8_VNNI and weight.bits == 8 and dtype == torch.bfloat16
+        if kernels is not None and self.dense is None and q8_vnni:
+            ok = kernels.quant_linear_vnni_ok(weight.in_features, weight.group, weight.bits)
+            self.vnni, self.torch_op = (True, None) if ok else (self.vnni, self.torch_op)
 
     @property
     def kernel(self) -> str:
