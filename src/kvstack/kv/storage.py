@@ -82,6 +82,7 @@ class KVStorage:
         ident = isinstance(self.codec, IdentityCodec) and self.codec.identity
         self._k = self.codec.k if ident else None  # type: ignore[attr-defined]
         self._v = self.codec.v if ident else None  # type: ignore[attr-defined]
+        self._layer_views: tuple[torch.Tensor | None, dict[int, LayerCache]] | None = None
 
     @staticmethod
     def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> CacheShape:
@@ -131,9 +132,18 @@ class KVStorage:
         return self._v
 
     def layer(self, layer: int) -> LayerCache:
-        if self._k is not None and self._v is not None:
-            return LayerCache(layer, self.codec, self._k[layer], self._v[layer])
-        return LayerCache(layer, self.codec, None, None)
+        """One layer's view (built once per layer: the forward asks for it every step)."""
+        views = self._layer_views
+        if views is None or views[0] is not self._k:
+            views = self._layer_views = (self._k, {})
+        cache = views[1].get(layer)
+        if cache is None:
+            if self._k is not None and self._v is not None:
+                cache = LayerCache(layer, self.codec, self._k[layer], self._v[layer])
+            else:
+                cache = LayerCache(layer, self.codec, None, None)
+            views[1][layer] = cache
+        return cache
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every block-indexed tensor ``[layers, blocks, ...]`` (what offload tiers copy)."""

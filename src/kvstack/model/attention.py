@@ -274,16 +274,17 @@ def paged_attention(
     every = meta.kernel_rows
     w = window or 0  # the kernels' "no window"
     if every is not None and meta.kernels is not None:
+        rows_q = q if every.num_rows == q.shape[0] else q[: every.num_rows]
         if cache.k is not None:
             head = meta.kernels.paged_attention(
-                q[: every.num_rows], cache.k, cache.v, every.block_tables, every.table_index,
+                rows_q, cache.k, cache.v, every.block_tables, every.table_index,
                 every.context_lens, scale, w,
             )  # fmt: skip
         else:  # the runner sets kernel_rows for an encoded cache only with a kernel view
             view = cache.kernel_view
             assert view is not None, "kernel rows over a cache the kernel cannot read"
             assert not w, "codec kernels have no window (model/window.py refuses the pair)"
-            head = codec_attention(meta.kernels, q[: every.num_rows], view, every, scale)
+            head = codec_attention(meta.kernels, rows_q, view, every, scale)
         if not meta.prefills:
             return head
         out = torch.empty_like(q)

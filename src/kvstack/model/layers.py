@@ -31,6 +31,13 @@ def _mkldnn_bf16_ok() -> bool:
         return False
 
 
+# oneDNN's prepacked linear, its C++ callable bound once (the packet's __call__ is a
+# Python frame; a batch-1 token runs ~120 linears).
+_LINEAR_POINTWISE = getattr(
+    torch.ops.mkldnn._linear_pointwise, "_op", torch.ops.mkldnn._linear_pointwise
+)
+
+
 class Linear:
     """``y = x @ W.T`` with ``W`` ``[out, in]``; prepacked for oneDNN in bf16."""
 
@@ -56,7 +63,7 @@ class Linear:
         if self.amx is not None and amx_linear.use_amx(x, self.out_features):
             return self._amx_ops.amx_linear(x, self.amx, self.out_features)  # type: ignore[union-attr]
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return _LINEAR_POINTWISE(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
 

@@ -152,6 +152,7 @@ class LlamaModel:
         residual = self.embed[input_ids]
         rope = ops.rope_input(self.rotary, positions, self.dtype)
         h: torch.Tensor | None = None  # the last sub-layer's output, not yet in residual
+        q_size = heads.q_size
         for li, layer in enumerate(self.layers):
             if h is None:
                 x = ops.rms_norm(residual, layer.input_norm, eps)
@@ -168,7 +169,7 @@ class LlamaModel:
                 meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
             a = paged_attention(q, k, v, cache, meta, self.scale, self.windows[li])
             x, residual = ops.add_rms_norm(
-                layer.o(a.reshape(t, heads.q_size)), residual, layer.post_norm, eps
+                layer.o(a.reshape(t, q_size)), residual, layer.post_norm, eps
             )
             h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         assert h is not None

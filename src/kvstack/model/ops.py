@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kv.storage import LayerCache
-from kvstack.model.kernels import Kernels, note_fallback
+from kvstack.model.kernels import Kernels, direct, note_fallback
 from kvstack.model.layers import Rotary, apply_rope, rms_norm
 
 
@@ -95,11 +95,11 @@ class LayerOps(Protocol):
 
 
 def split_qkv(qkv: torch.Tensor, heads: HeadShape) -> QKV:
-    t, d = qkv.shape[0], heads.head_dim
-    q = qkv[:, : heads.q_size].view(t, heads.num_heads, d)
-    k = qkv[:, heads.q_size : heads.q_size + heads.kv_size].view(t, heads.num_kv_heads, d)
-    v = qkv[:, heads.q_size + heads.kv_size :].view(t, heads.num_kv_heads, d)
-    return q, k, v
+    """Views of q ``[T, H, d]``, k and v ``[T, KVH, d]`` (one view, three slices: this
+    runs once per layer and step, so its Python cost counts at batch 1)."""
+    h, kvh = heads.num_heads, heads.num_kv_heads
+    rows = qkv.view(qkv.shape[0], h + 2 * kvh, heads.head_dim)
+    return rows[:, :h], rows[:, h : h + kvh], rows[:, h + kvh :]
 
 
 class TorchOps:
@@ -149,6 +149,9 @@ class KernelOps:
 
     def __init__(self, kernels: Kernels) -> None:
         self.k = kernels
+        self._add_rms_norm = direct(kernels.add_rms_norm)
+        self._silu_and_mul = direct(kernels.silu_and_mul)
+        self._rope_and_cache = direct(kernels.rope_and_cache)
 
     def rope_input(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> RopeInput:
         return RopeInput(positions, rotary.cos, rotary.sin)
@@ -160,11 +163,11 @@ class KernelOps:
         self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
-        self.k.add_rms_norm(x, residual, w, eps)
+        self._add_rms_norm(x, residual, w, eps)
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.k.silu_and_mul(gate_up.contiguous())
+        return self._silu_and_mul(gate_up.contiguous())
 
     def rope_and_cache(
         self,
@@ -174,15 +177,15 @@ class KernelOps:
         cache: LayerCache,
         slots: torch.Tensor,
     ) -> QKV:
-        direct = cache.k is not None and cache.v is not None and cache.k.dtype == qkv.dtype
-        self.k.rope_and_cache(
+        raw = cache.k is not None and cache.v is not None and cache.k.dtype == qkv.dtype
+        self._rope_and_cache(
             qkv, rope.positions, rope.cos, rope.sin,
-            cache.k if direct else None, cache.v if direct else None,
-            slots if direct else None,
+            cache.k if raw else None, cache.v if raw else None,
+            slots if raw else None,
             heads.num_heads, heads.num_kv_heads, heads.head_dim,
         )  # fmt: skip
         q, k, v = split_qkv(qkv, heads)
-        if not direct:  # encoded (era 5 codec) or cast cache: the codec stores the rows
+        if not raw:  # encoded (era 5 codec) or cast cache: the codec stores the rows
             if cache.layer == 0:
                 note_fallback("kv_cache_write", "encoded_cache")
             cache.write(slots, k, v)

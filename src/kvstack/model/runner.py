@@ -21,6 +21,7 @@ from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.rejection_sampler import RejectionSampler
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from kvstack.model.sampling_metadata import plain_greedy
 from kvstack.request import Logprob, Request
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
@@ -388,15 +389,22 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, plan: LogitPlan, result: RunnerOutput) -> None:
         if not plan.sample_reqs:
             return
-        batch = SamplingBatch.build(plan.sample_reqs, self.vocab_size)
         so = (
             self.structured
             if self.structured is not None and self.structured.num_requests
             else None
         )
-        mask = None if so is None else so.bitmask_for(plan.sample_reqs)
         every_row = len(plan.sample_pos) == logits.shape[0]  # sample_pos is then 0, 1, ...
-        sampled = self.sampler(logits if every_row else logits[plan.sample_pos], batch, mask)
+        rows = logits if every_row else logits[plan.sample_pos]
+        if so is None and all(plain_greedy(r) for r in plan.sample_reqs):
+            ids = self.sampler.greedy_only(rows)  # no SamplingBatch to build
+            if ids is not None:
+                for req, token in zip(plan.sample_reqs, ids, strict=True):
+                    result.sampled[req.request_id] = token
+                return
+        batch = SamplingBatch.build(plan.sample_reqs, self.vocab_size)
+        mask = None if so is None else so.bitmask_for(plan.sample_reqs)
+        sampled = self.sampler(rows, batch, mask)
         for i, req in enumerate(plan.sample_reqs):
             token = sampled.sampled_token_ids[i]
             result.sampled[req.request_id] = token

@@ -162,6 +162,15 @@ class Sampler:
             logprobs[r] = d
         return SamplerOutput(sampled, logprobs)
 
+    def greedy_only(self, logits: torch.Tensor) -> list[int] | None:
+        """Argmax of each row of raw logits (every row ``plain_greedy``; no batch to
+        build), or None when the kernels are missing or a row needs sanitizing (then
+        the caller takes ``__call__``)."""
+        if self.kernels is None:
+            return None
+        ids: list[int] = self.kernels.greedy_argmax(logits).tolist()
+        return ids if min(ids) >= 0 else None
+
     def _sample_random(
         self, x: torch.Tensor, row_max: torch.Tensor, batch: SamplingBatch
     ) -> torch.Tensor:

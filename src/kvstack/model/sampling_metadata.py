@@ -271,6 +271,25 @@ def _vocab_constraints(
     return allowed, banned
 
 
+def plain_greedy(req: Request) -> bool:
+    """True when ``req``'s next token is the argmax of the raw logits: greedy, no
+    logprobs, and nothing that ``SamplingBatch`` would make change a logit (allowed
+    tokens, bad words, bias, min_tokens, penalties). The runner then skips building a
+    batch (a batch-1 decode step's largest Python cost after the forward)."""
+    sp = req.sampling_params
+    return (
+        sp.temperature < GREEDY_TEMPERATURE
+        and sp.logprobs is None
+        and not sp.logit_bias
+        and len(req.output_token_ids) >= sp.min_tokens
+        and sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and sp.allowed_token_ids is None
+        and not sp.bad_words_token_ids
+    )
+
+
 def bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
     """Tokens to ban after ``output``: the last token of each word (a token sequence)
     whose other tokens are the end of ``output`` (a one-token word: always)."""

@@ -34,6 +34,7 @@ struct QuantAct {  // one call's quantized activations
   std::vector<float> dx;   // [M, K/32]: chunk scales
   std::vector<float> xs;   // [M, K/32]: dx * sum(xq) of each chunk
   std::vector<float> dxv;  // [M, K/64, 16]: dx of chunk 2p in lanes 0-7, of 2p+1 in 8-15
+  std::vector<float> xsv;  // [M, K/64, 16]: xs / 8 laid out as dxv (8 lanes sum to xs)
 };
 
 // One chunk of 32 activations: codes to q, returns (scale d, sum of the codes).
@@ -67,12 +68,13 @@ template <typename T>
 QuantAct quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t chunks = M * K / 32;  // rows are whole chunks: K % 64 == 0
   QuantAct a{std::vector<int8_t>(M * K), std::vector<float>(chunks), std::vector<float>(chunks),
-             std::vector<float>(8 * chunks)};
+             std::vector<float>(8 * chunks), std::vector<float>(8 * chunks)};
   for (int64_t i = 0; i < chunks; ++i) {
     const auto [d, sum] = quantize_chunk(x + 32 * i, a.xq.data() + 32 * i);
     a.dx[i] = d;
     a.xs[i] = d * static_cast<float>(sum);
     std::fill_n(a.dxv.begin() + 8 * i, 8, d);  // chunk i -> 8 lanes of its pair's vector
+    std::fill_n(a.xsv.begin() + 8 * i, 8, a.xs[i] * 0.125f);  // exact: a power of two
   }
   return a;
 }
@@ -94,43 +96,46 @@ inline __m512i codes64(const uint8_t* qrow, int64_t k0) {
   }
 }
 
+// Lanes 0-7 = v[a], lanes 8-15 = v[b].
+inline __m512 pair_ps(const float* v, int32_t a, int32_t b) {
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[a]), _mm512_set1_ps(v[b]));
+}
+
+// cg[c]: the weight group of 32-chunk c (precomputed: no division in the loop). The min
+// term sum_c mn[g(c)] * xs[c] (8 bits: mn = -128 s) rides in the same accumulator: xsv
+// holds xs / 8 in each of its chunk's 8 lanes.
 template <int MT, int BITS>
-void tile_vnni(const int64_t K, const int64_t G, const uint8_t* qrow, const float* srow,
+void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const float* srow,
                const float* mrow, const QuantAct& a, int64_t m0, float* out) {
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t nc = K / 32;
-  for (int64_t k0 = 0; k0 < K; k0 += 64) {
-    const int64_t c = k0 / 32;
+  for (int64_t k0 = 0, c = 0; k0 < K; k0 += 64, c += 2) {
     const __m512i w = codes64<BITS>(qrow, k0);
-    const __m512 sw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(srow[k0 / G]),
-                                           _mm512_set1_ps(srow[(k0 + 32) / G]));
+    const __m512 sw = pair_ps(srow, cg[c], cg[c + 1]);
+    const __m512 mw =
+        BITS == 4 ? pair_ps(mrow, cg[c], cg[c + 1]) : _mm512_mul_ps(sw, _mm512_set1_ps(-128.f));
     for (int m = 0; m < MT; ++m) {
       const int64_t row = m0 + m;
       const __m512i xv = _mm512_loadu_si512(a.xq.data() + row * K + k0);
       const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
       const __m512 dx = _mm512_loadu_ps(a.dxv.data() + (row * nc + c) * 8);
+      const __m512 xs = _mm512_loadu_ps(a.xsv.data() + (row * nc + c) * 8);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mw, xs, acc[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    // the min term: sum_c mn[g(c)] * dx * sum(xq) (8 bits: mn = -128 s)
-    const float* xs = a.xs.data() + (m0 + m) * nc;
-    float t = 0.f;
-    for (int64_t c = 0; c < nc; ++c)
-      t += (BITS == 4 ? mrow[c * 32 / G] : -128.f * srow[c * 32 / G]) * xs[c];
-    out[m] = _mm512_reduce_add_ps(acc[m]) + t;
-  }
+  for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
 template <int BITS>
-void run_vnni(const int64_t mt, const int64_t K, const int64_t G, const uint8_t* qrow,
+void run_vnni(const int64_t mt, const int64_t K, const int32_t* cg, const uint8_t* qrow,
               const float* srow, const float* mrow, const QuantAct& a, int64_t m0, float* out) {
   switch (mt) {
-    case 1: return tile_vnni<1, BITS>(K, G, qrow, srow, mrow, a, m0, out);
-    case 2: return tile_vnni<2, BITS>(K, G, qrow, srow, mrow, a, m0, out);
-    case 3: return tile_vnni<3, BITS>(K, G, qrow, srow, mrow, a, m0, out);
-    default: return tile_vnni<4, BITS>(K, G, qrow, srow, mrow, a, m0, out);
+    case 1: return tile_vnni<1, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
+    case 2: return tile_vnni<2, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
+    case 3: return tile_vnni<3, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
+    default: return tile_vnni<4, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
   }
 }
 
@@ -141,12 +146,14 @@ void vnni_impl(const T* x, T* out, int64_t M, const torch::Tensor& q, const floa
   const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const int64_t row_bytes = BITS == 8 ? K : K / 2, ng = K / G;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(M * K, 1));
+  std::vector<int32_t> cg(K / 32);  // 32-chunk -> its weight group
+  for (int64_t c = 0; c < K / 32; ++c) cg[c] = static_cast<int32_t>(c * 32 / G);
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     float tmp[kTileV];
     for (int64_t n = b; n < e; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += kTileV) {
         const int64_t mt = std::min<int64_t>(kTileV, M - m0);
-        run_vnni<BITS>(mt, K, G, qp + n * row_bytes, scale + n * ng,
+        run_vnni<BITS>(mt, K, cg.data(), qp + n * row_bytes, scale + n * ng,
                        mn != nullptr ? mn + n * ng : nullptr, a, m0, tmp);
         for (int64_t i = 0; i < mt; ++i) out[(m0 + i) * N + n] = static_cast<T>(tmp[i]);
       }

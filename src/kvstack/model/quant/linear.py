@@ -3,17 +3,23 @@
 Decode (``M <= PREFILL_ROWS`` rows) is memory-bound; which op runs was measured on one
 thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels.json):
 
-- bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and int8 per channel:
+- bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and (without VNNI) int8:
   PyTorch's weight-only ops, as gpt-fast calls them (``TorchWeightOp``:
   ``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``): fastest at M = 1..16,
   ~2x kvstack's own kernel at M = 1. Their scales and zeros are bf16 (a deviation: the
   weights they multiply differ from the packed ones by <= 2^-9 of a group's scale/zero);
-- everything else (Q8_0, e.g. the default model's lm_head; and every float32 model):
-  ``torch.ops.kvstack.quant_linear`` (``csrc/quant_linear.cpp``): the packed bytes read
-  once, 32 weights at a time dequantized in registers, bit-identical to gguf-py's
-  dequantization; float32 sums (so float32 runs generate the dequantized model's tokens).
-  ``quant_linear_vnni`` (int8 activations x VNNI, llama.cpp's arithmetic) is kept as a
-  measured candidate (``int8_activations=True``); it lost to both on this CPU.
+- 8-bit weights in bf16 (Q8_0, e.g. the default model's 57 MB lm_head, and int8 per
+  channel) on a CPU with AVX512-VNNI: ``quant_linear_vnni`` (int8 activations x VNNI,
+  llama.cpp's arithmetic for Q8_0), ``Q8_VNNI``. The default model's lm_head at M = 1,
+  CPU time on one thread (AMD EPYC, 2026-12-02, shared machine): Q8_0 2.7 ms vs 4.6 ms
+  for ``quant_linear``; int8 per channel 2.2 ms vs 5.0 ms for ``_weight_int8pack_mm``
+  (the layers' shapes: equal within 10 %);
+- everything else (and every float32 model): ``torch.ops.kvstack.quant_linear``
+  (``csrc/quant_linear.cpp``): the packed bytes read once, 32 weights at a time
+  dequantized in registers, bit-identical to gguf-py's dequantization; float32 sums (so
+  float32 runs generate the dequantized model's tokens). ``int8_activations=True`` sends
+  4-bit weights to ``quant_linear_vnni`` too (a measured candidate; PyTorch's int4 op
+  wins there).
 
 Prefill (``M > PREFILL_ROWS``) is compute-bound: the weight is dequantized to the
 activation dtype (``quant_dequant``, a [N, K] temporary) and multiplied by oneDNN
@@ -31,12 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvstack.model.kernels import Kernels, note_fallback
+from kvstack.model.kernels import Kernels, direct, note_fallback
 from kvstack.model.layers import Linear
 from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpack_u4
 
 PREFILL_ROWS = 16
 INT8_ACTIVATIONS = False
+Q8_VNNI = True  # bf16 8-bit groups without a PyTorch op: quant_linear_vnni
 
 
 class TorchWeightOp:
@@ -105,6 +112,11 @@ class QuantLinear:
         self.torch_op = (
             None if self.dense is not None or self.vnni else torch_weight_op(weight, dtype)
         )
+        self._decode: Any = None  # the decode path, bound at first use (_decode_fn)
+        q8_vnni = Q8_VNNI and weight.bits == 8 and dtype == torch.bfloat16
+        if kernels is not None and self.dense is None and q8_vnni:
+            ok = kernels.quant_linear_vnni_ok(weight.in_features, weight.group, weight.bits)
+            self.vnni, self.torch_op = (True, None) if ok else (self.vnni, self.torch_op)
 
     @property
     def kernel(self) -> str:
@@ -123,15 +135,23 @@ class QuantLinear:
             return dequantize_reference(w, dtype)
         return self.k.quant_dequant(w.q, w.scale, w.min, w.group, w.bits, dtype)
 
+    def _decode_fn(self) -> Any:
+        """``x -> y`` for decode rows, bound once (one Python frame per call: a batch-1
+        token runs ~120 of them)."""
+        if self.torch_op is not None:
+            return self.torch_op.fn
+        k = self.k
+        assert k is not None  # no kernels: self.dense
+        op = direct(k.quant_linear_vnni if self.vnni else k.quant_linear)
+        w = self.packed
+        q, scale, mn, group, bits = w.q, w.scale, w.min, w.group, w.bits
+        return lambda x: op(x, q, scale, mn, group, bits)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return self.dense(x)
-        w = self.packed
         if x.shape[0] <= self.prefill_rows:
-            if self.torch_op is not None:
-                return self.torch_op(x)
-            k = self.k
-            assert k is not None  # no kernels: self.dense
-            op = k.quant_linear_vnni if self.vnni else k.quant_linear
-            return op(x, w.q, w.scale, w.min, w.group, w.bits)
+            if self._decode is None:
+                self._decode = self._decode_fn()
+            return self._decode(x)
         return F.linear(x, self.dequantize(x.dtype))
