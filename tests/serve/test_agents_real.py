@@ -86,6 +86,10 @@ def test_openai_client_forced_tool_calls(client: openai.OpenAI, model: str) -> N
             messages=msgs,
             tools=TOOLS,
             tool_choice=choice,
+            # greedy and one call: sampled at 1.0 the test was a coin toss, and greedy with
+            # parallel calls allowed repeats calls (weather, weather, time...) past 100 tokens
+            temperature=0,
+            parallel_tool_calls=False,
             max_tokens=100,  # type: ignore[arg-type]
         )
         msg = r.choices[0].message
@@ -96,6 +100,10 @@ def test_openai_client_forced_tool_calls(client: openai.OpenAI, model: str) -> N
             messages=msgs,
             tools=TOOLS,
             tool_choice=choice,
+            # greedy and one call: sampled at 1.0 the test was a coin toss, and greedy with
+            # parallel calls allowed repeats calls (weather, weather, time...) past 100 tokens
+            temperature=0,
+            parallel_tool_calls=False,
             max_tokens=100,  # type: ignore[arg-type]
         ) as stream:
             final = stream.get_final_completion()

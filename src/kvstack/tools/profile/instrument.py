@@ -185,7 +185,7 @@ def instrument(engine: Any, rec: Recorder) -> Iterator[None]:
             rec,
             "attention",
             attn,
-            lambda q, k, v, cache, meta, scale, **kw: attention_cost(q, meta, kv_layer_token),
+            lambda q, k, v, cache, meta, scale, *a, **kw: attention_cost(q, meta, kv_layer_token),
         )
         setattr(llama_mod, "paged_attention", timed_attn)  # noqa: B010
         yield
