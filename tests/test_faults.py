@@ -26,7 +26,9 @@ EXPECTED = {
     "tokenize-no-key": {"401"}, "tokenize-2MB": {"200"}, "partial-body": {"408"},
     "oversize": {"413"}, "slowloris": {"closed"}, "health": {"200"},
     "good": {"200", "429"}, "burst": {"200", "429"}, "slow-reader": {"200", "429"},
-    "stream": {"200", "429", "disconnected"},
+    # a stream the attacker drops at random can race the server's reply and surface on the
+    # attacker's side as aiohttp's ClientOSError (connection reset; seen once in 3 runs)
+    "stream": {"200", "429", "disconnected", "ClientOSError"},
 }  # fmt: skip
 
 
