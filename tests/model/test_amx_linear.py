@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstack.model import amx_linear
+from kvstack.model import amx_linear, packed_linear
 from kvstack.model.kernels import Kernels
 from kvstack.model.layers import Linear
 
@@ -80,7 +80,9 @@ def test_linear_routes_by_shape(amx: bool) -> None:
     torch.manual_seed(0)
     w = torch.randn(64, 96)
     lin = Linear(w, torch.bfloat16)
-    assert (lin.amx is not None) == amx
+    kern = packed_linear.tile_kernel()
+    assert (lin.tiles is not None) == (kern is not None)
+    assert (kern is not None and kern.name == "amx") == amx  # AMX first where it runs
     for rows in (3, 64, amx_linear.AMX_MAX_ROWS + 5):
         x = torch.randn(rows, 96).bfloat16()
         assert amx_linear.use_amx(x, 64) == (rows <= amx_linear.AMX_MAX_ROWS)
@@ -91,4 +93,4 @@ def test_linear_routes_by_shape(amx: bool) -> None:
     assert amx_linear.use_amx(wide[:8], amx_linear.WIDE_OUT + 16)  # but not at 8
     assert amx_linear.use_amx(torch.empty(rows, amx_linear.DEEP_IN).bfloat16(), 64)
     assert not amx_linear.use_amx(torch.empty(8, 96), 64)  # float32
-    assert Linear(w, torch.float32).amx is None  # float32 stays bit-comparable (F.linear)
+    assert Linear(w, torch.float32).tiles is None  # float32 stays bit-comparable (F.linear)

@@ -41,6 +41,7 @@ SOURCES = (
     "token_mask.cpp",
     "argmax.cpp",
     "amx_linear.cpp",
+    "bf16_linear.cpp",
     "quant_linear.cpp",
     "quant_vnni.cpp",
 )

@@ -4,10 +4,10 @@
 0.14 ms vs 0.27 ms for a decode-size GEMM); float32 uses plain ``F.linear`` so fp32
 results stay bit-comparable with the reference. A bf16 weight that cannot be prepacked
 runs through ``F.linear`` and is counted (``kvstack:kernel_fallback_total{kernel=
-"onednn_prepack"}``). On a CPU with AMX, bf16 inputs of up to ``AMX_MAX_ROWS`` rows (decode
-batches, short chunks) go to kvstack's own AMX kernel instead (``model/amx_linear.py``),
-which streams the weights at decode sizes where oneDNN is compute-starved
-(``amx_linear.use_amx`` decides per input).
+"onednn_prepack"}``). On a CPU with AMX or AVX512-BF16, decode-sized bf16 inputs (decode
+batches, short chunks) go to kvstack's own kernel instead (``model/packed_linear.py``: AMX
+tiles or ``VDPBF16PS``), which streams the weights where oneDNN is compute-starved (the
+chosen kernel's ``use`` decides per input).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvstack.model import amx_linear
-from kvstack.model.kernels import Kernels, note_fallback
+from kvstack.model import amx_linear, hugepages, packed_linear
+from kvstack.model.kernels import note_fallback
 from kvstack.model_config import RopeScaling
 
 
@@ -45,12 +45,13 @@ class Linear:
         self.weight = weight.to(dtype).contiguous()
         self.out_features = self.weight.shape[0]
         self.packed: torch.Tensor | None = None
-        self.amx: torch.Tensor | None = None  # amx_linear's tile order, when AMX runs here
-        self._amx_ops: Kernels | None = None
+        self.tiles: torch.Tensor | None = None  # the packed copy of packed_linear's kernel
+        self._tile: packed_linear.TileKernel | None = None
         if not (prepack and dtype == torch.bfloat16):
             return
-        if amx_linear.packable(self.weight) and (ops := amx_linear.amx_kernels()) is not None:
-            self.amx, self._amx_ops = amx_linear.pack_weight(self.weight), ops
+        if amx_linear.packable(self.weight) and (kern := packed_linear.tile_kernel()) is not None:
+            self.tiles = hugepages.weight_copy(amx_linear.pack_weight(self.weight))
+            self._tile = kern
         if not _mkldnn_bf16_ok():  # counted: kvstack:kernel_fallback_total
             note_fallback("onednn_prepack", "bf16_unsupported")
             return
@@ -60,8 +61,8 @@ class Linear:
             note_fallback("onednn_prepack", "reorder_failed")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx is not None and amx_linear.use_amx(x, self.out_features):
-            return self._amx_ops.amx_linear(x, self.amx, self.out_features)  # type: ignore[union-attr]
+        if self._tile is not None and self._tile.use(x, self.out_features):
+            return self._tile.op(x, self.tiles, self.out_features)  # type: ignore[arg-type]
         if self.packed is not None:
             return _LINEAR_POINTWISE(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
+from kvstack.model import hugepages
 
 
 class IdentityCodec(KVCodec):
@@ -19,8 +20,11 @@ class IdentityCodec(KVCodec):
         self.identity = sd == dtype
         s = shape
         full = (s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-        self.k = torch.zeros(full, dtype=sd)
-        self.v = torch.zeros(full, dtype=sd)
+        # On huge pages (model/hugepages.py): attention reads blocks scattered over the
+        # pool, and with 4 KiB pages nearly every block read missed the TLB (batch 32 x 230
+        # tokens, random blocks, 2-core EPYC: 30 layers 19-21 ms -> 16.6-18.5 ms).
+        self.k = hugepages.zeros(full, sd)
+        self.v = hugepages.zeros(full, sd)
         self.k_slots = self.k.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
         self.v_slots = self.v.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
 

@@ -29,6 +29,8 @@ TORCH_LIBRARY(kvstack, m) {
         &apply_token_bitmask);
   m.def("amx_linear_available() -> bool", &amx_linear_available);
   m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &amx_linear);
+  m.def("bf16_linear_available() -> bool", &bf16_linear_available);
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &bf16_linear);
   m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor? min, int group, int bits) "
         "-> Tensor",
         &quant_linear);

@@ -29,6 +29,8 @@ torch::Tensor greedy_argmax(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+bool bf16_linear_available();
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                            std::optional<torch::Tensor> min, int64_t group, int64_t bits);
 torch::Tensor quant_dequant(torch::Tensor q, torch::Tensor scale, std::optional<torch::Tensor> min,

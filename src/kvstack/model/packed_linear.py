@@ -1,0 +1,80 @@
+"""Which of kvstack's own bf16 linear kernels runs on this CPU, and for which inputs.
+
+Both kernels read the weight in one packed copy (``amx_linear.pack_weight``: for each block
+of 16 output columns, consecutive bf16 pairs of K) and round a float32 accumulator to bf16
+once; they beat oneDNN where it is compute-starved (decode-sized batches), and ``Linear``
+keeps oneDNN's prepacked weight for the rest:
+
+- ``amx`` (``csrc/amx_linear.cpp``): Intel AMX tiles; rule in ``model/amx_linear.py``
+  (measured on the 2-core AMX Xeon of issue 15);
+- ``avx512_bf16`` (``csrc/bf16_linear.cpp``): register-blocked ``VDPBF16PS`` for CPUs with
+  AVX512-BF16 and no AMX (AMD EPYC Zen 4/5). Rule below, from
+  ``benchmarks/linear_kernels.py`` on the 2-core AMD EPYC (Zen 4) of 2026-12-02, two
+  threads, minimum of 30 repetitions, oneDNN time / kernel time:
+
+      rows (M)   576->960   576->576   576->3072   1536->576   576->49152 (lm_head)
+      1          3.37x      3.51x      2.22x       2.70x       1.62x
+      8          2.23x      2.42x      1.41x       1.71x       1.31x
+      32         1.51x      1.45x      1.14x       1.29x       0.99x
+      64         1.23x      1.26x      1.14x       1.14x       0.99x
+      128        0.98x      1.26x      1.08x       1.14x       0.88x
+      2048       0.97x      1.01x      1.02x       0.99x       0.87x
+
+  so every input of up to ``AVX512_MAX_ROWS`` rows. At M = 32 both run near this CPU's
+  ``VDPBF16PS`` peak (~220 GFLOP/s a core: 400-420 against 270-365 for two threads), so
+  a batch-32 decode step is compute-bound here, not bound by reading the weights.
+
+AMX wins over AVX512-BF16 where both exist (a tile instruction does 16x the work of a
+``VDPBF16PS``), so it is chosen first. Invariant: a kernel is chosen once per process
+(``tile_kernel``), so every ``Linear`` of a model routes the same way; float32 models never
+use either (``F.linear``, bit-comparable with transformers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstack.model import amx_linear
+from kvstack.model.kernels import direct, load_kernels
+
+AVX512_MAX_ROWS = 64  # rows up to which bf16_linear beats oneDNN (table above)
+
+_chosen: TileKernel | None = None
+_decided = False
+
+
+@dataclass(frozen=True)
+class TileKernel:
+    """One kernel over the packed weight: ``op(x, packed, out_features)``; ``use(x, out)``
+    says whether an input goes to it (else oneDNN)."""
+
+    name: str
+    op: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    use: Callable[[torch.Tensor, int], bool]
+
+
+def use_avx512(x: torch.Tensor, out_features: int) -> bool:
+    """Whether ``x`` (2-D bf16, rows contiguous) goes to ``bf16_linear`` (rule above)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+        return False
+    return x.shape[0] <= AVX512_MAX_ROWS
+
+
+def tile_kernel() -> TileKernel | None:
+    """The bf16 linear kernel this process uses for decode-sized inputs, or None (no kernel
+    build, or neither AMX nor AVX512-BF16: oneDNN runs everything, by design, uncounted)."""
+    global _chosen, _decided
+    if _decided:
+        return _chosen
+    ops = load_kernels()
+    if ops is None:
+        _chosen = None
+    elif amx_linear.amx_kernels() is not None:
+        _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
+    elif bool(ops.bf16_linear_available()):
+        _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_avx512)
+    _decided = True
+    return _chosen

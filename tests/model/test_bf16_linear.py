@@ -1,0 +1,137 @@
+"""The AVX512-BF16 linear (``csrc/bf16_linear.cpp``), the kernel choice
+(``model/packed_linear.py``) and huge-page memory (``model/hugepages.py``).
+
+The kernel against a float32 matmul of the same bf16 values: every row count its 6-row
+blocks and 96-row chunks can split, every column-group remainder (1-4 blocks of 16 per
+thread), row-strided inputs, the prefetch of the next group crossing the end of a thread's
+range. On a CPU without AVX512-BF16 the kernel says so with a clear error, and the tests
+check that instead of skipping."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+
+import pytest
+import torch
+
+from kvstack.model import amx_linear, hugepages, packed_linear
+from kvstack.model.kernels import Kernels, fallback_counts
+from kvstack.model.layers import Linear
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() @ w.float().T
+
+
+def assert_rounded_once(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is ref rounded to bf16, up to float32 summation order: within one bf16 ulp."""
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    ulp = ref.abs().clamp_min(1e-2) * torch.finfo(torch.bfloat16).eps
+    assert bool(((y.float() - ref).abs() <= ulp + 1e-4).all())
+    assert float((y == ref.bfloat16()).float().mean()) > 0.98  # nearly all exactly rounded
+
+
+@pytest.fixture(scope="module")
+def avx512(kernels: Kernels) -> bool:
+    return bool(kernels.bf16_linear_available())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 32, 95, 96, 97, 200])
+@pytest.mark.parametrize("n", [16, 48, 80, 144])  # 1, 3, 5, 9 column blocks
+def test_kernel_matches_float32_matmul(kernels: Kernels, avx512: bool, rows: int, n: int) -> None:
+    torch.manual_seed(rows * 1000 + n)
+    k = 96
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    packed = amx_linear.pack_weight(w)
+    if not avx512:
+        with pytest.raises(RuntimeError, match="AVX512-BF16 is not available"):
+            kernels.bf16_linear(x, packed, n)
+        return
+    assert_rounded_once(kernels.bf16_linear(x, packed, n), reference(x, w))
+
+
+def test_one_thread_and_deep_input(kernels: Kernels, avx512: bool) -> None:
+    """One thread takes every column group in turn (the prefetch runs past each group);
+    a deep K (a down projection) accumulates over 768 pairs."""
+    if not avx512:
+        return
+    torch.manual_seed(1)
+    w, x = torch.randn(112, 1536).bfloat16(), torch.randn(33, 1536).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        y = kernels.bf16_linear(x, amx_linear.pack_weight(w), 112)
+    finally:
+        torch.set_num_threads(threads)
+    assert_rounded_once(y, reference(x, w))
+
+
+def test_row_strided_input_and_empty(kernels: Kernels, avx512: bool) -> None:
+    if not avx512:
+        return
+    w, wide = torch.randn(32, 64).bfloat16(), torch.randn(20, 160).bfloat16()
+    x = wide[:, 32:96]  # rows 160 apart: the kernel reads x in place
+    assert x.stride() == (160, 1)
+    assert_rounded_once(kernels.bf16_linear(x, amx_linear.pack_weight(w), 32), reference(x, w))
+    assert kernels.bf16_linear(x[:0], amx_linear.pack_weight(w), 32).shape == (0, 32)
+
+
+def test_bad_shapes_are_refused(kernels: Kernels) -> None:
+    packed = amx_linear.pack_weight(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        kernels.bf16_linear(torch.randn(4, 64), packed, 32)  # float32 input
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        kernels.bf16_linear(torch.randn(4, 64).bfloat16(), packed, 48)  # wrong out_features
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        kernels.bf16_linear(torch.randn(4, 64).bfloat16()[:, ::2], packed, 32)  # strided
+
+
+def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
+    """AMX first, then AVX512-BF16; inputs of up to AVX512_MAX_ROWS rows go to it, longer
+    ones and float32 to oneDNN / F.linear, all giving the once-rounded product."""
+    kern = packed_linear.tile_kernel()
+    amx = bool(kernels.amx_linear_available())
+    expected = "amx" if amx else "avx512_bf16" if avx512 else None
+    assert (kern.name if kern else None) == expected
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    lin = Linear(w, torch.bfloat16)
+    assert (lin.tiles is not None) == (expected is not None)
+    for rows in (1, packed_linear.AVX512_MAX_ROWS, packed_linear.AVX512_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        assert packed_linear.use_avx512(x, 64) == (rows <= packed_linear.AVX512_MAX_ROWS)
+        assert_rounded_once(lin(x), reference(x, w.bfloat16()))
+    assert not packed_linear.use_avx512(torch.randn(8, 96), 64)  # float32
+    assert not packed_linear.use_avx512(torch.randn(8, 192).bfloat16()[:, ::2], 64)
+    assert Linear(w, torch.float32).tiles is None
+
+
+def test_huge_page_arena_layout() -> None:
+    """Tensors are 64-byte aligned, never overlap, big ones get a chunk of their own, and
+    the values survive (the chunk's storage lives while any tensor cut from it does)."""
+    arena = hugepages.HugeArena(chunk_bytes=1 << 20)
+    small = [arena.copy(torch.full((100,), float(i))) for i in range(40)]  # 400 B each
+    big = arena.copy(torch.arange(100_000, dtype=torch.float32))  # > chunk / 4
+    assert arena.chunks == [1 << 20, 400_000]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in small)
+    assert all(a % hugepages.ALIGN == 0 for a, _ in spans)
+    assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans))
+    del arena
+    assert all(float(t[7]) == i for i, t in enumerate(small))
+    assert torch.equal(big, torch.arange(100_000, dtype=torch.float32))
+    z = hugepages.zeros((3, 5, 7), torch.bfloat16)
+    assert z.shape == (3, 5, 7) and z.is_contiguous() and not bool(z.any())
+
+
+def test_huge_pages_are_advised_or_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel has transparent huge pages the advice is given; where it says
+    ``never`` the memory is ordinary pages and the fallback is counted, not silent."""
+    before = fallback_counts().get(("hugepages", "thp_never"), 0)
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "never")
+    t = hugepages.zeros((1024,), torch.float32)
+    assert fallback_counts()[("hugepages", "thp_never")] == before + 1
+    assert not bool(t.any())
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    hugepages.zeros((16,), torch.float32)
+    assert fallback_counts()[("hugepages", "no_madvise")] >= 1
