@@ -42,6 +42,7 @@ SOURCES = (
     "argmax.cpp",
     "amx_linear.cpp",
     "bf16_linear.cpp",
+    "prefill_attention.cpp",
     "quant_linear.cpp",
     "quant_vnni.cpp",
 )

@@ -231,7 +231,7 @@ class ModelRunner:
                     metas.append(PrefillSeq(row, n, n, None, None))
             else:
                 mask = torch.arange(kc + n)[None, :] <= p[:, None]
-                seq = PrefillSeq(row, n, kc + n, table, mask)
+                seq = PrefillSeq(row, n, kc + n, table, mask, offset_causal=True)
                 lens = _layer_lens(s.request)
                 if lens is not None:  # per-layer press budgets: mask slots m_l .. M - 1
                     seq.layer_masks = []

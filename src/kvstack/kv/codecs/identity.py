@@ -23,8 +23,10 @@ class IdentityCodec(KVCodec):
         # On huge pages (model/hugepages.py): attention reads blocks scattered over the
         # pool, and with 4 KiB pages nearly every block read missed the TLB (batch 32 x 230
         # tokens, random blocks, 2-core EPYC: 30 layers 19-21 ms -> 16.6-18.5 ms).
-        self.k = hugepages.zeros(full, sd)
-        self.v = hugepages.zeros(full, sd)
+        # Faulted in now (zero_), as torch.zeros did: first-touch faults would otherwise
+        # land in the first steps that write each block.
+        self.k = hugepages.zeros(full, sd).zero_()
+        self.v = hugepages.zeros(full, sd).zero_()
         self.k_slots = self.k.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
         self.v_slots = self.v.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
 

@@ -35,84 +35,16 @@
 
 #include "kvstack_ops.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define KVSTACK_AVX512_BF16 1
-#include <immintrin.h>
-#endif
+#include "dpbf16.h"
 
 namespace {
 
 #if defined(KVSTACK_AVX512_BF16)
 
-constexpr int kMR = 6;   // rows per register block
-constexpr int kNR = 4;   // 16-column blocks per register block (6 x 4 accumulators + 4 B)
 constexpr int64_t kRowChunk = 96;
-
-// Prefetch (into L2) of a slice of the next column group's panel, spread over the K loop.
-struct Prefetch {
-  const char* base;  // first line of the slice
-  int64_t lines;     // 64-byte lines in the slice
-  int64_t per_iter;  // lines issued per K step
-};
-
-template <int MR, int NR>
-void micro(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t block_elems,
-           int64_t kpairs, at::BFloat16* y, int64_t ldy, Prefetch pf) {
-  __m512 acc[MR][NR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const char* rows[MR];
-  for (int i = 0; i < MR; ++i) rows[i] = reinterpret_cast<const char*>(a + i * lda);
-  const char* cols = reinterpret_cast<const char*>(b);
-  const int64_t col_bytes = 2 * block_elems;
-  for (int64_t p = 0; p < kpairs; ++p) {
-    for (int64_t l = p * pf.per_iter, e = std::min(l + pf.per_iter, pf.lines); l < e; ++l)
-      _mm_prefetch(pf.base + 64 * l, _MM_HINT_T1);
-    __m512bh bv[NR];
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j)
-      bv[j] = (__m512bh)_mm512_loadu_si512(cols + j * col_bytes + 64 * p);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, rows[i] + 4 * p, 4);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, bv[j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const __m256bh h = _mm512_cvtneps_pbh(acc[i][j]);
-      std::memcpy(y + i * ldy + 16 * j, &h, 32);
-    }
-}
-
-using MicroFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t,
-                         at::BFloat16*, int64_t, Prefetch);
-
-template <int NR>
-MicroFn pick_rows(int64_t rows) {
-  switch (rows) {
-    case 1: return micro<1, NR>;
-    case 2: return micro<2, NR>;
-    case 3: return micro<3, NR>;
-    case 4: return micro<4, NR>;
-    case 5: return micro<5, NR>;
-    default: return micro<kMR, NR>;
-  }
-}
-
-MicroFn pick(int64_t rows, int64_t cols) {
-  switch (cols) {
-    case 1: return pick_rows<1>(rows);
-    case 2: return pick_rows<2>(rows);
-    case 3: return pick_rows<3>(rows);
-    default: return pick_rows<kNR>(rows);
-  }
-}
+using dpbf16::kMR;
+using dpbf16::kNR;
+using dpbf16::Prefetch;
 
 void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
                   const at::BFloat16* w, int64_t nb_begin, int64_t nb_end, at::BFloat16* y,
@@ -136,7 +68,7 @@ void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
         const int64_t first = std::min(next_lines, i * share);
         const int64_t lines = std::min(next_lines - first, share);
         const Prefetch pf{next + 64 * first, lines, (lines + kpairs - 1) / kpairs};
-        pick(rows, cols)(x + r * lda, lda, b, block_elems, kpairs, y + r * ldy + 16 * nb, ldy, pf);
+        dpbf16::pick<at::BFloat16>(rows, cols)(x + r * lda, lda, b, block_elems, kpairs, y + r * ldy + 16 * nb, ldy, pf);
       }
     }
   }

@@ -31,6 +31,9 @@ bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool bf16_linear_available();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+bool causal_attention_available();
+torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               int64_t num_seqs, double scale);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                            std::optional<torch::Tensor> min, int64_t group, int64_t bits);
 torch::Tensor quant_dequant(torch::Tensor q, torch::Tensor scale, std::optional<torch::Tensor> min,
