@@ -98,10 +98,14 @@ def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
     w = torch.randn(64, 96)
     lin = Linear(w, torch.bfloat16)
     assert (lin.tiles is not None) == (expected is not None)
-    for rows in (1, packed_linear.AVX512_MAX_ROWS, packed_linear.AVX512_MAX_ROWS + 1, 300):
+    narrow = packed_linear.AVX512_NARROW_ROWS
+    for rows in (1, packed_linear.AVX512_MAX_ROWS, narrow, narrow + 1, 300):
         x = torch.randn(rows, 96).bfloat16()
-        assert packed_linear.use_avx512(x, 64) == (rows <= packed_linear.AVX512_MAX_ROWS)
+        assert packed_linear.use_avx512(x, 64) == (rows <= narrow)
         assert_rounded_once(lin(x), reference(x, w.bfloat16()))
+    wide = torch.empty(packed_linear.AVX512_MAX_ROWS + 1, 96).bfloat16()
+    assert not packed_linear.use_avx512(wide, packed_linear.WIDE_OUT + 16)  # lm_head
+    assert packed_linear.use_avx512(wide[:-1], packed_linear.WIDE_OUT + 16)
     assert not packed_linear.use_avx512(torch.randn(8, 96), 64)  # float32
     assert not packed_linear.use_avx512(torch.randn(8, 192).bfloat16()[:, ::2], 64)
     assert Linear(w, torch.float32).tiles is None

@@ -20,7 +20,16 @@ keeps oneDNN's prepacked weight for the rest:
       128        0.98x      1.26x      1.08x       1.14x       0.88x
       2048       0.97x      1.01x      1.02x       0.99x       0.87x
 
-  so every input of up to ``AVX512_MAX_ROWS`` rows. At M = 32 both run near this CPU's
+  and with weights cycled from DRAM (``--cold``, as in a decode step; minimum of 5-7):
+
+      32         1.41x      1.50x      1.18x       1.19x       1.05x
+      64         1.61x      1.56x      1.05x       1.38x       1.03x
+      128        1.11x      1.05x      0.97x       1.20x       0.94x
+      192        1.03x      1.06x      1.13x       1.09x       0.96x
+      256        1.05x      1.06x      0.91x       1.07x       0.98x
+
+  so every input of up to ``AVX512_MAX_ROWS`` rows, and up to ``AVX512_NARROW_ROWS``
+  unless the layer is wider than ``WIDE_OUT`` (the lm_head). At M = 32 both run near this CPU's
   ``VDPBF16PS`` peak (~220 GFLOP/s a core: 400-420 against 270-365 for two threads), so
   a batch-32 decode step is compute-bound here, not bound by reading the weights.
 
@@ -40,7 +49,9 @@ import torch
 from kvstack.model import amx_linear
 from kvstack.model.kernels import direct, load_kernels
 
-AVX512_MAX_ROWS = 64  # rows up to which bf16_linear beats oneDNN (table above)
+AVX512_MAX_ROWS = 64  # rows up to which bf16_linear beats oneDNN on every shape (above)
+AVX512_NARROW_ROWS = 192  # ... and on layers no wider than WIDE_OUT
+WIDE_OUT = amx_linear.WIDE_OUT
 
 _chosen: TileKernel | None = None
 _decided = False
@@ -60,7 +71,8 @@ def use_avx512(x: torch.Tensor, out_features: int) -> bool:
     """Whether ``x`` (2-D bf16, rows contiguous) goes to ``bf16_linear`` (rule above)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
         return False
-    return x.shape[0] <= AVX512_MAX_ROWS
+    rows = x.shape[0]
+    return rows <= AVX512_MAX_ROWS or (rows <= AVX512_NARROW_ROWS and out_features <= WIDE_OUT)
 
 
 def tile_kernel() -> TileKernel | None:
