@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
         "structured_outputs",
         "request",
         "prompts",
+        "hugepages",
     ),
     ("kv", "sched", "spec", "stats"),  # 1 bookkeeping and KV memory, speculation
     ("model",),  # 2 the model, its runner and sampler

@@ -1,5 +1,5 @@
 """The AVX512-BF16 linear (``csrc/bf16_linear.cpp``), the kernel choice
-(``model/packed_linear.py``) and huge-page memory (``model/hugepages.py``).
+(``model/packed_linear.py``) and huge-page memory (``kvstack/hugepages.py``).
 
 The kernel against a float32 matmul of the same bf16 values: every row count its 6-row
 blocks and 96-row chunks can split, every column-group remainder (1-4 blocks of 16 per
@@ -15,7 +15,8 @@ import mmap
 import pytest
 import torch
 
-from kvstack.model import amx_linear, hugepages, packed_linear
+from kvstack import hugepages
+from kvstack.model import amx_linear, packed_linear
 from kvstack.model.kernels import Kernels, fallback_counts
 from kvstack.model.layers import Linear
 

@@ -30,6 +30,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from kvstack import hugepages
+
 logger = logging.getLogger("kvstack.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -105,8 +107,12 @@ def note_fallback(kernel: str, reason: str, count: int = 1, message: str | None 
 
 
 def fallback_counts() -> dict[tuple[str, str], int]:
-    """``(kernel, reason) -> count`` since the process started (a copy)."""
-    return dict(_fallbacks)
+    """``(kernel, reason) -> count`` since the process started (a copy), with the huge-page
+    chunks left on ordinary pages as kernel ``hugepages`` (``kvstack/hugepages.py``)."""
+    counts = dict(_fallbacks)
+    for reason, n in hugepages.fallback_counts().items():
+        counts[("hugepages", reason)] = n
+    return counts
 
 
 Kernels = Any  # the ``torch.ops.kvstack`` namespace (ops declared in csrc/bindings.cpp)

@@ -17,7 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvstack.model import amx_linear, hugepages, packed_linear
+from kvstack import hugepages
+from kvstack.model import amx_linear, packed_linear
 from kvstack.model.kernels import note_fallback
 from kvstack.model_config import RopeScaling
 

@@ -14,18 +14,24 @@ pages, so the advice applies before the first touch), 64-byte aligned, never fre
 one: a chunk lives while any tensor cut from it does (each keeps the chunk's storage).
 Invariants: a tensor never spans two chunks; a request larger than a chunk gets a chunk
 of its own; where ``madvise`` is missing or refused the memory is ordinary pages (the
-result is the same, only slower) and ``note_fallback("hugepages", reason)`` counts it.
+result is the same, only slower) and it is counted (``fallback_counts``; the server
+exports it with the kernels' fallbacks as ``kvstack:kernel_fallback_total{kernel=
+"hugepages",reason}``, one warning per reason). This module sits in the lowest layer (the
+KV pool and the model both use it), so it keeps its own counter.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvstack.model.kernels import note_fallback
+logger = logging.getLogger("kvstack.hugepages")
+_fallbacks: Counter[str] = Counter()  # reason -> chunks on ordinary pages
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20
@@ -44,6 +50,18 @@ def thp_mode() -> str:
     return "?"
 
 
+def note_fallback(reason: str) -> None:
+    """Count a chunk left on ordinary pages (one warning per reason)."""
+    if reason not in _fallbacks:
+        logger.warning("huge pages unavailable (%s): weights and KV stay on 4 KiB pages", reason)
+    _fallbacks[reason] += 1
+
+
+def fallback_counts() -> dict[str, int]:
+    """``reason -> chunks`` left on ordinary pages since the process started (a copy)."""
+    return dict(_fallbacks)
+
+
 def _advised_chunk(nbytes: int) -> torch.Tensor:
     """A fresh anonymous mapping of at least ``nbytes``, as uint8, 2 MiB aligned where
     possible, advised to use huge pages."""
@@ -52,14 +70,14 @@ def _advised_chunk(nbytes: int) -> torch.Tensor:
     offset = -buf.data_ptr() % HUGE_PAGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
-        note_fallback("hugepages", "no_madvise")
+        note_fallback("no_madvise")
     elif thp_mode() == "never":
-        note_fallback("hugepages", "thp_never")
+        note_fallback("thp_never")
     else:
         try:
             mm.madvise(advice, offset, (nbytes + HUGE_PAGE - offset) // HUGE_PAGE * HUGE_PAGE)
         except OSError:
-            note_fallback("hugepages", "madvise_refused")
+            note_fallback("madvise_refused")
     return buf[offset : offset + nbytes]
 
 
