@@ -113,6 +113,18 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def best_ms(fn: Callable[[], object], reps: int) -> float:
+    """Minimum ms of ``reps`` calls after one warm-up (kernel micro-benchmarks: on a shared
+    machine the minimum is the figure other tenants disturb least)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
 def median_time_s(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
     """Median wall seconds of ``runs`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):

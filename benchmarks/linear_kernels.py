@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench_common import RESULTS_DIR
+from bench_common import RESULTS_DIR, best_ms
 from kvstack.model import amx_linear
 from kvstack.model.kernels import load_kernels
 from offline_throughput import machine_info
@@ -37,16 +36,6 @@ from offline_throughput import machine_info
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}  # fmt: skip
 MS = (1, 8, 32, 64, 128, 256, 2048)
-
-
-def best_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def cycled(fns: list[Callable[[], object]]) -> Callable[[], object]:

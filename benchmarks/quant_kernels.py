@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench_common import RESULTS_DIR
+from bench_common import RESULTS_DIR, best_ms
 from kvstack.model.kernels import load_kernels
 from kvstack.model.layers import Linear
 from kvstack.model.quant.gguf_blocks import pack_gguf
@@ -41,16 +40,6 @@ from kvstack.model.quant.quantize import quantize_int4, quantize_int8
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}  # fmt: skip
 MS = (1, 4, 16, 32, 64, 256, 512)
-
-
-def best_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def torch_int4(w: torch.Tensor, x: torch.Tensor) -> Callable[[], object] | None:

@@ -19,18 +19,7 @@ from kvstack import hugepages
 from kvstack.model import amx_linear, packed_linear
 from kvstack.model.kernels import Kernels, fallback_counts
 from kvstack.model.layers import Linear
-
-
-def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.float() @ w.float().T
-
-
-def assert_rounded_once(y: torch.Tensor, ref: torch.Tensor) -> None:
-    """y is ref rounded to bf16, up to float32 summation order: within one bf16 ulp."""
-    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
-    ulp = ref.abs().clamp_min(1e-2) * torch.finfo(torch.bfloat16).eps
-    assert bool(((y.float() - ref).abs() <= ulp + 1e-4).all())
-    assert float((y == ref.bfloat16()).float().mean()) > 0.98  # nearly all exactly rounded
+from linear_util import assert_rounded_once, reference
 
 
 @pytest.fixture(scope="module")
