@@ -4,8 +4,9 @@
 an encoded cache ``paged_attention_codecs.cpp`` dequantizes each codec's blocks in the
 kernel, reading what its ``KernelView`` names), the fused per-token ops of a layer
 (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache
-write), the AMX bf16 linear (``amx_linear.cpp``) and the weight-only quantized linears
-(``quant_linear.cpp``). The build takes ~30-90 s once per machine and is cached under
+write), the bf16 linears for decode-sized inputs (``amx_linear.cpp`` on AMX tiles,
+``bf16_linear.cpp`` on AVX512-BF16, sharing ``dpbf16.h`` with the causal prefill attention
+of ``prefill_attention.cpp``) and the weight-only quantized linears (``quant_linear.cpp``). The build takes ~30-90 s once per machine and is cached under
 ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one directory per CPU
 model and flag set. ``KVSTACK_NO_KERNELS=1`` forces the PyTorch path (tests compare both).
 
