@@ -6,7 +6,8 @@ kernel, reading what its ``KernelView`` names), the fused per-token ops of a lay
 (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache
 write), the bf16 linears for decode-sized inputs (``amx_linear.cpp`` on AMX tiles,
 ``bf16_linear.cpp`` on AVX512-BF16, sharing ``dpbf16.h`` with the causal prefill attention
-of ``prefill_attention.cpp``) and the weight-only quantized linears (``quant_linear.cpp``). The build takes ~30-90 s once per machine and is cached under
+of ``prefill_attention.cpp``) and the weight-only quantized linears (``quant_linear.cpp``).
+The build takes ~30-90 s once per machine and is cached under
 ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one directory per CPU
 model and flag set. ``KVSTACK_NO_KERNELS=1`` forces the PyTorch path (tests compare both).
 
@@ -49,6 +50,7 @@ SOURCES = (
     "quant_linear.cpp",
     "quant_vnni.cpp",
 )
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _lock = threading.Lock()
 _module: Any = None  # torch.ops.kvstack once loaded
 _failed = False
@@ -68,6 +70,15 @@ def cpu_signature() -> str:
         return "any"
     lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
     return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:12]
+
+
+def headers_hash() -> str:
+    """A hash of ``csrc/*.h``: torch rebuilds when a source or a compiler flag changes, not
+    when only a header does, so the headers' hash goes into the flags."""
+    digest = hashlib.sha256()
+    for header in sorted(_CSRC.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def build_dir() -> Path:
@@ -149,7 +160,7 @@ def load_kernels() -> Kernels | None:
                 name="kvstack_kernels",
                 is_python_module=False,
                 sources=[str(_CSRC / s) for s in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_cflags=[*CFLAGS, f"-DKVSTACK_HEADERS_HASH={headers_hash()}"],
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(_CSRC)],
                 build_directory=str(build_dir()),
