@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,9 +90,15 @@ class HugeArena:
     _chunk: torch.Tensor | None = None
     _used: int = 0
     chunks: list[int] = field(default_factory=list)  # bytes of each chunk made
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized contiguous tensor of ``shape`` and ``dtype``."""
+        """An uninitialized contiguous tensor of ``shape`` and ``dtype`` (thread-safe: two
+        models loading at once never get overlapping ranges)."""
+        with self._lock:
+            return self._empty(shape, dtype)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= s

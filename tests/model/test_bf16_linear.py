@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import threading
 
 import pytest
 import torch
@@ -129,3 +130,22 @@ def test_huge_pages_are_advised_or_counted(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
     hugepages.zeros((16,), torch.float32)
     assert fallback_counts()[("hugepages", "no_madvise")] >= 1
+
+
+def test_huge_page_arena_is_thread_safe() -> None:
+    """Two threads cutting tensors from one arena never get overlapping ranges."""
+    arena = hugepages.HugeArena(chunk_bytes=1 << 16)
+    got: list[torch.Tensor] = []
+
+    def cut() -> None:
+        for _ in range(300):
+            got.append(arena.empty((37,), torch.float32))
+
+    threads = [threading.Thread(target=cut) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans = sorted((t.data_ptr(), t.data_ptr() + 37 * 4) for t in got)
+    assert len(spans) == 600
+    assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans))
