@@ -18,8 +18,6 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.kv.storage import KVStorage
-from kvstack.model.attention import AttentionMetadata, PrefillSeq
 from kvstack.model.gguf import GGUFFile
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
@@ -28,6 +26,7 @@ from kvstack.model.registry import load_model
 from kvstack.model_config import ModelConfig
 from kvstack.testing.families import (
     hf_greedy,
+    paged_logits,
     tiny_family_config,
     transformers_model,
     write_transformers_folder,
@@ -39,8 +38,6 @@ transformers = pytest.importorskip("transformers")
 LOGIT_ATOL = 2e-3  # fp32; observed ~1e-5
 TIE_GAP = 1e-4
 NEW_TOKENS = 10
-BS = 4
-BLOCKS = [7, 3, 9, 1, 12, 5]  # a shuffled block table: logical order != physical order
 FAMILIES = ["qwen2", "qwen3", "mistral"]
 
 
@@ -100,37 +97,6 @@ def test_gguf_qk_rows_are_permuted_only_for_llama_layouts(tiny: Tiny) -> None:
         assert {"blk.1.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= names
 
 
-def _meta(positions: range, prefill: PrefillSeq | None, kernels: bool) -> AttentionMetadata:
-    slots = torch.tensor([BLOCKS[p // BS] * BS + p % BS for p in positions])
-    if prefill is not None:
-        return AttentionMetadata(slots, 0, None, None, None, [prefill])
-    n = positions.stop
-    bias = torch.zeros(1, len(BLOCKS) * BS)
-    bias[0, n:] = float("-inf")
-    return AttentionMetadata(
-        slots, 1, torch.tensor([BLOCKS]), torch.tensor([n]), bias[:, None, None, :], [],
-        kernels=load_kernels() if kernels else None,
-    )  # fmt: skip
-
-
-def _run(model: LlamaModel, ids: torch.Tensor, chunks: list[int], kernels: bool) -> torch.Tensor:
-    """Logits of ``ids`` fed as prefill chunks of ``chunks`` tokens, then one decode step
-    per remaining token, on a fresh cache with a shuffled block table."""
-    kv = KVStorage(model.config, 16, BS, model.dtype)
-    out, start = [], 0
-    for n in chunks:
-        end = start + n
-        prior = torch.tensor(BLOCKS) if start else None
-        mask = torch.arange(end)[None] <= torch.arange(start, end)[:, None] if start else None
-        meta = _meta(range(start, end), PrefillSeq(0, n, end, prior, mask), kernels)
-        out.append(model.forward(ids[start:end], torch.arange(start, end), meta, kv, None))
-        start = end
-    for p in range(start, len(ids)):
-        meta = _meta(range(p, p + 1), None, kernels)
-        out.append(model.forward(ids[p : p + 1], torch.tensor([p]), meta, kv, None))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_logits_match_transformers(tiny: Tiny, fmt: str, kernels: bool) -> None:
@@ -143,7 +109,9 @@ def test_logits_match_transformers(tiny: Tiny, fmt: str, kernels: bool) -> None:
     with torch.no_grad():
         ref = tiny.hf(ids[None]).logits[0]
     # Whole; then 13 tokens, 7 more attending to the cached 13, and one decode step.
-    diff = max((_run(model, ids, c, kernels) - ref).abs().max().item() for c in ([21], [13, 7]))
+    diff = max(
+        (paged_logits(model, ids, c, kernels) - ref).abs().max().item() for c in ([21], [13, 7])
+    )
     print(f"{tiny.config.architecture} {fmt} {select_ops(built).name}: max |diff| {diff:.1e}")
     assert diff < LOGIT_ATOL
 
@@ -161,7 +129,7 @@ def test_bfloat16_logits_are_as_close_as_transformers_own(tiny: Tiny, kernels: b
     with torch.no_grad():
         ref = tiny.hf(ids[None]).logits[0]
         own = (bf16(ids[None]).logits[0].float() - ref).abs().max().item()
-    diff = (_run(model, ids, [13, 7], kernels).float() - ref).abs().max().item()
+    diff = (paged_logits(model, ids, [13, 7], kernels).float() - ref).abs().max().item()
     print(f"{tiny.config.architecture} bf16: max |diff| {diff:.3f} (transformers bf16: {own:.3f})")
     assert diff < 1.5 * own + 0.01
 
