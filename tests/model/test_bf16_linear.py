@@ -1,11 +1,12 @@
-"""The AVX512-BF16 linear (``csrc/bf16_linear.cpp``), the kernel choice
+"""The bf16 linear (``csrc/bf16_linear.cpp``: AVX512-BF16, or AVX2 + FMA over
+``fma_bf16.h``; the tests run whichever this CPU builds), the kernel choice
 (``model/packed_linear.py``) and huge-page memory (``kvstack/hugepages.py``).
 
 The kernel against a float32 matmul of the same bf16 values: every row count its 6-row
 blocks and 96-row chunks can split, every column-group remainder (1-4 blocks of 16 per
 thread), row-strided inputs, the prefetch of the next group crossing the end of a thread's
-range. On a CPU without AVX512-BF16 the kernel says so with a clear error, and the tests
-check that instead of skipping."""
+range. On a CPU with neither the kernel says so with a clear error, and the tests check
+that instead of skipping."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_kernel_matches_float32_matmul(kernels: Kernels, avx512: bool, rows: int
     w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
     packed = amx_linear.pack_weight(w)
     if not avx512:
-        with pytest.raises(RuntimeError, match="AVX512-BF16 is not available"):
+        with pytest.raises(RuntimeError, match="nor AVX2\\+FMA is available"):
             kernels.bf16_linear(x, packed, n)
         return
     assert_rounded_once(kernels.bf16_linear(x, packed, n), reference(x, w))
@@ -44,11 +45,12 @@ def test_kernel_matches_float32_matmul(kernels: Kernels, avx512: bool, rows: int
 
 def test_one_thread_and_deep_input(kernels: Kernels, avx512: bool) -> None:
     """One thread takes every column group in turn (the prefetch runs past each group);
-    a deep K (a down projection) accumulates over 768 pairs."""
+    a deep K (a down projection) accumulates over 768 pairs, in 96-row (AVX512) or 40-row
+    (AVX2: 256 KiB of float32 x) chunks."""
     if not avx512:
         return
     torch.manual_seed(1)
-    w, x = torch.randn(112, 1536).bfloat16(), torch.randn(33, 1536).bfloat16()
+    w, x = torch.randn(112, 1536).bfloat16(), torch.randn(97, 1536).bfloat16()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -83,7 +85,8 @@ def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
     ones and float32 to oneDNN / F.linear, all giving the once-rounded product."""
     kern = packed_linear.tile_kernel()
     amx = bool(kernels.amx_linear_available())
-    expected = "amx" if amx else "avx512_bf16" if avx512 else None
+    expected = "amx" if amx else str(kernels.bf16_linear_isa()) or None
+    assert (expected is not None) == (amx or avx512)
     assert (kern.name if kern else None) == expected
     torch.manual_seed(0)
     w = torch.randn(64, 96)
@@ -100,6 +103,21 @@ def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
     assert not packed_linear.use_avx512(torch.randn(8, 96), 64)  # float32
     assert not packed_linear.use_avx512(torch.randn(8, 192).bfloat16()[:, ::2], 64)
     assert Linear(w, torch.float32).tiles is None
+
+
+def test_avx2_routing_and_widened_path() -> None:
+    """The AVX2 + FMA rule: up to AVX2_MAX_ROWS rows, and the lm_head at any size; the rest
+    runs ``widened_linear`` (float32 GEMM of widened copies), also rounded once."""
+    avx2_max = packed_linear.AVX2_MAX_ROWS
+    narrow = torch.empty(avx2_max + 1, 96).bfloat16()
+    assert packed_linear.use_avx2(narrow[:-1], 64)
+    assert not packed_linear.use_avx2(narrow, 64)
+    assert packed_linear.use_avx2(narrow, packed_linear.WIDE_OUT + 16)  # lm_head
+    assert not packed_linear.use_avx2(torch.randn(8, 96), 64)  # float32
+    assert not packed_linear.use_avx2(torch.randn(8, 192).bfloat16()[:, ::2], 64)
+    torch.manual_seed(2)
+    w, x = torch.randn(48, 96).bfloat16(), torch.randn(300, 96).bfloat16()
+    assert_rounded_once(packed_linear.widened_linear(x, w), reference(x, w))
 
 
 def test_huge_page_arena_layout() -> None:

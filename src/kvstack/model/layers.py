@@ -4,10 +4,12 @@
 0.14 ms vs 0.27 ms for a decode-size GEMM); float32 uses plain ``F.linear`` so fp32
 results stay bit-comparable with the reference. A bf16 weight that cannot be prepacked
 runs through ``F.linear`` and is counted (``kvstack:kernel_fallback_total{kernel=
-"onednn_prepack"}``). On a CPU with AMX or AVX512-BF16, decode-sized bf16 inputs (decode
-batches, short chunks) go to kvstack's own kernel instead (``model/packed_linear.py``: AMX
-tiles or ``VDPBF16PS``), which streams the weights where oneDNN is compute-starved (the
-chosen kernel's ``use`` decides per input).
+"onednn_prepack"}``). On a CPU with AMX, AVX512-BF16 or AVX2 + FMA, decode-sized bf16
+inputs (decode batches, short chunks) go to kvstack's own kernel instead
+(``model/packed_linear.py``: AMX tiles, ``VDPBF16PS`` or widening FMAs), which streams the
+weights where oneDNN is compute-starved (the chosen kernel's ``use`` decides per input). On
+AVX2-only CPUs (no oneDNN bf16) longer inputs run as a float32 GEMM of widened copies
+(``packed_linear.widened_linear``), ~7x faster there than PyTorch's bf16 matmul.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Linear:
             return self._tile.op(x, self.tiles, self.out_features)  # type: ignore[arg-type]
         if self.packed is not None:
             return _LINEAR_POINTWISE(x, self.packed, None, "none", [], "")
+        if self._tile is not None:  # a kernel build but no oneDNN bf16 (AVX2-only CPUs)
+            return packed_linear.widened_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 

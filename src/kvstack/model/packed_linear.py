@@ -1,6 +1,6 @@
 """Which of kvstack's own bf16 linear kernels runs on this CPU, and for which inputs.
 
-Both kernels read the weight in one packed copy (``amx_linear.pack_weight``: for each block
+The kernels read the weight in one packed copy (``amx_linear.pack_weight``: for each block
 of 16 output columns, consecutive bf16 pairs of K) and round a float32 accumulator to bf16
 once; they beat oneDNN where it is compute-starved (decode-sized batches), and ``Linear``
 keeps oneDNN's prepacked weight for the rest:
@@ -33,6 +33,25 @@ keeps oneDNN's prepacked weight for the rest:
   ``VDPBF16PS`` peak (~220 GFLOP/s a core: 400-420 against 270-365 for two threads), so
   a batch-32 decode step is compute-bound here, not bound by reading the weights.
 
+- ``avx2_fma`` (the same ``csrc/bf16_linear.cpp`` over ``csrc/fma_bf16.h``): CPUs with only
+  AVX2 + FMA (AMD EPYC Zen 2/3). PyTorch 2.13 has no fast bf16 matmul there (oneDNN's
+  bf16 needs AVX512/AMX; ``F.linear`` in bf16 ran at 7-8 GFLOP/s on the 2-core AMD EPYC
+  Zen 3 of 2026-12-02 against 44-108 in float32). The kernel widens each weight pair to
+  float32 in registers (exact) and runs FMAs. Against MKL's float32 GEMM on copies widened
+  per call (``widened_linear``), same CPU, two threads, minimum of 15, widened time /
+  kernel time:
+
+      rows (M)   576->960   1536->576   576->3072   576->49152 (lm_head)
+      1          8.5x       8.6x        12.7x       29.8x
+      32         2.2x       2.0x        2.4x        4.3x
+      128        0.92x      1.07x       1.03x       2.1x
+      256        0.78x      0.79x       0.87x       1.9x
+      512        0.58x      0.69x       0.92x       0.95x
+
+  so the kernel takes every input of up to ``AVX2_MAX_ROWS`` rows and the lm_head (wider
+  than ``WIDE_OUT``, whose widened copy costs more than the GEMM) at any size; ``Linear``
+  sends the rest to ``widened_linear``.
+
 AMX wins over AVX512-BF16 where both exist (a tile instruction does 16x the work of a
 ``VDPBF16PS``), so it is chosen first. Invariant: a kernel is chosen once per process
 (``tile_kernel``), so every ``Linear`` of a model routes the same way; float32 models never
@@ -45,12 +64,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvstack.model import amx_linear
 from kvstack.model.kernels import direct, load_kernels
 
 AVX512_MAX_ROWS = 64  # rows up to which bf16_linear beats oneDNN on every shape (above)
 AVX512_NARROW_ROWS = 192  # ... and on layers no wider than WIDE_OUT
+AVX2_MAX_ROWS = 128  # rows up to which the AVX2 + FMA kernel beats float32 MKL (above)
 WIDE_OUT = amx_linear.WIDE_OUT
 
 _chosen: TileKernel | None = None
@@ -75,9 +96,24 @@ def use_avx512(x: torch.Tensor, out_features: int) -> bool:
     return rows <= AVX512_MAX_ROWS or (rows <= AVX512_NARROW_ROWS and out_features <= WIDE_OUT)
 
 
+def use_avx2(x: torch.Tensor, out_features: int) -> bool:
+    """Whether ``x`` (2-D bf16, rows contiguous) goes to the AVX2 + FMA kernel."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+        return False
+    return x.shape[0] <= AVX2_MAX_ROWS or out_features > WIDE_OUT
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for bf16 operands through float32 GEMM (MKL): exact products and
+    float32 sums rounded to bf16 once, like the kernels; for CPUs where PyTorch's own bf16
+    matmul is the slow generic loop (no oneDNN bf16)."""
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
 def tile_kernel() -> TileKernel | None:
     """The bf16 linear kernel this process uses for decode-sized inputs, or None (no kernel
-    build, or neither AMX nor AVX512-BF16: oneDNN runs everything, by design, uncounted)."""
+    build, or none of AMX, AVX512-BF16, AVX2 + FMA: oneDNN or ``F.linear`` runs everything,
+    by design, uncounted)."""
     global _chosen, _decided
     if _decided:
         return _chosen
@@ -86,7 +122,9 @@ def tile_kernel() -> TileKernel | None:
         _chosen = None
     elif amx_linear.amx_kernels() is not None:
         _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
-    elif bool(ops.bf16_linear_available()):
+    elif (isa := str(ops.bf16_linear_isa())) == "avx512_bf16":
         _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_avx512)
+    elif isa == "avx2_fma":
+        _chosen = TileKernel("avx2_fma", direct(ops.bf16_linear), use_avx2)
     _decided = True
     return _chosen

@@ -30,6 +30,7 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("amx_linear_available() -> bool", &amx_linear_available);
   m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &amx_linear);
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
+  m.def("bf16_linear_isa() -> str", &bf16_linear_isa);
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &bf16_linear);
   m.def("causal_attention_available() -> bool", &causal_attention_available);
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, int num_seqs, float scale) -> Tensor",

@@ -30,6 +30,7 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor
 bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool bf16_linear_available();
+std::string bf16_linear_isa();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool causal_attention_available();
 torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,

@@ -39,6 +39,11 @@ static inline void row_to_float(const T* src, float* dst, int64_t HD) {
     for (int64_t i = 0; i < HD; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
     return;
   }
+#elif defined(KVSTACK_AVX2)
+  if (HD % 8 == 0) {
+    for (int64_t i = 0; i < HD; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+    return;
+  }
 #endif
   for (int64_t i = 0; i < HD; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -50,6 +55,15 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
     for (int64_t i = 0; i < n; i += 16)
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(KVSTACK_AVX2)
+  if (n % 16 == 0) {  // two accumulators: an FMA's latency is 4-5 cycles
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
   }
 #endif
   float s = 0.f;
@@ -63,6 +77,13 @@ static inline void axpy(float p, const float* __restrict x, float* __restrict y,
     const __m512 pv = _mm512_set1_ps(p);
     for (int64_t i = 0; i < n; i += 16)
       _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    return;
+  }
+#elif defined(KVSTACK_AVX2)
+  if (n % 8 == 0) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     return;
   }
 #endif
@@ -281,6 +302,15 @@ static bool decode_fast(const T*, const T*, const T*, const int64_t*, const int6
 }
 #endif
 
+// Prefetch distance (rows) of the generic kernel, and a row's lines into L1 (locality 3)
+// or L2 (2).
+constexpr int64_t kGenericAhead = 16;
+template <int Locality>
+static inline void prefetch_bytes(const void* row, size_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, Locality);
+}
+
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
                           const int64_t* tidx, const int64_t* lens, T* out, int64_t D, int64_t H,
@@ -289,6 +319,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
   const int64_t G = H / KVH;
   at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * HD), acc(G * HD), row(HD), scores;
+    std::vector<int64_t> offs;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t d = w / KVH, kh = w % KVH;
       const int64_t s0 = window_start(lens[d], W);  // keys [s0, lens[d]), L of them
@@ -299,9 +330,19 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
         for (int64_t i = 0; i < HD; ++i) qf[g * HD + i] *= scale;
       }
       const int64_t* table = tables + table_row(tidx, d) * MB;
+      // Rows sit scattered over blocks: their offsets first, then K rows prefetched
+      // kGenericAhead ahead of the scoring loop and V rows into L2 for the second pass.
+      offs.resize(L);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t k = s0 + t;
-        row_to_float(kc + ((table[k / BS] * BS + k % BS) * KVH + kh) * HD, row.data(), HD);
+        offs[t] = ((table[k / BS] * BS + k % BS) * KVH + kh) * HD;
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        if (t + kGenericAhead < L) {
+          prefetch_bytes<3>(kc + offs[t + kGenericAhead], HD * sizeof(T));
+          prefetch_bytes<2>(vc + offs[t + kGenericAhead], HD * sizeof(T));
+        }
+        row_to_float(kc + offs[t], row.data(), HD);
         for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qf.data() + g * HD, row.data(), HD);
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -309,7 +350,17 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
         float m = -INFINITY;
         for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
+        int64_t t = 0;
+#if defined(KVSTACK_AVX2) && !defined(__AVX512F__)
+        __m256 sum8 = _mm256_setzero_ps();
+        for (; t + 8 <= L; t += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
+          _mm256_storeu_ps(sg + t, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        sum = hsum8(sum8);
+#endif
+        for (; t < L; ++t) {
           sg[t] = std::exp(sg[t] - m);
           sum += sg[t];
         }
@@ -318,8 +369,8 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t k = s0 + t;
-        row_to_float(vc + ((table[k / BS] * BS + k % BS) * KVH + kh) * HD, row.data(), HD);
+        if (t + kGenericAhead < L) prefetch_bytes<3>(vc + offs[t + kGenericAhead], HD * sizeof(T));
+        row_to_float(vc + offs[t], row.data(), HD);
         for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], row.data(), acc.data() + g * HD, HD);
       }
       for (int64_t g = 0; g < G; ++g)

@@ -180,8 +180,6 @@ bool causal_attention_available() {
 
 torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                int64_t num_seqs, double scale) {
-  TORCH_CHECK(causal_attention_available(),
-              "causal_attention: AVX512-BF16 is not available in this build");
   check_heads(q, "q");
   check_heads(k, "k");
   check_heads(v, "v");
@@ -193,6 +191,9 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
               "causal_attention: needs head_dim % 32 == 0 and whole GQA groups");
   const int64_t Lq = q.size(0) / S, Lk = k.size(0) / S;
   TORCH_CHECK(Lk >= Lq, "causal_attention: fewer keys than queries");
+  // After the input checks, so a bad input gets the same error on every CPU.
+  TORCH_CHECK(causal_attention_available(),
+              "causal_attention: AVX512-BF16 is not available in this build");
   auto out = torch::empty({q.size(0), H, D}, q.options());
 #if defined(KVSTACK_AVX512_BF16)
   if (Lq == 0) return out;

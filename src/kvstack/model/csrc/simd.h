@@ -1,4 +1,5 @@
-// SIMD helpers shared by kvstack's CPU kernels (AVX-512 when the compiler targets it).
+// SIMD helpers shared by kvstack's CPU kernels (AVX-512 when the compiler targets it; the
+// 8-lane AVX2 + FMA subset below for CPUs without AVX-512, e.g. AMD EPYC Zen 2/3).
 //
 // bf16 <-> float32 conversions round to nearest even, exactly as c10::BFloat16 (and so
 // PyTorch) does, so a kernel that rounds where PyTorch rounds gives bit-identical results.
@@ -79,6 +80,48 @@ static inline __m512 hsum16(const __m512* v) {
                          _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSTACK_AVX2 1
+
+// 8 lanes -> float32.
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// Sum of the 8 lanes.
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 lanes, the same method and constants as exp512 (2^n by adding n to the
+// exponent field; n in [-126, 127] after the clamp, so the result stays a normal float).
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  y = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), y);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f));
+  // p in [0.7, 1.42]: multiplying by 2^n adds n to its exponent (no overflow past the clamp:
+  // 2^127 * 1.42 < FLT_MAX; 2^-126 * 0.7 is normal except at the very bottom, ~0 anyway).
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
 #endif
 
