@@ -23,7 +23,8 @@ thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels.json):
 
 Prefill (``M > PREFILL_ROWS``) is compute-bound: the weight is dequantized to the
 activation dtype (``quant_dequant``, a [N, K] temporary) and multiplied by oneDNN
-(``F.linear``: AMX / AVX512-BF16 GEMM), which wins from M ~ 16 on (the crossover measured).
+(``F.linear``: AMX / AVX512-BF16 GEMM; on AVX2-only CPUs a float32 GEMM of widened
+copies, ``layers.dense_linear``), which wins from M ~ 16 on (the crossover measured).
 
 Without the C++ extension (build failed, ``KVSTACK_NO_KERNELS``) the weight is dequantized
 once at load into a plain ``Linear`` (the packed bytes are then not what is read),
@@ -35,10 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvstack.model.kernels import Kernels, direct, note_fallback
-from kvstack.model.layers import Linear
+from kvstack.model.layers import Linear, dense_linear
 from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpack_u4
 
 PREFILL_ROWS = 16
@@ -154,4 +154,4 @@ class QuantLinear:
             if self._decode is None:
                 self._decode = self._decode_fn()
             return self._decode(x)
-        return F.linear(x, self.dequantize(x.dtype))
+        return dense_linear(x, self.dequantize(x.dtype))
