@@ -6,8 +6,9 @@ kernel, reading what its ``KernelView`` names), the fused per-token ops of a lay
 (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache
 write), the bf16 linears for decode-sized inputs (``amx_linear.cpp`` on AMX tiles,
 ``bf16_linear.cpp`` on AVX512-BF16, sharing ``dpbf16.h`` with the causal prefill attention
-of ``prefill_attention.cpp``) and the weight-only quantized linears (``quant_linear.cpp``).
-The build takes ~30-90 s once per machine and is cached under
+of ``prefill_attention.cpp``, or on AVX2 + FMA through ``fma_bf16.h``) and the weight-only
+quantized linears (``quant_linear.cpp``). The build takes ~30-90 s (~5 min on a 2-core
+AVX2-only EPYC) once per machine and is cached under
 ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one directory per CPU
 model and flag set. ``KVSTACK_NO_KERNELS=1`` forces the PyTorch path (tests compare both).
 
@@ -18,7 +19,8 @@ reason}``. Reasons: ``build_failed`` (compiler or headers missing), ``disabled``
 (``KVSTACK_NO_KERNELS``), and per-kernel ones such as ``encoded_cache`` (a codec with no
 kernel view; every built-in codec has one, and the codec kernel has a portable path for
 every CPU and head size, so none falls back on an ISA) or
-``bf16_unsupported`` (oneDNN cannot prepack bf16 weights on this CPU).
+``bf16_unsupported`` (oneDNN cannot prepack bf16 weights on this CPU: AVX2-only CPUs,
+where ``Linear`` runs the AVX2 kernel or a float32 GEMM of widened copies instead).
 """
 
 from __future__ import annotations
