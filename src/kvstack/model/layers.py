@@ -25,28 +25,13 @@ from kvstack.model.kernels import note_fallback
 from kvstack.model_config import RopeScaling
 
 
-def _mkldnn_bf16_ok() -> bool:
-    try:
-        return bool(
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_BF16_NATIVE: bool | None = None
-
-
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear`` for a weight that is not a ``Linear`` (a dequantized prefill weight); in
     bf16 on a CPU without oneDNN bf16 (AVX2-only), the float32 GEMM of widened copies, ~7x
     faster there than PyTorch's bf16 matmul (``packed_linear.widened_linear``)."""
-    global _BF16_NATIVE
-    if x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 or packed_linear.onednn_bf16():
         return F.linear(x, weight)
-    if _BF16_NATIVE is None:
-        _BF16_NATIVE = _mkldnn_bf16_ok()
-    return F.linear(x, weight) if _BF16_NATIVE else packed_linear.widened_linear(x, weight)
+    return packed_linear.widened_linear(x, weight)
 
 
 # oneDNN's prepacked linear, its C++ callable bound once (the packet's __call__ is a
@@ -70,7 +55,7 @@ class Linear:
         if amx_linear.packable(self.weight) and (kern := packed_linear.tile_kernel()) is not None:
             self.tiles = hugepages.weight_copy(amx_linear.pack_weight(self.weight))
             self._tile = kern
-        if not _mkldnn_bf16_ok():  # counted: kvstack:kernel_fallback_total
+        if not packed_linear.onednn_bf16():  # counted: kvstack:kernel_fallback_total
             note_fallback("onednn_prepack", "bf16_unsupported")
             return
         try:

@@ -34,9 +34,11 @@ keeps oneDNN's prepacked weight for the rest:
   a batch-32 decode step is compute-bound here, not bound by reading the weights.
 
 - ``avx2_fma`` (the same ``csrc/bf16_linear.cpp`` over ``csrc/fma_bf16.h``): CPUs with only
-  AVX2 + FMA (AMD EPYC Zen 2/3). PyTorch 2.13 has no fast bf16 matmul there (oneDNN's
-  bf16 needs AVX512/AMX; ``F.linear`` in bf16 ran at 7-8 GFLOP/s on the 2-core AMD EPYC
-  Zen 3 of 2026-12-02 against 44-108 in float32). The kernel widens each weight pair to
+  AVX2 + FMA (AMD EPYC Zen 2/3), where oneDNN has no bf16 (an AVX-512 CPU without
+  AVX512-BF16 builds this path too but keeps oneDNN, unmeasured against it). PyTorch 2.13
+  has no fast bf16 matmul there (oneDNN's bf16 needs AVX512/AMX; ``F.linear`` in bf16 ran
+  at 7-8 GFLOP/s on the 2-core AMD EPYC Zen 3 of 2026-12-02 against 44-108 in float32).
+  The kernel widens each weight pair to
   float32 in registers (exact) and runs FMAs. Against MKL's float32 GEMM on copies widened
   per call (``widened_linear``), same CPU, two threads, minimum of 15, widened time /
   kernel time:
@@ -76,6 +78,22 @@ WIDE_OUT = amx_linear.WIDE_OUT
 
 _chosen: TileKernel | None = None
 _decided = False
+_onednn_bf16: bool | None = None
+
+
+def onednn_bf16() -> bool:
+    """Whether PyTorch's oneDNN runs bf16 linears on this CPU (AVX512 or AMX; not on
+    AVX2-only CPUs), decided once."""
+    global _onednn_bf16
+    if _onednn_bf16 is None:
+        try:
+            _onednn_bf16 = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            )
+        except (AttributeError, RuntimeError):
+            _onednn_bf16 = False
+    return _onednn_bf16
 
 
 @dataclass(frozen=True)
@@ -124,7 +142,7 @@ def tile_kernel() -> TileKernel | None:
         _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
     elif (isa := str(ops.bf16_linear_isa())) == "avx512_bf16":
         _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_avx512)
-    elif isa == "avx2_fma":
+    elif isa == "avx2_fma" and not onednn_bf16():  # AVX-512 without BF16 keeps oneDNN
         _chosen = TileKernel("avx2_fma", direct(ops.bf16_linear), use_avx2)
     _decided = True
     return _chosen
