@@ -38,10 +38,9 @@ keeps oneDNN's prepacked weight for the rest:
   AVX512-BF16 builds this path too but keeps oneDNN, unmeasured against it). PyTorch 2.13
   has no fast bf16 matmul there (oneDNN's bf16 needs AVX512/AMX; ``F.linear`` in bf16 ran
   at 7-8 GFLOP/s on the 2-core AMD EPYC Zen 3 of 2026-12-02 against 44-108 in float32).
-  The kernel widens each weight pair to
-  float32 in registers (exact) and runs FMAs. Against MKL's float32 GEMM on copies widened
-  per call (``widened_linear``), same CPU, two threads, minimum of 15, widened time /
-  kernel time:
+  The kernel widens each weight pair to float32 in registers (exact) and runs FMAs.
+  Against MKL's float32 GEMM on copies widened per call (``widened_linear``), same CPU, two
+  threads, minimum of 15, widened time / kernel time:
 
       rows (M)   576->960   1536->576   576->3072   576->49152 (lm_head)
       1          8.5x       8.6x        12.7x       29.8x
