@@ -42,6 +42,11 @@ class LayerCache:
         """How the C++ codec attention reads this layer in place (None: it cannot)."""
         return None if self.k is not None else self.codec.kernel_view(self.layer)
 
+    @property
+    def kernel_write_view(self) -> KernelView | None:
+        """Where the C++ KV write encodes this layer's new rows (None: ``write``)."""
+        return None if self.k is not None else self.codec.kernel_write_view(self.layer)
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``."""
         self.codec.write(self.layer, slots, k, v)

@@ -43,6 +43,7 @@ SOURCES = (
     "bindings.cpp",
     "paged_attention.cpp",
     "paged_attention_codecs.cpp",
+    "codec_write.cpp",
     "fused_ops.cpp",
     "token_mask.cpp",
     "argmax.cpp",

@@ -186,6 +186,13 @@ class KernelOps:
         )  # fmt: skip
         q, k, v = split_qkv(qkv, heads)
         if not raw:  # encoded (era 5 codec) or cast cache: the codec stores the rows
+            view = cache.kernel_write_view
+            if view is not None:  # a per-token codec: encoded and stored in C++
+                self.k.codec_write(
+                    view.layout, view.group, k, v, slots, view.k_codes, view.v_codes,
+                    view.k_params, view.v_params, view.rotation_signs,
+                )  # fmt: skip
+                return q, k, v
             if cache.layer == 0:
                 note_fallback("kv_cache_write", "encoded_cache")
             cache.write(slots, k, v)

@@ -110,6 +110,12 @@ class KVCodec(abc.ABC):
         the PyTorch path (``gather``), counted as a ``kernel_fallback``."""
         return None
 
+    def kernel_write_view(self, layer: int) -> KernelView | None:
+        """The storage the C++ KV write (``csrc/codec_write.cpp``, per-token codecs) encodes
+        ``layer``'s new rows into, or None: ``write`` (PyTorch) stores them, counted as the
+        ``kv_cache_write`` fallback. Its codes must equal ``write``'s bit for bit."""
+        return None
+
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """A block went back to the free queue (its contents are dead)."""
 

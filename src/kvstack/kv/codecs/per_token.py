@@ -84,3 +84,8 @@ class PerTokenCodec(KVCodec):
             self.v_params[layer],
             group=self.kernel_group(),
         )
+
+    def kernel_write_view(self, layer: int) -> KernelView | None:
+        """Every per-token codec with a kernel layout is written in C++ (int8, fp8,
+        int4, rotated4: the layouts ``codec_write.cpp`` encodes)."""
+        return self.kernel_view(layer)

@@ -22,6 +22,24 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+def rotate_rows(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``x R`` for float32 rows ``[..., n]``, ``R = diag(signs) H / sqrt(n)``, as a fast
+    Walsh-Hadamard transform: the signs, then log2(n) butterfly stages (``a + b``, ``a - b``
+    over pairs ``h`` apart), then the norm. The same float32 operations in the same order
+    as the C++ ``rotate()`` (``model/csrc/codec_rows.h``), so the C++ KV write
+    (``codec_write.cpp``) stores the same codes as this reference, bit for bit; equal to
+    ``x @ (signs[:, None] * hadamard(n))`` up to float32 rounding."""
+    n = x.shape[-1]
+    y = x * signs
+    h = 1
+    while h < n:
+        pairs = y.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), -2).flatten(-3)
+        h *= 2
+    return y * torch.tensor(float(n)).sqrt().reciprocal()
+
+
 class Rotated4Codec(Int4Codec):
     """Randomized Hadamard rotation, then 4-bit with one scale+zero per head vector.
 
@@ -62,7 +80,7 @@ class Rotated4Codec(Int4Codec):
         return None if view is None else dataclasses.replace(view, rotation_signs=self.signs)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, sz = quant_asym(x.float() @ self.rot, self.BITS, -1)
+        q, sz = quant_asym(rotate_rows(x.float(), self.signs), self.BITS, -1)
         return pack(q, self.BITS), sz
 
     def decode(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

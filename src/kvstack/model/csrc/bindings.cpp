@@ -16,6 +16,9 @@ TORCH_LIBRARY(kvstack, m) {
         "Tensor k_params, Tensor v_params, Tensor? res_k, Tensor? res_v, Tensor? residual_of, "
         "Tensor? rotation_signs, Tensor block_tables, Tensor? table_index, Tensor context_lens, float scale) -> Tensor",
         &paged_attention_codec);
+  m.def("codec_write(str kind, int group, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_codes, "
+        "Tensor(b!) v_codes, Tensor(c!) k_params, Tensor(d!) v_params, Tensor? rotation_signs) -> ()",
+        &codec_write);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",
         &add_rms_norm);

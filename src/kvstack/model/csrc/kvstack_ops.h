@@ -18,6 +18,10 @@ torch::Tensor paged_attention_codec(
     std::optional<torch::Tensor> residual_of, std::optional<torch::Tensor> rotation_signs,
     torch::Tensor block_tables,
     std::optional<torch::Tensor> table_index, torch::Tensor context_lens, double scale);
+void codec_write(std::string kind, int64_t group, torch::Tensor k, torch::Tensor v,
+                 torch::Tensor slots, torch::Tensor k_codes, torch::Tensor v_codes,
+                 torch::Tensor k_params, torch::Tensor v_params,
+                 std::optional<torch::Tensor> rotation_signs);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gu);

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "codec_int8.h"
 #include "codec_rows.h"
 #include "kvstack_ops.h"
 
@@ -28,6 +29,7 @@ namespace {
 
 constexpr int64_t kCodecPart = 512;  // tokens per partition
 constexpr int kMaxG = 8;  // q heads per KV head on the fast path
+constexpr int64_t kAheadBlocks = 3;  // blocks of K prefetched ahead while scoring
 
 int64_t table_of(const int64_t* tidx, int64_t r) { return tidx ? tidx[r] : r; }
 
@@ -80,15 +82,17 @@ struct CodecPartial {  // one (row, partition, q head): max m, sum l, unnormaliz
   alignas(64) float acc[64];
 };
 
-// Prefetches the K or V rows (codes and per-row parameters) of head kh in block blk.
+// Prefetches the K or V rows (codes and per-row parameters) of head kh in block blk into
+// L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <int Hint>
 inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t kh) {
   const uint8_t* codes = is_k ? cv.kc : cv.vc;
   const c10::BFloat16* params = is_k ? cv.kp : cv.vp;
   const int64_t cols = is_k ? cv.k_cols : cv.v_cols;
   for (int64_t i = 0; i < cv.BS; ++i) {
     const int64_t r = (blk * cv.BS + i) * cv.KVH + kh;
-    _mm_prefetch(reinterpret_cast<const char*>(codes + r * cv.code_bytes), _MM_HINT_T0);
-    if (cols) _mm_prefetch(reinterpret_cast<const char*>(params + r * cols), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(codes + r * cv.code_bytes), static_cast<_mm_hint>(Hint));
+    if (cols) _mm_prefetch(reinterpret_cast<const char*>(params + r * cols), static_cast<_mm_hint>(Hint));
   }
 }
 
@@ -110,14 +114,24 @@ struct Cursor {
          bool is_k)
       : cv(c), table(t), kh(h), nblocks((t1 + c.BS - 1) / c.BS), own(o), bi(t0 / c.BS),
         i(t0 % c.BS) {
+    if (is_k)
+      for (int64_t d = 0; d < kAheadBlocks && bi + d < nblocks; ++d) ahead(table[bi + d]);
     enter(is_k);
+  }
+  // Scattered blocks defeat the hardware prefetcher: the scoring pass asks for the K rows
+  // kAheadBlocks blocks ahead into L1 and the same blocks' V rows into L2, where the P.V
+  // pass finds them (it pulls the next block into L1).
+  void ahead(int64_t b) {
+    prefetch_block<_MM_HINT_T0>(cv, true, b, kh);
+    prefetch_block<_MM_HINT_T1>(cv, false, b, kh);
   }
   void enter(bool is_k) {
     blk = table[bi];
     rs = bi == own ? cv.residual(blk) : -1;
     if constexpr (C == Codec::kKivi2)
       if (is_k && rs < 0) kk.load(cv, blk, kh);
-    if (bi + 1 < nblocks) prefetch_block(cv, is_k, table[bi + 1], kh);
+    if (is_k && bi + kAheadBlocks < nblocks) ahead(table[bi + kAheadBlocks]);
+    if (!is_k && bi + 1 < nblocks) prefetch_block<_MM_HINT_T0>(cv, false, table[bi + 1], kh);
   }
   // Row of the current token (in to_order's order) and its factor; then the next token.
   float next(bool is_k, __m512* x) {
@@ -136,27 +150,18 @@ struct Cursor {
   }
 };
 
-// Tokens [t0, t1) of one row against KV head kh: G partials (GT: G known at compile time,
-// then bf16 queries score with AVX512-BF16 dot products; 0: G = g_rt, float32 dots).
-// q: G float rows of 64. Pass 1 decodes 16 rows into an L1 buffer, then per q head 16 dot
-// products and one horizontal reduction; pass 2 the softmax; pass 3 P.V, each row
-// decoded once for the G heads. The next block is prefetched.
+// Pass 1 of a partition: scores of tokens [t0, t1) of KV head kh for the G q heads
+// (qv: their float vectors in to_order's order) into sc, padding lanes -inf. 16 rows at a
+// time are decoded into an L1 buffer (bf16 pairs for AVX512-BF16 dot products when GT > 0,
+// float32 otherwise), then per q head 16 dot products and one horizontal reduction.
 template <Codec C, int GT>
-void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
-                  int64_t t0, int64_t t1, int64_t own, int g_rt, float scale,
-                  CodecPartial* parts) {
+void codec_scores(const CodecView& cv, __m512 (*qv)[4], int G, const int64_t* table, int64_t kh,
+                  int64_t t0, int64_t t1, int64_t own, float scale, float (*sc)[kCodecPart]) {
   constexpr bool kBf16 = GT > 0 && kHasBf16Dot;
-  const int G = GT > 0 ? GT : g_rt;
   const int64_t n = t1 - t0, np = (n + 15) / 16 * 16;
-  alignas(64) float sc[kMaxG][kCodecPart];
   alignas(64) float fac[16];
   alignas(64) float kf[16][64];  // decoded K rows (float32, or bf16 pairs in kb)
   alignas(64) uint16_t kb[16][64];
-  __m512 qv[kMaxG][4];
-  for (int g = 0; g < G; ++g) {
-    for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
-    to_order<C>(qv[g]);
-  }
 #if defined(__AVX512BF16__)
   __m512bh qh[kMaxG][2];
   if constexpr (kBf16)
@@ -199,6 +204,33 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
       const __m512 s = _mm512_mul_ps(hsum16(d16), f);
       _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
     }
+  }
+}
+
+// Tokens [t0, t1) of one row against KV head kh: G partials (GT: G known at compile time,
+// then bf16 queries score with AVX512-BF16 dot products, or int8 codes with VNNI integer
+// ones (codec_int8.h); 0: G = g_rt, float32 dots). q: G float rows of 64. Pass 1 the
+// scores (codec_scores), pass 2 the softmax, pass 3 P.V, each row decoded once for the G
+// heads. The next block is prefetched.
+template <Codec C, int GT>
+void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
+                  int64_t t0, int64_t t1, int64_t own, int g_rt, float scale,
+                  CodecPartial* parts) {
+  const int G = GT > 0 ? GT : g_rt;
+  const int64_t n = t1 - t0, np = (n + 15) / 16 * 16;
+  alignas(64) float sc[kMaxG][kCodecPart];
+  __m512 qv[kMaxG][4];
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
+    to_order<C>(qv[g]);
+  }
+#if defined(KVSTACK_CODEC_INT8_VNNI)
+  if constexpr (C == Codec::kInt8 && GT > 0 && kHasBf16Dot) {  // codec_int8.h
+    int8_scores<(GT > 0 ? GT : 1), kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
+  } else
+#endif
+  {
+    codec_scores<C, GT>(cv, qv, G, table, kh, t0, t1, own, scale, sc);
   }
   for (int g = 0; g < G; ++g) {  // softmax numerators, max and sum
     __m512 mv = _mm512_set1_ps(-INFINITY);

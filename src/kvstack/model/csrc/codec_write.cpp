@@ -1,0 +1,162 @@
+// The KV write of the per-token codecs (kv/codecs/: int8, fp8 e4m3 / e5m2, int4, rotated4)
+// in C++: each new token's K and V rows of each KV head are encoded and stored at their
+// slots, as the codec's PyTorch `encode` + `index_copy_` do, bit for bit (tested in
+// tests/model/test_codec_write.py): the same float32 operations in the same order, the
+// scales rounded to bf16 where PyTorch rounds them, round half to even.
+//
+//   int8      s = bf16(max(amax / 127, 1e-12));      code = clamp(round(x / s), -127, 127)
+//   fp8       s = bf16(max(amax / FMAX, 1e-12));     code = fp8(clamp(x / s, -FMAX, FMAX))
+//   int4      per group: s = bf16(max((hi - lo) / 15, 1e-12)), z = bf16(lo),
+//             code = clamp(round((x - z) / s), 0, 15), two codes a byte, low nibble first
+//   rotated4  int4 with one group per head vector, of x R (codec_rows.h rotate(): the
+//             same fast Walsh-Hadamard transform the Python encode runs)
+//
+// One task per (token, KV head) row; a step's decode rows (one token each) cost what
+// the fused RoPE + cache write of an unencoded cache costs, not ~10 PyTorch ops a layer.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "codec_rows.h"
+#include "kvstack_ops.h"
+
+namespace {
+
+float to_bf16_float(float x) { return static_cast<float>(c10::BFloat16(x)); }
+
+// Symmetric per-row codes (int8, fp8): returns the bf16 scale.
+template <Codec C>
+c10::BFloat16 encode_symmetric(const float* x, int64_t n, uint8_t* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float fmax = C == Codec::kInt8 ? 127.f : C == Codec::kFP8E4M3 ? 448.f : 57344.f;
+  const c10::BFloat16 sb(std::max(amax / fmax, 1e-12f));
+  const float s = static_cast<float>(sb);
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = x[i] / s;
+    if constexpr (C == Codec::kInt8) {
+      out[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.f, 127.f)));
+    } else if constexpr (C == Codec::kFP8E4M3) {
+      out[i] = c10::Float8_e4m3fn(std::clamp(y, -fmax, fmax)).x;
+    } else {
+      out[i] = c10::Float8_e5m2(std::clamp(y, -fmax, fmax)).x;
+    }
+  }
+  return sb;
+}
+
+// Asymmetric 4-bit codes in groups of `group` channels: (scale, zero) per group.
+void encode_int4(const float* x, int64_t n, int64_t group, uint8_t* out, c10::BFloat16* params) {
+  std::fill(out, out + n / 2, 0);
+  for (int64_t g0 = 0; g0 < n; g0 += group) {
+    float lo = x[g0], hi = x[g0];
+    for (int64_t i = g0; i < g0 + group; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+    const c10::BFloat16 sb(std::max((hi - lo) / 15.f, 1e-12f)), zb(lo);
+    const float s = static_cast<float>(sb), z = static_cast<float>(zb);
+    for (int64_t i = g0; i < g0 + group; ++i) {
+      const float q = std::clamp(std::nearbyint((x[i] - z) / s), 0.f, 15.f);
+      out[i / 2] |= static_cast<uint8_t>(static_cast<int>(q) << (4 * (i & 1)));
+    }
+    params[2 * (g0 / group)] = sb;
+    params[2 * (g0 / group) + 1] = zb;
+  }
+}
+
+struct WriteTarget {
+  uint8_t* codes;
+  c10::BFloat16* params;
+  int64_t code_bytes, param_cols;
+};
+
+template <typename T>
+void write_rows(Codec kind, int64_t group, const float* signs, const T* x, int64_t row_stride,
+                const int64_t* slots, int64_t rows, int64_t KVH, int64_t HD, WriteTarget dst) {
+  at::parallel_for(0, rows * KVH, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(HD);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / KVH, h = w % KVH;
+      const T* src = x + t * row_stride + h * HD;
+      for (int64_t i = 0; i < HD; ++i) buf[i] = static_cast<float>(src[i]);
+      const int64_t r = slots[t] * KVH + h;
+      uint8_t* codes = dst.codes + r * dst.code_bytes;
+      c10::BFloat16* params = dst.params + r * dst.param_cols;
+      switch (kind) {
+        case Codec::kInt8: params[0] = encode_symmetric<Codec::kInt8>(buf.data(), HD, codes); break;
+        case Codec::kFP8E4M3: params[0] = encode_symmetric<Codec::kFP8E4M3>(buf.data(), HD, codes); break;
+        case Codec::kFP8E5M2: params[0] = encode_symmetric<Codec::kFP8E5M2>(buf.data(), HD, codes); break;
+        case Codec::kInt4:
+          if (signs) rotate(buf.data(), signs, HD, false);
+          encode_int4(buf.data(), HD, group, codes, params);
+          break;
+        default: TORCH_CHECK(false, "codec_write: not a per-token codec");
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& ref, const char* what) {
+  TORCH_CHECK(x.dim() == 3 && x.sizes() == ref.sizes(), what, " must be [T, kv_heads, head_dim] like k");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), what, " rows must be contiguous per token");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              what, " must be bfloat16 or float32");
+  TORCH_CHECK(x.scalar_type() == ref.scalar_type(), "k and v dtypes differ");
+}
+
+}  // namespace
+
+// k, v [T, KVH, HD] (bf16 or float32; rows may be strided, as views into a fused qkv);
+// slots [T]; k_codes/v_codes [NB, BS, KVH, bytes] and k_params/v_params [NB, BS, KVH,
+// cols] of one layer, as kv/codecs/per_token.py stores them; group: int4's channels per
+// (scale, zero) pair (0: the whole head, rotated4); rotation_signs: rotated4's [HD] signs.
+void codec_write(std::string kind, int64_t group, torch::Tensor k, torch::Tensor v,
+                 torch::Tensor slots, torch::Tensor k_codes, torch::Tensor v_codes,
+                 torch::Tensor k_params, torch::Tensor v_params,
+                 std::optional<torch::Tensor> rotation_signs) {
+  const Codec c = codec_kind(kind);
+  TORCH_CHECK(c != Codec::kBF16 && c != Codec::kKivi2, "codec_write: '", kind,
+              "' is not a per-token codec");
+  check_rows(k, k, "k");
+  check_rows(v, k, "v");
+  const int64_t T = k.size(0), KVH = k.size(1), HD = k.size(2);
+  if (c == Codec::kInt4 && group == 0) group = HD;
+  TORCH_CHECK(c != Codec::kInt4 || (group > 0 && HD % group == 0 && group % 2 == 0),
+              "int4 group ", group, " must be even and divide head_dim ", HD);
+  for (const auto& t : {k_codes, v_codes, k_params, v_params})
+    TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && t.size(2) == KVH,
+                "codes and parameters must be contiguous [NB, BS, KVH, cols]");
+  TORCH_CHECK(k_codes.sizes() == v_codes.sizes() && k_params.sizes() == v_params.sizes(),
+              "K and V storage differ in shape");
+  const int64_t code_bytes = k_codes.size(3) * k_codes.element_size();
+  TORCH_CHECK(code_bytes == (c == Codec::kInt4 ? HD / 2 : HD), "codes of ", code_bytes,
+              " bytes per row do not fit head_dim ", HD);
+  const int64_t cols = c == Codec::kInt4 ? 2 * HD / group : 1;
+  TORCH_CHECK(k_params.scalar_type() == torch::kBFloat16 && k_params.size(3) == cols,
+              "parameters must be bfloat16 with ", cols, " per row");
+  TORCH_CHECK(!rotation_signs.has_value() || c == Codec::kInt4, "rotation needs the int4 layout");
+  torch::Tensor signs;
+  if (rotation_signs.has_value()) {
+    signs = rotation_signs->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(signs.numel() == HD && (HD & (HD - 1)) == 0,
+                "rotation_signs must be [head_dim], head_dim a power of two");
+  }
+  slots = slots.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per row");
+  const int64_t num_slots = k_codes.size(0) * k_codes.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "KV slot ", sp[t], " out of range [0, ", num_slots, ")");
+  const float* sg = signs.defined() ? signs.data_ptr<float>() : nullptr;
+  const std::pair<torch::Tensor, WriteTarget> jobs[2] = {
+      {k, {reinterpret_cast<uint8_t*>(k_codes.data_ptr()), k_params.data_ptr<c10::BFloat16>(), code_bytes, cols}},
+      {v, {reinterpret_cast<uint8_t*>(v_codes.data_ptr()), v_params.data_ptr<c10::BFloat16>(), code_bytes, cols}},
+  };
+  for (const auto& [x, dst] : jobs) {
+    if (x.scalar_type() == torch::kBFloat16)
+      write_rows(c, group, sg, x.data_ptr<c10::BFloat16>(), x.stride(0), sp, T, KVH, HD, dst);
+    else
+      write_rows(c, group, sg, x.data_ptr<float>(), x.stride(0), sp, T, KVH, HD, dst);
+  }
+}
