@@ -21,6 +21,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "codec_fp8.h"
+#include "codec_generic.h"
+#include "codec_int4.h"
 #include "codec_int8.h"
 #include "codec_rows.h"
 #include "kvstack_ops.h"
@@ -31,50 +34,6 @@ constexpr int64_t kCodecPart = 512;  // tokens per partition
 constexpr int kMaxG = 8;  // q heads per KV head on the fast path
 constexpr int64_t kAheadBlocks = 3;  // blocks of K prefetched ahead while scoring
 
-int64_t table_of(const int64_t* tidx, int64_t r) { return tidx ? tidx[r] : r; }
-
-// One row r, KV head kh, all tokens: softmax(q K^T * scale) V for its G q heads.
-template <typename T>
-void codec_rows_generic(const CodecView& cv, const T* q, const int64_t* tables,
-                        const int64_t* tidx, const int64_t* lens, T* out, int64_t R, int64_t H,
-                        int64_t MB, float scale) {
-  const int64_t KVH = cv.KVH, HD = cv.HD, BS = cv.BS, G = H / KVH;
-  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * HD), acc(G * HD), row(HD), sc;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / KVH, kh = w % KVH, L = lens[r], own = (L - 1) / BS;
-      const int64_t* table = tables + table_of(tidx, r) * MB;
-      sc.assign(G * L, 0.f);
-      for (int64_t i = 0; i < G * HD; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * HD + i]);
-      if (cv.signs)
-        for (int64_t g = 0; g < G; ++g) rotate(qf.data() + g * HD, cv.signs, HD, false);
-      for (int64_t t = 0; t < L; ++t) {
-        row_scalar(cv, true, table[t / BS], t % BS, kh, t / BS == own, row.data());
-        for (int64_t g = 0; g < G; ++g) {
-          float s = 0.f;
-          for (int64_t i = 0; i < HD; ++i) s += qf[g * HD + i] * row[i];
-          sc[g * L + t] = s * scale;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = sc.data() + g * L;
-        const float m = *std::max_element(s, s + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
-        for (int64_t t = 0; t < L; ++t) s[t] /= sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        row_scalar(cv, false, table[t / BS], t % BS, kh, t / BS == own, row.data());
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < HD; ++i) acc[g * HD + i] += sc[g * L + t] * row[i];
-      }
-      if (cv.signs)
-        for (int64_t g = 0; g < G; ++g) rotate(acc.data() + g * HD, cv.signs, HD, true);
-      for (int64_t i = 0; i < G * HD; ++i) out[(r * H + kh * G) * HD + i] = static_cast<T>(acc[i]);
-    }
-  });
-}
 
 #if defined(KVSTACK_CODEC_AVX512)
 struct CodecPartial {  // one (row, partition, q head): max m, sum l, unnormalized acc
@@ -207,6 +166,25 @@ void codec_scores(const CodecView& cv, __m512 (*qv)[4], int G, const int64_t* ta
   }
 }
 
+// Pass 1 through the fastest reader of codec C: integer dot products for int8 and 4-bit
+// codes (codec_int8.h, codec_int4.h), bf16 dot products on fp8 codes' own bits
+// (codec_fp8.h), else rows decoded to float (codec_scores). All with bf16 queries only.
+template <Codec C, int GT>
+void scores(const CodecView& cv, const float* q, __m512 (*qv)[4], int G, const int64_t* table,
+            int64_t kh, int64_t t0, int64_t t1, int64_t own, float scale, float (*sc)[kCodecPart]) {
+#if defined(KVSTACK_CODEC_INT8_VNNI)
+  if constexpr (GT > 0 && kHasBf16Dot && C == Codec::kInt8)
+    return int8_scores<GT, kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
+  if constexpr (GT > 0 && kHasBf16Dot && C == Codec::kInt4)
+    if (cv.group == 32 || cv.group == 64) return int4_scores<GT, kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
+#endif
+#if defined(KVSTACK_CODEC_FP8_BITS)
+  if constexpr (GT > 0 && (C == Codec::kFP8E4M3 || C == Codec::kFP8E5M2))
+    return fp8_scores<C, GT, kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
+#endif
+  codec_scores<C, GT>(cv, qv, G, table, kh, t0, t1, own, scale, sc);
+}
+
 // Tokens [t0, t1) of one row against KV head kh: G partials (GT: G known at compile time,
 // then bf16 queries score with AVX512-BF16 dot products, or int8 codes with VNNI integer
 // ones (codec_int8.h); 0: G = g_rt, float32 dots). q: G float rows of 64. Pass 1 the
@@ -224,14 +202,7 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
     for (int k = 0; k < 4; ++k) qv[g][k] = _mm512_loadu_ps(q + 64 * g + 16 * k);
     to_order<C>(qv[g]);
   }
-#if defined(KVSTACK_CODEC_INT8_VNNI)
-  if constexpr (C == Codec::kInt8 && GT > 0 && kHasBf16Dot) {  // codec_int8.h
-    int8_scores<(GT > 0 ? GT : 1), kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
-  } else
-#endif
-  {
-    codec_scores<C, GT>(cv, qv, G, table, kh, t0, t1, own, scale, sc);
-  }
+  scores<C, GT>(cv, q, qv, G, table, kh, t0, t1, own, scale, sc);
   for (int g = 0; g < G; ++g) {  // softmax numerators, max and sum
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[g] + j));
@@ -283,7 +254,7 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
       for (int64_t i = 0; i < G * 64; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * 64 + i]);
       if (cv.signs)
         for (int64_t g = 0; g < G; ++g) rotate(qf + g * 64, cv.signs, 64, false);
-      const int64_t* table = tables + table_of(tidx, r) * MB;
+      const int64_t* table = tables + codec_table_of(tidx, r) * MB;
       const int64_t t1 = std::min(lens[r], t0 + kCodecPart), own = (lens[r] - 1) / cv.BS;
       CodecPartial* pp = parts.data() + pi * H + kh * G;
       const int g = static_cast<int>(G);
@@ -431,7 +402,7 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
   const int64_t* tab_p = block_tables.data_ptr<int64_t>();
   std::vector<int64_t> need(S, 0);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = table_of(tidx, r);
+    const int64_t t = codec_table_of(tidx, r);
     TORCH_CHECK(t >= 0 && t < S, "table index ", t, " outside [0, ", S, ")");
     TORCH_CHECK(lens_p[r] >= 1 && lens_p[r] <= MB * BS, "context length ", lens_p[r],
                 " outside [1, ", MB * BS, "]");
