@@ -10,6 +10,10 @@ measured on the same minute of a shared machine (the prompts hit the prefix cach
 round 1; only decode steps are timed). Reported: medians over rounds and the median of
 the per-round ratios to ``auto``.
 
+``--codecs auto`` alone measures ``auto`` for ``--reps`` rounds: run it from this file
+with ``PYTHONPATH=<other checkout>/src`` (and its own ``KVSTACK_KERNEL_DIR``), in turns
+with this tree's, to compare ``auto`` across commits.
+
 ``--eval-speed`` reruns the decode columns of the README's ``kvstack eval`` table (the
 eval's own speed test, batch 8 by default there: pass ``--batch 8``).
 
@@ -97,6 +101,11 @@ def run_engines(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
     prompts = torch.randint(0, vocab, (args.batch, args.context), generator=g).tolist()
     summary: dict[str, Any] = {}
     auto_all: list[float] = []
+    if args.codecs == ["auto"]:  # auto alone: this source tree's auto, --reps rounds
+        auto_all = [
+            decode_tok_s(auto, prompts, args.new_tokens, f"a{rep}") for rep in range(args.reps)
+        ]
+        print(f"auto: {' '.join(f'{x:.1f}' for x in auto_all)} decode tok/s", flush=True)
     for c in [c for c in args.codecs if c != "auto"]:
         llm = _engine(args, c)
         rounds = []
@@ -123,6 +132,7 @@ def run_engines(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
         summary["auto"] = {"median_tok_s": statistics.median(auto_all), "tok_s": auto_all}
         if save is not None:  # after each codec: a run cut short keeps what it measured
             save({"codecs": summary})
+    summary["auto"] = {"median_tok_s": statistics.median(auto_all), "tok_s": auto_all}
     return {"codecs": summary}
 
 

@@ -1,7 +1,8 @@
 """The C++ KV write of the per-token codecs (``codec_write``) stores exactly what the
 codec's PyTorch ``write`` stores: the same codes and bf16 parameters, bit for bit, for
 bf16 and float32 rows, strided rows (views into a fused qkv), outliers, all-zero rows,
-rows that tie on a rounding boundary, and any slot order; bad input is refused."""
+rows near rounding ties, and any slot order; the C++ block gather (``codec_gather``)
+returns exactly the codec's ``gather``; bad input is refused, nothing written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kvstack.kv.codecs import CacheShape, KVCodec, codec_class
-from kvstack.kv.codecs.rotated4 import hadamard, rotate_rows
+from kvstack.kv.codecs.rotated4 import hadamard, rotate_rows, unrotate_rows
 from kvstack.model.kernels import Kernels
 
 CODECS = ["int8", "fp8", "fp8_e5m2", "int4", "rotated4"]
@@ -41,7 +42,7 @@ def test_codec_write_matches_the_pytorch_write(
 ) -> None:
     g = torch.Generator().manual_seed(hd)
     ref, cpp = _pair(name, dtype, 3, hd)
-    view = cpp.kernel_write_view(0)
+    view = cpp.per_token_view(0)
     assert view is not None
     for t in (37, 1, 5):  # a prefill chunk, a decode, a few rows; slots in any order
         k, v = _rows(g, t, 3, hd, dtype)
@@ -56,24 +57,54 @@ def test_codec_write_matches_the_pytorch_write(
     cpp.check_integrity()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("hd", [64, 128])
+def test_codec_gather_matches_the_pytorch_gather(
+    kernels: Kernels, name: str, dtype: torch.dtype, hd: int
+) -> None:
+    g = torch.Generator().manual_seed(hd + 1)
+    codec, _ = _pair(name, dtype, 3, hd)
+    k, v = _rows(g, 9 * 16, 3, hd, dtype)
+    codec.write(0, torch.randperm(9 * 16, generator=g), k, v)
+    view = codec.per_token_view(0)
+    assert view is not None
+    for ids in (torch.tensor([3, 0, 8]), torch.tensor([[1, 2], [2, 7]]), torch.tensor([5])):
+        want = codec.gather(0, ids)
+        got = kernels.codec_gather(
+            view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
+            view.v_params, view.rotation_signs, ids, hd, dtype,
+        )  # fmt: skip
+        for a, b in zip(want, got, strict=True):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape == (*ids.shape, 16, 3, hd)
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        kernels.codec_gather(
+            view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
+            view.v_params, view.rotation_signs, torch.tensor([1, 9]), hd, dtype,
+        )  # fmt: skip
+
+
 def test_rotate_rows_is_the_hadamard_rotation() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 3, 64, generator=g)
     signs = torch.randint(0, 2, (64,), generator=g).float() * 2 - 1
-    want = x @ (signs[:, None] * hadamard(64))
-    torch.testing.assert_close(rotate_rows(x, signs), want, rtol=1e-5, atol=1e-5)
+    rot = signs[:, None] * hadamard(64)
+    torch.testing.assert_close(rotate_rows(x, signs), x @ rot, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unrotate_rows(x, signs), x @ rot.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unrotate_rows(rotate_rows(x, signs), signs), x, rtol=1e-5, atol=1e-5)
 
 
 def test_kivi_and_identity_codecs_keep_their_own_write() -> None:
     shape = CacheShape(1, 4, 16, 3, 64)
     for name in ("kivi2", "auto", "bf16"):
-        assert codec_class(name)(shape, torch.float32, 2).kernel_write_view(0) is None
+        assert codec_class(name)(shape, torch.float32, 2).per_token_view(0) is None
 
 
 def test_codec_write_refuses_bad_input(kernels: Kernels) -> None:
     g = torch.Generator().manual_seed(0)
     codec, _ = _pair("int8", torch.bfloat16, 3, 64)
-    view = codec.kernel_write_view(0)
+    view = codec.per_token_view(0)
     assert view is not None
     k, v = _rows(g, 4, 3, 64, torch.bfloat16)
     args = (view.k_codes, view.v_codes, view.k_params, view.v_params, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,18 +44,31 @@ class LayerCache:
         return None if self.k is not None else self.codec.kernel_view(self.layer)
 
     @property
-    def kernel_write_view(self) -> KernelView | None:
-        """Where the C++ KV write encodes this layer's new rows (None: ``write``)."""
-        return None if self.k is not None else self.codec.kernel_write_view(self.layer)
+    def per_token_view(self) -> KernelView | None:
+        """This layer's per-token codec storage, for the C++ write and gather (None: the
+        codec's ``write`` / ``gather``)."""
+        return None if self.k is not None else self.codec.per_token_view(self.layer)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``."""
         self.codec.write(self.layer, slots, k, v)
 
-    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of whole blocks, ``block_ids.shape + (bs, kv_heads, head_dim)``."""
+    def gather(
+        self, block_ids: torch.Tensor, kernels: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole blocks, ``block_ids.shape + (bs, kv_heads, head_dim)``; with the C++
+        kernels a per-token codec's blocks are dequantized by ``codec_gather`` (the same
+        values as the codec's ``gather``)."""
         if self.k is not None and self.v is not None:
             return self.k[block_ids], self.v[block_ids]
+        view = self.per_token_view if kernels is not None else None
+        if view is not None:
+            k, v = kernels.codec_gather(
+                view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
+                view.v_params, view.rotation_signs, block_ids, self.codec.shape.head_dim,
+                self.codec.dtype,
+            )  # fmt: skip
+            return k, v
         return self.codec.gather(self.layer, block_ids)
 
     @property

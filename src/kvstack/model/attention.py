@@ -213,7 +213,11 @@ def codec_attention(
 
 
 def chunk_context(
-    cache: LayerCache, block_ids: torch.Tensor, kc: int, mask: torch.Tensor
+    cache: LayerCache,
+    block_ids: torch.Tensor,
+    kc: int,
+    mask: torch.Tensor,
+    kernels: Kernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys, values and mask ``[n, ...]`` for the ``n`` rows of a chunk after ``kc`` KV
     tokens, through its blocks (``block_ids`` cover ``kc + n`` tokens, ``mask`` ``[n, kc +
@@ -227,7 +231,7 @@ def chunk_context(
         row 6 (block 1):    x x x x . . . . . .    x x x . . .
         row 8 (block 2):    x x x x x x x x . .    . . . . x .
     """
-    kb, vb = cache.gather(block_ids)
+    kb, vb = cache.gather(block_ids, kernels)  # per-token codecs: codec_gather (C++)
     bs, kvh, hd = kb.shape[-3], kb.shape[-2], kb.shape[-1]
     n = mask.shape[0]
     kk = kb.view(-1, kvh, hd)[: kc + n]
@@ -328,7 +332,9 @@ def paged_attention(
             kk, vv = k[rows], v[rows]
         else:
             assert mask is not None
-            kk, vv, mask = chunk_context(cache, p.block_ids, p.ctx_len - p.q_len, mask)
+            kk, vv, mask = chunk_context(
+                cache, p.block_ids, p.ctx_len - p.q_len, mask, meta.kernels
+            )
         if causal and causal_kernel(meta.kernels, q):
             out[rows] = meta.kernels.causal_attention(q[rows], kk, vv, p.num_seqs, scale)  # type: ignore[union-attr]
         else:

@@ -2,7 +2,9 @@
 
 ``csrc/`` holds the paged decode attention (K/V read in place through block tables; for
 an encoded cache ``paged_attention_codecs.cpp`` dequantizes each codec's blocks in the
-kernel, reading what its ``KernelView`` names), the fused per-token ops of a layer
+kernel, reading what its ``KernelView`` names, and ``codec_write.cpp`` encodes the
+per-token codecs' new rows and ``codec_gather.cpp`` decodes their blocks for long prefill
+chunks, the same bits as their PyTorch ``encode`` / ``decode``), the fused per-token ops of a layer
 (``fused_ops.cpp``: RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE + KV-cache
 write), the bf16 linears for decode-sized inputs (``amx_linear.cpp`` on AMX tiles,
 ``bf16_linear.cpp`` on AVX512-BF16, sharing ``dpbf16.h`` with the causal prefill attention
@@ -44,6 +46,7 @@ SOURCES = (
     "paged_attention.cpp",
     "paged_attention_codecs.cpp",
     "codec_write.cpp",
+    "codec_gather.cpp",
     "fused_ops.cpp",
     "token_mask.cpp",
     "argmax.cpp",

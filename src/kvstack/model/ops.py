@@ -186,7 +186,7 @@ class KernelOps:
         )  # fmt: skip
         q, k, v = split_qkv(qkv, heads)
         if not raw:  # encoded (era 5 codec) or cast cache: the codec stores the rows
-            view = cache.kernel_write_view
+            view = cache.per_token_view
             if view is not None:  # a per-token codec: encoded and stored in C++
                 self.k.codec_write(
                     view.layout, view.group, k, v, slots, view.k_codes, view.v_codes,

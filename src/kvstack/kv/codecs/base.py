@@ -110,10 +110,12 @@ class KVCodec(abc.ABC):
         the PyTorch path (``gather``), counted as a ``kernel_fallback``."""
         return None
 
-    def kernel_write_view(self, layer: int) -> KernelView | None:
-        """The storage the C++ KV write (``csrc/codec_write.cpp``, per-token codecs) encodes
-        ``layer``'s new rows into, or None: ``write`` (PyTorch) stores them, counted as the
-        ``kv_cache_write`` fallback. Its codes must equal ``write``'s bit for bit."""
+    def per_token_view(self, layer: int) -> KernelView | None:
+        """``layer``'s storage when each token's rows are encoded alone (int8, fp8, int4,
+        rotated4): the C++ KV write (``csrc/codec_write.cpp``) encodes new rows into it and
+        ``csrc/codec_gather.cpp`` dequantizes whole blocks from it, each bit-identical to
+        ``write`` / ``gather``. None: ``write`` and ``gather`` (PyTorch) do it, the write
+        counted as the ``kv_cache_write`` fallback."""
         return None
 
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook

@@ -85,7 +85,7 @@ class PerTokenCodec(KVCodec):
             group=self.kernel_group(),
         )
 
-    def kernel_write_view(self, layer: int) -> KernelView | None:
-        """Every per-token codec with a kernel layout is written in C++ (int8, fp8,
-        int4, rotated4: the layouts ``codec_write.cpp`` encodes)."""
+    def per_token_view(self, layer: int) -> KernelView | None:
+        """Every per-token codec with a kernel layout (int8, fp8, int4, rotated4: the
+        layouts ``codec_write.cpp`` encodes and ``codec_gather.cpp`` decodes)."""
         return self.kernel_view(layer)

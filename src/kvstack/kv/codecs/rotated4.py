@@ -29,15 +29,32 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     as the C++ ``rotate()`` (``model/csrc/codec_rows.h``), so the C++ KV write
     (``codec_write.cpp``) stores the same codes as this reference, bit for bit; equal to
     ``x @ (signs[:, None] * hadamard(n))`` up to float32 rounding."""
+    return butterflies(x * signs) * _norm(x.shape[-1])
+
+
+def unrotate_rows(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``y R^T`` (the inverse of ``rotate_rows``, ``R`` orthogonal): butterflies, then the
+    norm times the signs, as the C++ ``rotate(..., inverse=true)`` does."""
+    return butterflies(y) * (_norm(y.shape[-1]) * signs)
+
+
+def _norm(n: int) -> torch.Tensor:
+    """``1 / sqrt(n)`` in float32, each step rounded as C++'s ``1.f / std::sqrt(float(n))``."""
+    return torch.tensor(float(n)).sqrt().reciprocal()
+
+
+def butterflies(x: torch.Tensor) -> torch.Tensor:
+    """``x H`` (Sylvester's Hadamard matrix, unnormalized) for float32 rows ``[..., n]``:
+    log2(n) stages of ``a + b``, ``a - b`` over pairs ``h`` apart, in codec_rows.h fwht()'s
+    order."""
     n = x.shape[-1]
-    y = x * signs
     h = 1
     while h < n:
-        pairs = y.unflatten(-1, (n // (2 * h), 2, h))
+        pairs = x.unflatten(-1, (n // (2 * h), 2, h))
         a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((a + b, a - b), -2).flatten(-3)
+        x = torch.stack((a + b, a - b), -2).flatten(-3)
         h *= 2
-    return y * torch.tensor(float(n)).sqrt().reciprocal()
+    return x
 
 
 class Rotated4Codec(Int4Codec):
@@ -86,4 +103,4 @@ class Rotated4Codec(Int4Codec):
     def decode(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         q = unpack(codes, self.BITS).float()
         p = params.float()
-        return (q * p[..., :1] + p[..., 1:]) @ self.rot.T
+        return unrotate_rows(q * p[..., :1] + p[..., 1:], self.signs)

@@ -19,6 +19,9 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("codec_write(str kind, int group, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_codes, "
         "Tensor(b!) v_codes, Tensor(c!) k_params, Tensor(d!) v_params, Tensor? rotation_signs) -> ()",
         &codec_write);
+  m.def("codec_gather(str kind, int group, Tensor k_codes, Tensor v_codes, Tensor k_params, "
+        "Tensor v_params, Tensor? rotation_signs, Tensor block_ids, int head_dim, ScalarType dtype) -> Tensor[]",
+        &codec_gather);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",
         &add_rms_norm);

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
@@ -22,6 +23,12 @@ void codec_write(std::string kind, int64_t group, torch::Tensor k, torch::Tensor
                  torch::Tensor slots, torch::Tensor k_codes, torch::Tensor v_codes,
                  torch::Tensor k_params, torch::Tensor v_params,
                  std::optional<torch::Tensor> rotation_signs);
+std::vector<torch::Tensor> codec_gather(std::string kind, int64_t group, torch::Tensor k_codes,
+                                        torch::Tensor v_codes, torch::Tensor k_params,
+                                        torch::Tensor v_params,
+                                        std::optional<torch::Tensor> rotation_signs,
+                                        torch::Tensor block_ids, int64_t head_dim,
+                                        c10::ScalarType dtype);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gu);
