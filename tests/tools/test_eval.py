@@ -196,6 +196,9 @@ def test_run_eval_end_to_end(tiny_report: dict[str, Any]) -> None:
         assert r["greedy"]["tokens"] == 8 and len(r["raw"]["texts"][0]["greedy_token_ids"]) == 8
         assert r["needle"]["total"] == 2 and len(r["raw"]["needle"]) == 2
         assert r["speed"]["output_tokens"] == 2 * 64 and r["speed"]["output_tok_s"] > 0
+        # decode-only time starts after the last prompt position ran, also when the
+        # warm-up's blocks make the first prompt hit the prefix cache
+        assert 0 < r["speed"]["prefill_s"] < r["speed"]["wall_s"]
     assert base["quality"]["kl_mean"] == 0.0 and base["quality"]["top1_agreement"] == 1.0
     assert base["speed"]["ratio_to_baseline"] == 1.0 and base["capacity_ratio"] == 1.0
     assert base["bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16 K and V

@@ -245,15 +245,19 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
     first[r + 1] = first[r] + std::max<int64_t>(1, (lens[r] + kCodecPart - 1) / kCodecPart);
   const int64_t P = first[R];
   std::vector<CodecPartial> parts(P * H);
+  std::vector<float> qall(R * H * 64);  // float queries (rotated4: q R), once per row
+  at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = 0; i < 64; ++i) qall[w * 64 + i] = static_cast<float>(q[w * 64 + i]);
+      if (cv.signs) rotate(qall.data() + w * 64, cv.signs, 64, false);
+    }
+  });
   at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float qf[kMaxG * 64];
     for (int64_t w = begin; w < end; ++w) {
       const int64_t pi = w / KVH, kh = w % KVH;
       const int64_t r = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
       const int64_t t0 = (pi - first[r]) * kCodecPart;
-      for (int64_t i = 0; i < G * 64; ++i) qf[i] = static_cast<float>(q[(r * H + kh * G) * 64 + i]);
-      if (cv.signs)
-        for (int64_t g = 0; g < G; ++g) rotate(qf + g * 64, cv.signs, 64, false);
+      const float* qf = qall.data() + (r * H + kh * G) * 64;
       const int64_t* table = tables + codec_table_of(tidx, r) * MB;
       const int64_t t1 = std::min(lens[r], t0 + kCodecPart), own = (lens[r] - 1) / cv.BS;
       CodecPartial* pp = parts.data() + pi * H + kh * G;

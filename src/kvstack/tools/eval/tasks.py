@@ -405,11 +405,12 @@ def decode_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> di
         prompt_token_ids=[prompts[0][:32]], sampling_params=greedy_params(2), use_tqdm=False
     )  # warm-up
     sched = llm.engine.scheduler
-    goal = sched.num_prefill_tokens_computed + sum(map(len, prompts))
     mark: dict[str, float] = {}
 
-    def on_step() -> None:
-        if "t" not in mark and sched.num_prefill_tokens_computed >= goal:
+    def on_step() -> None:  # the first step after which no prompt position is left to run
+        # (counting computed prefill tokens missed the mark when a prompt hit the cache)
+        done = all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        if "t" not in mark and not sched.waiting and done:
             mark["t"] = time.perf_counter()
             mark["n"] = sum(len(r.output_token_ids) for r in sched.requests.values())
 
