@@ -12,8 +12,11 @@
 //
 // head_dim 64 with AVX-512: work split over (row, 512-token partition, KV head), two
 // passes per partition (scores into L1, then softmax and P.V), partitions merged by their
-// maxima and sums (flash-decoding), as the bf16 kernel. Other shapes or ISAs: one task per
-// (row, KV head) with the scalar reader. Both compute in float32.
+// maxima and sums (flash-decoding), as the bf16 kernel. With bf16 queries the scoring
+// pass uses each codec's cheapest reader (codec_int8.h, codec_int4.h: integer dot products;
+// codec_fp8.h: fp8 bits as bf16) and prefetches K rows ahead into L1 and their V rows into
+// L2 for the P.V pass. Other shapes or ISAs: one task per (row, KV head) with the scalar
+// reader (codec_generic.h). Both compute in float32.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
