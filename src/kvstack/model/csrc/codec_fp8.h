@@ -47,10 +47,7 @@ void fp8_scores(const CodecView& cv, const float* q, const int64_t* table, int64
       qh[g][k] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 64 * g + 32 * k + 16), _mm512_set1_ps(kUp)),
                                      _mm512_mul_ps(_mm512_loadu_ps(q + 64 * g + 32 * k), _mm512_set1_ps(kUp)));
   int64_t rows[kPart];
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = t0 + j;
-    rows[j] = (table[t / cv.BS] * cv.BS + t % cv.BS) * cv.KVH + kh;
-  }
+  partition_rows(cv, table, kh, t0, n, rows);
   auto prefetch = [&](int64_t r) {
     _mm_prefetch(reinterpret_cast<const char*>(cv.kc + r * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cv.vc + r * 64), _MM_HINT_T1);

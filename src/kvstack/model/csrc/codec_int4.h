@@ -48,19 +48,13 @@ static inline float query_int16_nibbles(const float* q, __m512i* q16, float* hal
   return qs;
 }
 
-// Stages 1-3 of hsum16i: y[0] lanes = rows 0-3 group 0, rows 0-3 group 1, rows 4-7 group 0,
-// rows 4-7 group 1 (4 lanes each); y[1] the same for rows 8-15.
+// Each row's two 32-channel group sums apart (hsum16i_halves), in float32 (exact: < 2^24):
+// y[0] lanes = rows 0-3 group 0, rows 0-3 group 1, rows 4-7 group 0, rows 4-7 group 1
+// (4 lanes each); y[1] the same for rows 8-15.
 static inline void group_sums16(const __m512i* v, __m512* y) {
-  __m512i w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(w[2 * i], w[2 * i + 1]),
-                            _mm512_unpackhi_epi64(w[2 * i], w[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0x88),
-                                               _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0xDD)));
+  __m512i yi[2];
+  hsum16i_halves(v, yi);
+  for (int i = 0; i < 2; ++i) y[i] = _mm512_cvtepi32_ps(yi[i]);
 }
 
 // Scores of tokens [t0, t1) (n <= kPart) of KV head kh for G q heads into sc (as
@@ -75,10 +69,7 @@ void int4_scores(const CodecView& cv, const float* q, const int64_t* table, int6
   float qs[G], qsum[G][2];
   for (int g = 0; g < G; ++g) qs[g] = query_int16_nibbles(q + 64 * g, q16[g], qsum[g]);
   int64_t rows[kPart];
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = t0 + j;
-    rows[j] = (table[t / cv.BS] * cv.BS + t % cv.BS) * cv.KVH + kh;
-  }
+  partition_rows(cv, table, kh, t0, n, rows);
   auto prefetch = [&](int64_t r) {
     _mm_prefetch(reinterpret_cast<const char*>(cv.kc + r * 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cv.kp + r * cols), _MM_HINT_T0);

@@ -20,9 +20,11 @@
 #if defined(KVSTACK_CODEC_AVX512) && defined(__AVX512VNNI__)
 #define KVSTACK_CODEC_INT8_VNNI 1
 
-// Lane j of the result is the sum of v[j]'s 16 int32 lanes (hsum16's network on integers).
-static inline __m512i hsum16i(const __m512i* v) {
-  __m512i w[8], x[4], y[2];
+// Stages 1-3 of hsum16's network on int32 lanes: y[0] holds, per 128-bit chunk, the sums of
+// rows 0-3 over chunk 0 + 1, rows 0-3 over chunks 2 + 3, rows 4-7 over 0 + 1, rows 4-7 over
+// 2 + 3 (lane k of a chunk = row k); y[1] the same for rows 8-15.
+static inline void hsum16i_halves(const __m512i* v, __m512i* y) {
+  __m512i w[8], x[4];
   for (int i = 0; i < 8; ++i)
     w[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
                             _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
@@ -32,6 +34,12 @@ static inline __m512i hsum16i(const __m512i* v) {
   for (int i = 0; i < 2; ++i)
     y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0x88),
                             _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0xDD));
+}
+
+// Lane j of the result is the sum of v[j]'s 16 int32 lanes (hsum16's network on integers).
+static inline __m512i hsum16i(const __m512i* v) {
+  __m512i y[2];
+  hsum16i_halves(v, y);
   return _mm512_add_epi32(_mm512_shuffle_i32x4(y[0], y[1], 0x88),
                           _mm512_shuffle_i32x4(y[0], y[1], 0xDD));
 }
@@ -70,10 +78,7 @@ void int8_scores(const CodecView& cv, const float* q, const int64_t* table, int6
   float qs[G];
   for (int g = 0; g < G; ++g) qs[g] = query_int16(q + 64 * g, q16[g]);
   int64_t rows[kPart];
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = t0 + j;
-    rows[j] = (table[t / cv.BS] * cv.BS + t % cv.BS) * cv.KVH + kh;
-  }
+  partition_rows(cv, table, kh, t0, n, rows);
   for (int64_t j = 0; j < std::min(kAhead, n); ++j) prefetch_int8_row(cv, rows[j]);
   alignas(64) int16_t kb[16][64];
   alignas(64) float fac[16];

@@ -19,6 +19,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "simd.h"
@@ -83,6 +84,43 @@ static inline void check_codec_tensors(Codec kind, int64_t group, int64_t HD, co
 }
 
 static inline float bf(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Row index (token-major: block, token, head) of tokens t0 .. t0 + n - 1 of KV head kh
+// through one sequence's block table.
+static inline void partition_rows(const CodecView& cv, const int64_t* table, int64_t kh,
+                                  int64_t t0, int64_t n, int64_t* rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j;
+    rows[j] = (table[t / cv.BS] * cv.BS + t % cv.BS) * cv.KVH + kh;
+  }
+}
+
+// A per-token codec's storage (codec_write.cpp, codec_gather.cpp): K/V codes [NB, BS, KVH,
+// bytes] and bf16 parameters [NB, BS, KVH, cols]; int4 group 0 means the whole head.
+struct PerTokenLayout {
+  int64_t group, code_bytes, cols;
+};
+static inline PerTokenLayout check_per_token_storage(Codec c, int64_t group, int64_t HD,
+                                                     const torch::Tensor& kc, const torch::Tensor& vc,
+                                                     const torch::Tensor& kp, const torch::Tensor& vp,
+                                                     const std::optional<torch::Tensor>& signs) {
+  TORCH_CHECK(c != Codec::kBF16 && c != Codec::kKivi2, "not a per-token codec");
+  if (c == Codec::kInt4 && group == 0) group = HD;
+  TORCH_CHECK(HD > 0 && (c != Codec::kInt4 || (group > 0 && HD % group == 0 && group % 2 == 0)),
+              "int4 group ", group, " must be even and divide head_dim ", HD);
+  for (const auto* t : {&kc, &vc, &kp, &vp})
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 4, "codes and parameters must be contiguous [NB, BS, KVH, cols]");
+  TORCH_CHECK(kc.sizes() == vc.sizes() && kp.sizes() == vp.sizes(), "K and V storage differ in shape");
+  const int64_t code_bytes = kc.size(3) * kc.element_size();
+  TORCH_CHECK(code_bytes == (c == Codec::kInt4 ? HD / 2 : HD), "codes of ", code_bytes,
+              " bytes per row do not fit head_dim ", HD);
+  const int64_t cols = c == Codec::kInt4 ? 2 * HD / group : 1;
+  TORCH_CHECK(kp.scalar_type() == torch::kBFloat16 && kp.size(3) == cols,
+              "parameters must be bfloat16 with ", cols, " per row");
+  TORCH_CHECK(!signs.has_value() || (c == Codec::kInt4 && signs->numel() == HD && (HD & (HD - 1)) == 0),
+              "rotation_signs need the int4 layout, [head_dim] with head_dim a power of two");
+  return {group, code_bytes, cols};
+}
 
 // rotated4's rotation R = diag(signs) H / sqrt(n) (H Sylvester's
 // Hadamard matrix, symmetric), applied as a fast Walsh-Hadamard transform: forward

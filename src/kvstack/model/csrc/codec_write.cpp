@@ -116,32 +116,15 @@ void codec_write(std::string kind, int64_t group, torch::Tensor k, torch::Tensor
                  torch::Tensor k_params, torch::Tensor v_params,
                  std::optional<torch::Tensor> rotation_signs) {
   const Codec c = codec_kind(kind);
-  TORCH_CHECK(c != Codec::kBF16 && c != Codec::kKivi2, "codec_write: '", kind,
-              "' is not a per-token codec");
   check_rows(k, k, "k");
   check_rows(v, k, "v");
   const int64_t T = k.size(0), KVH = k.size(1), HD = k.size(2);
-  if (c == Codec::kInt4 && group == 0) group = HD;
-  TORCH_CHECK(c != Codec::kInt4 || (group > 0 && HD % group == 0 && group % 2 == 0),
-              "int4 group ", group, " must be even and divide head_dim ", HD);
-  for (const auto& t : {k_codes, v_codes, k_params, v_params})
-    TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && t.size(2) == KVH,
-                "codes and parameters must be contiguous [NB, BS, KVH, cols]");
-  TORCH_CHECK(k_codes.sizes() == v_codes.sizes() && k_params.sizes() == v_params.sizes(),
-              "K and V storage differ in shape");
-  const int64_t code_bytes = k_codes.size(3) * k_codes.element_size();
-  TORCH_CHECK(code_bytes == (c == Codec::kInt4 ? HD / 2 : HD), "codes of ", code_bytes,
-              " bytes per row do not fit head_dim ", HD);
-  const int64_t cols = c == Codec::kInt4 ? 2 * HD / group : 1;
-  TORCH_CHECK(k_params.scalar_type() == torch::kBFloat16 && k_params.size(3) == cols,
-              "parameters must be bfloat16 with ", cols, " per row");
-  TORCH_CHECK(!rotation_signs.has_value() || c == Codec::kInt4, "rotation needs the int4 layout");
+  const auto [grp, code_bytes, cols] =
+      check_per_token_storage(c, group, HD, k_codes, v_codes, k_params, v_params, rotation_signs);
+  group = grp;
+  TORCH_CHECK(k_codes.size(2) == KVH, "codes hold ", k_codes.size(2), " KV heads, k has ", KVH);
   torch::Tensor signs;
-  if (rotation_signs.has_value()) {
-    signs = rotation_signs->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(signs.numel() == HD && (HD & (HD - 1)) == 0,
-                "rotation_signs must be [head_dim], head_dim a power of two");
-  }
+  if (rotation_signs.has_value()) signs = rotation_signs->to(torch::kFloat32).contiguous();
   slots = slots.to(torch::kInt64).contiguous();
   TORCH_CHECK(slots.numel() == T, "one slot per row");
   const int64_t num_slots = k_codes.size(0) * k_codes.size(1);
