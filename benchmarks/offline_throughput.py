@@ -48,12 +48,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import os
 import platform
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -62,106 +60,18 @@ from bench_common import (
     REPO_ROOT,
     RESULTS_DIR,
     log,
-    measure_scheduled,
     median_time_s,
     wait_for_idle,
     write_json,
 )
 from engine_procs import paired_ratios, run_paired, run_peer
+from offline_kvstack import kvstack_available, run_kvstack
+from offline_report import PEER_NAMES, annotate_agreement, entry_key, report
 
-README_BEGIN = "<!-- bench:offline_throughput -->"
-README_END = "<!-- /bench -->"
-PEER_NAMES = ("transformers", "vllm", "kvstack")
 DEFAULT_BUDGET = 2048
 
 
-# --------------------------------------------------------------------------- kvstack
-
-
-def run_kvstack(
-    prompt_ids: list[list[int]],
-    max_new_tokens: int,
-    dtype: str,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    *,
-    runs: int = 3,
-    single_new_tokens: int = 256,
-    time_budget_s: float | None = None,
-    prefix_caching: bool = False,
-) -> dict[str, Any]:
-    """Time kvstack's offline ``LLM.generate`` on ``prompt_ids`` like the peers are timed.
-
-    ``prefix_caching`` selects the hash-chain prefix cache (else none); the cache is
-    emptied before every generate call, so each timed run starts cold, as vllm's does.
-    """
-    import kvstack
-    from kvstack import LLM, SamplingParams  # type: ignore[attr-defined]
-
-    t0 = time.perf_counter()
-    llm = LLM(
-        model="default",
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        prefix_cache="hash" if prefix_caching else "none",
-    )
-    load_s = time.perf_counter() - t0
-
-    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        llm.reset_prefix_cache()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    result = measure_scheduled(
-        "kvstack",
-        generate,
-        prompt_ids,
-        max_new_tokens,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        runs=runs,
-        single_new_tokens=single_new_tokens,
-        time_budget_s=time_budget_s,
-    )
-    import torch
-
-    result.update(
-        peer="kvstack",
-        versions={
-            "kvstack": getattr(kvstack, "__version__", "?"),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-        },
-        config={
-            "dtype": dtype,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "prefix_caching": prefix_caching,
-        },
-        load_s=round(load_s, 2),
-    )
-    return result
-
-
-def kvstack_available() -> str | None:
-    """Return None when kvstack's offline API can be imported, else the reason it cannot."""
-    if importlib.util.find_spec("kvstack") is None:
-        return "package kvstack is not installed in this interpreter"
-    try:
-        import kvstack
-    except Exception as exc:  # report any import failure, the run goes on without kvstack
-        return f"import kvstack failed: {exc!r}"
-    missing = [n for n in ("LLM", "SamplingParams") if not hasattr(kvstack, n)]
-    return f"kvstack lacks {', '.join(missing)}" if missing else None
-
-
-# --------------------------------------------------------------------------- processes
-
-
-# --------------------------------------------------------------------------- reporting
+# --------------------------------------------------------------------------- machine
 
 
 def machine_info() -> dict[str, Any]:
@@ -223,123 +133,6 @@ def calibrate() -> dict[str, float]:
         "gemm_32x576x3072_bf16_ms": best_ms(lambda: x @ w, 200),
         "lm_head_32x576x49152_bf16_ms": best_ms(lambda: x @ head, 40),
     }
-
-
-def entry_key(entry: dict[str, Any]) -> tuple[str, int, int, str, bool]:
-    """Identity of a result entry in the file: engine, case, dtype, prefix caching."""
-    dtype = entry.get("dtype") or entry.get("config", {}).get("dtype", "bfloat16")
-    prefix = bool(entry.get("config", {}).get("prefix_caching", False))
-    return entry["peer"], entry["num_prompts"], entry["max_new_tokens"], dtype, prefix
-
-
-def agreement(results: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """Per engine: how many leading greedy tokens of each sample prompt match transformers'."""
-    ref = next((r for r in results if r.get("peer") == "transformers" and "error" not in r), None)
-    if ref is None:
-        return {}
-    out: dict[str, list[int]] = {}
-    for r in results:
-        if r is ref or "error" in r:
-            continue
-        common = []
-        for a, b in zip(ref["sample_output_ids"], r["sample_output_ids"], strict=False):
-            n = 0
-            while n < min(len(a), len(b)) and a[n] == b[n]:
-                n += 1
-            common.append(n)
-        out[r["peer"]] = common
-    return out
-
-
-def annotate_agreement(entries: list[dict[str, Any]]) -> None:
-    """Set ``agreement_with_transformers`` on every entry that has a transformers entry for
-    the same case and dtype (from this run or an earlier one in the same file)."""
-    for case in sorted({entry_key(e)[1:4] for e in entries}):
-        same_case = [e for e in entries if entry_key(e)[1:4] == case]
-        for peer, common in agreement(same_case).items():
-            for e in same_case:
-                if e["peer"] == peer:
-                    e["agreement_with_transformers"] = common
-
-
-def markdown_table(entries: list[dict[str, Any]]) -> str:
-    """Markdown table of result entries (ordered by case, then engine)."""
-    order = {name: i for i, name in enumerate(PEER_NAMES)}
-    rows = sorted(
-        entries,
-        key=lambda e: (
-            e["num_prompts"],
-            e["max_new_tokens"],
-            entry_key(e)[3],
-            entry_key(e)[4],
-            order.get(e["peer"], 99),
-        ),
-    )
-    lines = [
-        "| engine | prompts × new tokens | dtype | prefix caching | output tok/s "
-        "| × vllm (paired) | processed tok/s | 1-request decode tok/s | wall s (median) | runs "
-        "| others' load |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for e in rows:
-        case = f"{e['num_prompts']} × {e['max_new_tokens']}"
-        prefix = "yes" if entry_key(e)[4] else "no"
-        if "error" in e:
-            lines.append(
-                f"| {e['peer']} | {case} | {entry_key(e)[3]} | {prefix} | failed: {e['error']} "
-                "| | | | | | |"
-            )
-            continue
-        single = e.get("single", {}).get("decode_tok_s", "–")
-        load = max(e.get("other_load_cores") or [float("nan")])
-        ratio = e.get("paired_ratio_vs_vllm")
-        ratio_s = (
-            f"{ratio:.2f}× ({', '.join(f'{r:.2f}' for r in e['paired_ratios_vs_vllm'])})"
-            if ratio
-            else "–"
-        )
-        lines.append(
-            f"| {e['peer']} {e.get('engine_version', '')} | {case} | {e['config']['dtype']} "
-            f"| {prefix} | {e['output_tok_s']:.0f} | {ratio_s} | {e['processed_tok_s']:.0f} "
-            f"| {single} "
-            f"| {e['wall_s_median']:.2f} | {e['runs_done']} | {load:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-ISA_SHOWN = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
-
-
-def readme_section(doc: dict[str, Any]) -> str:
-    """The README block: the table and one line saying where it comes from."""
-    m = doc["machine"]
-    note = (
-        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores; "
-        f"{' '.join(f for f in m.get('cpu_flags', []) if f in ISA_SHOWN)}), commit "
-        f"{m.get('git_commit')}; paired runs (median of per-pair ratios); 200-token "
-        f"prompts (144 shared), greedy, EOS ignored; vllm and kvstack with max_num_seqs = "
-        f"prompts, max_num_batched_tokens = {doc['settings']['max_num_batched_tokens']}; "
-        f"with prefix caching each engine's cache is emptied before every run; others' load = "
-        f"cores busy with other processes during the "
-        f"timed runs (max over runs; the machine is shared). `benchmarks/offline_throughput.py`"
-        f", `benchmarks/results/{doc['file']}`._"
-    )
-    return f"{markdown_table(doc['entries'])}\n\n{note}"
-
-
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the text between the benchmark markers of ``readme`` with ``section``."""
-    text = readme.read_text()
-    start = text.find(README_BEGIN)
-    end = text.find(README_END, start)  # the block's own end: other tables end the same way
-    if start < 0 or end < start:
-        raise SystemExit(
-            f"{readme} has no '{README_BEGIN}' ... '{README_END}' block; add the two markers "
-            "where the table belongs and rerun with --write-readme"
-        )
-    start += len(README_BEGIN)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
-    log(f"updated the benchmark table in {readme}")
 
 
 # --------------------------------------------------------------------------- main
@@ -565,20 +358,6 @@ def main(argv: list[str] | None = None) -> None:
 
     log(f"wrote {out}")
     report(doc, args.write_readme)
-
-
-def report(doc: dict[str, Any], readme: bool) -> None:
-    """Print the table and the greedy-token agreement; update README.md if asked."""
-    print(markdown_table(doc["entries"]))
-    for e in doc["entries"]:
-        if "agreement_with_transformers" in e:
-            print(
-                f"\n{e['peer']} {e['num_prompts']}x{e['max_new_tokens']} {entry_key(e)[3]}: "
-                f"leading greedy tokens equal to transformers' for the sample prompts: "
-                f"{e['agreement_with_transformers']} of {e['max_new_tokens']}"
-            )
-    if readme:
-        write_readme(readme_section(doc))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,6 @@ import asyncio
 import datetime as dt
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -67,14 +66,13 @@ from bench_common import (
     RESULTS_DIR,
     cpu_busy_seconds,
     log,
-    measure,
     venv_python,
     wait_for_idle,
-    write_json,
 )
 from offline_throughput import machine_info
+from serve_offline import offline_worker, overhead, run_offline
+from serve_report import find_run, rate_key, report, run_key, save
 from serve_servers import (
-    LOG_DIR,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     Server,
@@ -83,7 +81,6 @@ from serve_servers import (
     tree_cpu_seconds,
 )
 
-README_BEGIN, README_END = "<!-- bench:serve -->", "<!-- /bench -->"
 DEFAULT_PROMPTS = {"shared-prefix": 32, "multi-turn": 40}
 INF_CONCURRENCY = 16
 MAX_OTHER_LOAD = 0.15  # cores others may use during a run before it is repeated (once)
@@ -121,14 +118,6 @@ def check_prompts(base: str, model: str, reqs: Sequence[Any]) -> dict[str, Any]:
                 "workload_len": len(r.prompt_token_ids),
             }
     return {"identical": same, "total": len(reqs), "first_difference": first_diff}
-
-
-def rate_key(rate: float) -> float | str:
-    return "inf" if math.isinf(rate) else rate
-
-
-def rate_order(rate: float | str) -> float:
-    return math.inf if rate == "inf" else float(rate)
 
 
 def bench_once(server: Server, reqs: Sequence[Any], rate: float) -> dict[str, Any]:
@@ -218,251 +207,6 @@ def summary(e: dict[str, Any]) -> str:
         f"{e['output_throughput']:.1f} out tok/s, TTFT p50 {e['median_ttft_ms']:.0f} ms, TPOT "
         f"{e['mean_tpot_ms']:.1f} ms, hit rate {e['cache_hit_rate'] or 0:.2f}, load {e['load']}"
     )
-
-
-# --------------------------------------------------------------------------- offline engine
-
-
-def offline_worker(request_path: Path, out_path: Path) -> None:
-    """In its own process: time ``LLM.generate`` on the request's prompts (see the docstring)."""
-    from kvstack import LLM, SamplingParams
-
-    req = json.loads(request_path.read_text())
-    t0 = time.perf_counter()
-    llm = LLM(max_num_seqs=req["max_num_seqs"], max_model_len=req["max_model_len"])
-    load_s = time.perf_counter() - t0
-
-    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        llm.reset_prefix_cache()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    prompts = req["prompt_ids"]
-    result = measure(
-        generate, prompts, req["max_tokens"], runs=1, single_new_tokens=0,
-        sample_prompts=len(prompts),
-    )  # fmt: skip
-    result["load_s"] = round(load_s, 2)
-    write_json(result, out_path)
-
-
-def run_offline(reqs: Sequence[Any], timeout_s: float = 1200.0) -> dict[str, Any]:
-    """The offline measurement in a child process; ``{"error": ...}`` if it failed."""
-    log_path = LOG_DIR / "serve-offline.log"
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvstack-serve-offline-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    req_path, out_path = tmp / "request.json", tmp / "result.json"
-    req_path.write_text(json.dumps({
-        "prompt_ids": [r.prompt_token_ids for r in reqs], "max_tokens": reqs[0].max_tokens,
-        "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
-    }))  # fmt: skip
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-offline", str(req_path)]
-    cmd += ["--worker-out", str(out_path)]
-    log(f"[offline] LLM.generate on {len(reqs)} prompts (log {log_path})")
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as logf:
-        try:
-            rc: int | str = subprocess.run(
-                cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO_ROOT,
-                check=False,
-            ).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0 or not out_path.exists():
-        tail = log_path.read_text(errors="replace").splitlines()[-10:]
-        log(f"[offline] FAILED ({rc}): " + " | ".join(tail))
-        return {"error": f"exit {rc}", "log_tail": tail}
-    result = json.loads(out_path.read_text())
-    for p in (req_path, out_path):
-        p.unlink()
-    tmp.rmdir()
-    log(f"[offline] {result['output_tok_s']} output tok/s")
-    return result
-
-
-def overhead(doc: dict[str, Any], tok: Any = None) -> dict[str, Any] | None:
-    """Server (kvstack, shared-prefix, rate inf) vs offline output tok/s."""
-    off = doc.get("offline") or {}
-    if "output_tok_s" not in off:
-        return None
-    case = off["num_prompts"], off["max_new_tokens"]
-    run = find_run(doc, "kvstack", "shared-prefix", "inf", *case)
-    if run is None:
-        return None
-    out = {
-        "num_prompts": case[0],
-        "max_tokens": case[1],
-        "offline_output_tok_s": off["output_tok_s"],
-        "server_output_tok_s": round(run["output_throughput"], 2),
-        "ratio": round(run["output_throughput"] / off["output_tok_s"], 3),
-        "required": 0.8,
-    }
-    out["pass"] = out["ratio"] >= out["required"]
-    texts = run.get("generated_texts")
-    if tok is not None and texts and len(off.get("sample_output_ids", [])) == len(texts):
-        offline = [tok.decode(ids) for ids in off["sample_output_ids"]]
-        by_id = dict(zip(run["request_ids"], texts, strict=True))
-        order = [r.request_id for r in doc["_requests"]["shared-prefix"]]
-        out["same_text_as_offline"] = sum(
-            by_id.get(i) == t for i, t in zip(order, offline, strict=True)
-        )
-        out["compared"] = len(offline)
-    return out
-
-
-# --------------------------------------------------------------------------- report
-
-
-def find_run(doc: dict[str, Any], *key: Any) -> dict | None:
-    """The run of key ``(server, workload, rate, num_prompts, max_tokens)``, if any."""
-    for e in doc.get("runs", []):
-        if run_key(e) == key:
-            return e
-    return None
-
-
-def run_key(e: dict[str, Any]) -> tuple[Any, ...]:
-    return e["server"], e["workload"], e["request_rate"], e["num_prompts"], e["max_tokens"]
-
-
-def markdown_table(doc: dict[str, Any]) -> str:
-    """The runs as a markdown table (latencies in ms)."""
-    head = (
-        "server", "workload", "rate (req/s)", "requests ok × tokens", "TTFT p50", "TTFT p99",
-        "TPOT mean", "TPOT p99", "ITL p99", "E2EL p50", "output tok/s", "req/s", "hit rate",
-        "others' load",
-    )  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
-    for e in doc["runs"]:
-        rate = e["request_rate"]
-        rate = f"inf (≤ {e['max_concurrency']} in flight)" if rate == "inf" else f"{rate:g}"
-        hit = "–" if e["cache_hit_rate"] is None else f"{e['cache_hit_rate']:.2f}"
-        cells = (
-            f"{e['server']} {e.get('server_version') or ''}".strip(), e["workload"], rate,
-            f"{e['completed']}/{e['num_prompts']} × {e['max_tokens']}",
-            f"{e['median_ttft_ms']:.0f}", f"{e['p99_ttft_ms']:.0f}", f"{e['mean_tpot_ms']:.1f}",
-            f"{e['p99_tpot_ms']:.1f}", f"{e['p99_itl_ms']:.1f}", f"{e['median_e2el_ms']:.0f}",
-            f"{e['output_throughput']:.1f}", f"{e['request_throughput']:.2f}", hit,
-            f"{e['load']['other_cores']:.2f}",
-        )  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def overhead_line(doc: dict[str, Any]) -> str:
-    o = doc.get("http_overhead")
-    if not o:
-        return "HTTP overhead: not measured (needs the offline run and kvstack shared-prefix/inf)."
-    same = (
-        f"; same greedy text {o['same_text_as_offline']}/{o['compared']}" if "compared" in o else ""
-    )
-    return (
-        f"HTTP overhead (shared-prefix, {o.get('num_prompts')} requests × {o.get('max_tokens')} "
-        f"tokens, rate inf): server {o['server_output_tok_s']:.1f} vs offline "
-        f"{o['offline_output_tok_s']:.1f} output tok/s = **{o['ratio']:.2f}×** "
-        f"({'meets' if o['pass'] else 'FAILS'} ≥ {o['required']}){same}."
-    )
-
-
-def readme_section(doc: dict[str, Any], png: Path | None) -> str:
-    m, s = doc["machine"], doc["settings"]
-    note = (
-        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores), commit "
-        f"{m.get('git_commit')}{' (dirty)' if m.get('git_dirty') else ''}; max_num_seqs "
-        f"{MAX_NUM_SEQS}, max_model_len {MAX_MODEL_LEN}, {s['max_tokens']} new tokens, greedy, "
-        f"EOS ignored, prefix cache emptied before every run; latencies in ms; others' load = "
-        f"cores used by other processes during the run. `benchmarks/serve.py`, "
-        f"`benchmarks/results/{doc['file']}`._"
-    )
-    fig = (
-        f"\n\n![TTFT and TPOT against the request rate]({png.relative_to(REPO_ROOT)})"
-        if png
-        else ""
-    )
-    loads = []
-    for name, w in doc.get("workload_summary", {}).items():
-        loads.append(
-            f"`{name}` {w['num_requests']} requests ({w['prompt_tokens_mean']:.0f} prompt tokens "
-            f"on average, {w['num_rounds']} round(s), ideal hit rate {w['ideal_hit_rate']:.2f})"
-        )
-    head = (
-        "#### Serving: `kvstack serve` under `kvstack bench serve`\n\n"
-        f"Streaming chat requests, {'; '.join(loads)}; Poisson arrivals at each rate, or all "
-        "at once (inf) with at most 16 in flight; one run each."
-    )
-    return f"{head}\n\n{markdown_table(doc)}\n\n{overhead_line(doc)}{fig}\n\n{note}"
-
-
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the block between the serve markers (added before the section after
-    ``## Performance`` when missing)."""
-    text = readme.read_text()
-    if README_BEGIN not in text:
-        perf = text.find("\n## Performance")
-        nxt = text.find("\n## ", perf + 1) if perf >= 0 else -1
-        at = nxt + 1 if nxt >= 0 else len(text)
-        text = f"{text[:at].rstrip()}\n\n{README_BEGIN}\n{README_END}\n\n{text[at:]}"
-    start = text.find(README_BEGIN) + len(README_BEGIN)
-    end = text.find(README_END, start)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
-    log(f"updated the serving table in {readme}")
-
-
-def plot(doc: dict[str, Any], path: Path) -> bool:
-    """One row per workload: TTFT and TPOT against the request rate, a line per server
-    (p50/mean solid, p99 dashed)."""
-    try:
-        import matplotlib
-    except ImportError:
-        log("note: matplotlib is not installed; no figure")
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    runs = doc["runs"]
-    rates = sorted({e["request_rate"] for e in runs}, key=rate_order)
-    workloads = [w for w in doc["settings"]["workloads"] if any(e["workload"] == w for e in runs)]
-    servers = sorted({e["server"] for e in runs}, key=lambda s: (s != "kvstack", s))
-    if not runs or not workloads:
-        return False
-    panels = (("TTFT", "median_ttft_ms", "p50"), ("TPOT", "mean_tpot_ms", "mean"))
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
-    ms = FuncFormatter(lambda v, _: f"{v:g}")
-    for row, workload in zip(axes, workloads, strict=True):
-        for ax, (metric, key, stat) in zip(row, panels, strict=True):
-            for i, server in enumerate(servers):
-                pts = sorted(
-                    (rates.index(e["request_rate"]), e)
-                    for e in runs
-                    if (e["server"], e["workload"]) == (server, workload)
-                )  # fmt: skip
-                xs = [x for x, _ in pts]
-                p99 = f"p99_{metric.lower()}_ms"
-                ax.plot(xs, [e[key] for _, e in pts], "o-", color=f"C{i}", label=f"{server} {stat}")
-                ax.plot(xs, [e[p99] for _, e in pts], "x--", color=f"C{i}", label=f"{server} p99")
-            ax.set_xticks(range(len(rates)), [f"{r:g}" if r != "inf" else "inf" for r in rates])
-            ax.set_xlabel("request rate (req/s; inf: all at once, ≤ 16 in flight)", fontsize=8)
-            ax.set_ylabel(f"{metric} (ms)")
-            ax.set_title(f"{workload}: {metric}", fontsize=10)
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(ms)
-            ax.yaxis.set_minor_formatter(ms)
-            ax.tick_params(axis="y", which="both", labelsize=7)
-            ax.grid(alpha=0.3, which="both")
-            ax.legend(fontsize=7)
-    s = doc["settings"]
-    fig.suptitle(
-        f"kvstack bench serve: {s['max_tokens']} new tokens, max_num_seqs {MAX_NUM_SEQS}, "
-        f"greedy, {doc['date']}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 # --------------------------------------------------------------------------- main
@@ -590,44 +334,6 @@ def main(argv: list[str] | None = None) -> None:
     doc["http_overhead"] = overhead(doc, tok) or doc.get("http_overhead")
     save(doc, out)
     report(doc, png, args.write_readme)
-
-
-def sort_runs(doc: dict[str, Any]) -> None:
-    """Runs by workload, then kvstack before peers, then rate."""
-    names = doc["settings"]["workloads"]
-    doc["runs"].sort(key=lambda e: (
-        names.index(e["workload"]) if e["workload"] in names else len(names), e["workload"],
-        e["server"] != "kvstack", e["server"], rate_order(e["request_rate"]),
-    ))  # fmt: skip
-
-
-def save(doc: dict[str, Any], out: Path) -> None:
-    """Write the result file (without the requests and the generated texts)."""
-    sort_runs(doc)
-    clean = {k: v for k, v in doc.items() if not k.startswith("_")}
-    clean["runs"] = [{k: v for k, v in e.items() if k != "generated_texts"} for e in doc["runs"]]
-    for e, full in zip(clean["runs"], doc["runs"], strict=True):
-        e["sample_generated_texts"] = full.get("generated_texts", [])[:2] or full.get(
-            "sample_generated_texts", []
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(clean, out)
-    log(f"wrote {out}")
-
-
-def report(doc: dict[str, Any], png: Path, readme: bool) -> None:
-    if not doc.get("runs"):
-        raise SystemExit("no runs to report")
-    sort_runs(doc)
-    print(markdown_table(doc))
-    print()
-    print(overhead_line(doc))
-    drawn = plot(doc, png)
-    if drawn:
-        log(f"wrote {png}")
-    if readme:
-        default_png = drawn and png.resolve().is_relative_to(REPO_ROOT)
-        write_readme(readme_section(doc, png.resolve() if default_png else None))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""The real server (a `kvstack serve` process on a free loopback port) driven by `openai`."""
+"""The real server (a `kvstack serve` process on a free loopback port) driven by `openai`.
+
+Bad input and the fuzz are in ``test_server_input.py``, servers with other limits in
+``test_server_limits.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,16 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
+from keyed_server_util import KEY, keyed_server, metric, wait_idle
 from kvstack import LLM, SamplingParams
-from kvstack.serve.app import ServerConfig, create_app
-from kvstack.serve.async_engine import AsyncEngine
 from server_util import ServerProcess
 
-KEY = "test-key"
 SYSTEM = (
     "You are the help desk of a small museum. You answer questions about opening hours, "
     "tickets, guided tours, the cafe and accessibility, briefly and politely."
@@ -32,47 +28,13 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    d = tmp_path_factory.mktemp("server")
-    args = [
-        "--api-key",
-        KEY,
-        "--max-model-len",
-        "512",
-        "--max-body-bytes",
-        "65536",
-        "--request-log",
-        str(d / "requests.jsonl"),
-        "--max-num-seqs",
-        "32",
-    ]
-    with ServerProcess(args, d / "server.log") as s:
+    with keyed_server(tmp_path_factory.mktemp("server")) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(srv: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def metric(srv: ServerProcess, name: str) -> float:
-    text = httpx.get(srv.url + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
-def wait_idle(srv: ServerProcess, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (
-            metric(srv, "vllm:num_requests_running") == 0
-            and metric(srv, "vllm:num_requests_waiting") == 0
-            and metric(srv, "vllm:kv_cache_usage_perc") == 0
-        ):
-            return
-        time.sleep(0.1)
-    raise AssertionError("server did not go idle (leaked KV blocks or a hung request?)")
 
 
 @pytest.mark.slow
@@ -196,31 +158,6 @@ def test_disconnect_frees_blocks(srv: ServerProcess) -> None:
     wait_idle(srv)  # closing the stream aborted the request and freed its blocks
 
 
-BAD: list[tuple[str, Any, int, str]] = [
-    ("/v1/completions", b"{not json", 400, "malformed JSON"),
-    ("/v1/completions", b"\xff\xfe{}", 400, "UTF-8"),
-    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "bogus_field": 1, "max_tokens": "x"}, 400, "max_tokens"),
-    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_model_len"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
-    ("/v1/completions", {"prompt": [10**9]}, 400, "token ids"),
-    ("/v1/completions", {"prompt": "x" * 70000}, 413, "body"),
-    ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "empty"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-    ("/v1/nope", {}, 404, "Not Found"),
-    ("/v1/completions", {"prompt": "hi", "kv_press": "zip"}, 400, "unknown kv_press"),
-    ("/v1/completions", {"prompt": "hi", "kv_press": "snapkv", "kv_press_ratio": 1}, 400, "[0, 1)"),
-    ("/v1/completions", {"prompt": "hi", "kv_press_ratio": 0.5}, 400, "needs a kv_press"),
-]
-
-
 def test_pressed_request_reclaims_blocks(srv: ServerProcess, client: openai.OpenAI) -> None:
     prompt = "The tide comes in twice a day along this coast. " * 30
     before = metric(srv, "kvstack:reclaimed_blocks_total")
@@ -235,36 +172,6 @@ def test_pressed_request_reclaims_blocks(srv: ServerProcess, client: openai.Open
     assert metric(srv, "kvstack:reclaimed_blocks_total") > before
     assert metric(srv, "kvstack:pressed_requests_total") >= 1
     wait_idle(srv)
-
-
-@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD)
-def test_bad_input_gets_openai_errors(
-    srv: ServerProcess, path: str, body: Any, status: int, needle: str
-) -> None:
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(srv.url + path, content=data, headers=headers, timeout=30)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert needle.lower() in err["message"].lower() and {"type", "param", "code"} <= set(err)
-
-
-def test_unknown_fields_are_ignored_and_reported(srv: ServerProcess) -> None:
-    """As vLLM: an unknown field is accepted, ignored, logged and named in a header."""
-    body = {
-        "messages": [{"role": "user", "content": "Hi", "foo": 1}],
-        "max_tokens": 2,
-        "bogus_field": True,
-        "stream_options": {"include_usage": True, "bar": 0},
-    }
-    headers = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
-    assert r.status_code == 200, r.text
-    got = set(r.headers["kvstack-ignored-fields"].split(","))
-    assert got == {"bogus_field", "messages.0.foo", "stream_options.bar"}
-    assert "ignoring unknown fields" in srv.tail() and "bogus_field" in srv.tail()
-    plain = httpx.post(srv.url + "/tokenize", json={"prompt": "Hi"}, headers=headers)
-    assert plain.status_code == 200 and "kvstack-ignored-fields" not in plain.headers
 
 
 def test_auth_tokenize_pin_reset_and_request_log(srv: ServerProcess, client: openai.OpenAI) -> None:
@@ -305,127 +212,8 @@ def test_auth_tokenize_pin_reset_and_request_log(srv: ServerProcess, client: ope
     wait_idle(srv)
 
 
-FLOATS = st.floats(allow_nan=False, allow_infinity=False)
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | FLOATS | st.text(max_size=20),
-    lambda kids: (
-        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
-    ),
-    max_leaves=10,
-)
-FIELDS = [
-    "prompt",
-    "messages",
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "stream",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop_token_ids",
-    "logit_bias",
-    "model",
-    "user",
-    "extra",
-    "chat_template_kwargs",
-    "stream_options",
-    "max_completion_tokens",
-    "min_tokens",
-]
-BODY = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6).map(
-    lambda d: {**d, "max_tokens": 4}
-) | st.fixed_dictionaries(
-    {
-        "prompt": st.text(min_size=1, max_size=40),
-        "max_tokens": st.integers(-2, 6),
-        "n": st.integers(0, 3),
-        "temperature": st.floats(-1, 3),
-        "stop": st.lists(st.text(max_size=3)),
-    },
-)
-
-
-@pytest.mark.slow
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=BODY, chat=st.booleans())
-def test_fuzz_never_breaks_the_server(srv: ServerProcess, body: dict, chat: bool) -> None:
-    if chat and "prompt" in body:
-        body = {**body, "messages": [{"role": "user", "content": body.pop("prompt")}]}
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    auth = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(srv.url + path, json=body, headers=auth, timeout=60)
-    assert r.status_code in (200, 400, 404), r.text
-    if r.status_code != 200:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(srv.url + "/health").status_code == 200
-
-
 def test_zz_pool_clean_after_everything(srv: ServerProcess) -> None:
     wait_idle(srv)
-
-
-@pytest.mark.slow
-def test_queue_limit_timeout_and_graceful_shutdown(tmp_path: Path) -> None:
-    args = [
-        "--max-waiting",
-        "1",
-        "--max-num-seqs",
-        "1",
-        "--request-timeout",
-        "4",
-        "--max-model-len",
-        "1024",
-    ]
-    with ServerProcess(args, tmp_path / "server.log") as s:
-        body = {"prompt": "Tell me a story.", "max_tokens": 16, "ignore_eos": True}
-
-        async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=60) as ac:
-                return await asyncio.gather(
-                    *(ac.post(s.url + "/v1/completions", json=body) for _ in range(6))
-                )
-
-        codes = [r.status_code for r in asyncio.run(burst())]
-        assert 429 in codes and 200 in codes, codes
-        second = asyncio.run(burst())
-        limited = next(r for r in second if r.status_code == 429)
-        assert limited.headers.get("retry-after") and limited.json()["error"]["type"]
-        # vLLM's vllm:admission_rejections: --max-waiting is its max_num_queued_reqs.
-        rejected = codes.count(429) + sum(r.status_code == 429 for r in second)
-        metrics = httpx.get(s.url + "/metrics").text
-        counted = {
-            smp.labels["reason"]: smp.value
-            for fam in text_string_to_metric_families(metrics)
-            if fam.name == "vllm:admission_rejections"
-            for smp in fam.samples
-            if smp.name.endswith("_total")
-        }
-        assert counted == {"max_num_queued_reqs": rejected, "max_num_queued_tokens": 0}
-        slow = httpx.post(s.url + "/v1/completions", timeout=60, json={**body, "max_tokens": 900})
-        assert slow.status_code == 408 and "timed out" in slow.json()["error"]["message"]
-        # SIGTERM while a request streams: it finishes, then the process exits 0.
-        result: dict[str, Any] = {}
-
-        def stream() -> None:
-            with httpx.stream(
-                "POST", s.url + "/v1/completions", timeout=60, json={**body, "stream": True}
-            ) as r:
-                result["lines"] = [ln for ln in r.iter_lines() if ln]
-
-        t = threading.Thread(target=stream)
-        t.start()
-        time.sleep(1.0)
-        assert s.stop(signal.SIGTERM) == 0
-        t.join(30)
-        assert result["lines"][-1] == "data: [DONE]"
-        assert '"finish_reason": "length"' in result["lines"][-2]
 
 
 def test_bench_serve_against_the_server(srv: ServerProcess, tmp_path: Path) -> None:
@@ -512,49 +300,3 @@ def test_load_and_kv_event_stream(srv: ServerProcess) -> None:
     with httpx.stream("GET", srv.url + "/v1/kv_events", headers=headers, timeout=30) as r:
         snap = read_sse_batches(r, 1)[0]
         assert set(want) <= set(snap["events"][0]["block_hashes"])  # a reconnect sees them
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("prefix_cache", ["hash", "none"])
-def test_pin_is_checked_on_the_engine_thread(
-    prefix_cache: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The pin endpoint's 400s (shorter than a block, over the pin budget, no prefix
-    cache) are decided by the engine thread, never by the HTTP thread, and a pin that
-    succeeds reports the blocks held from the engine thread too."""
-    from fastapi.testclient import TestClient
-
-    # 8 blocks of 16 tokens, max_pinned_fraction 0.5: pins may hold at most 4 blocks.
-    llm = LLM("default", max_model_len=256, num_blocks=8, prefix_cache=prefix_cache)
-    eng = llm.engine
-    threads: list[str] = []
-
-    def spy(real: Any) -> Any:
-        def call(*args: Any) -> Any:
-            threads.append(threading.current_thread().name)
-            return real(*args)
-
-        return call
-
-    for name in ("check_pinnable", "pin_prefix", "num_pinned_blocks"):
-        monkeypatch.setattr(eng, name, spy(getattr(eng, name)))
-    app = create_app(AsyncEngine(eng), ServerConfig(model_name="m"))
-    with TestClient(app) as c:
-
-        def pin(n: int) -> httpx.Response:
-            return c.post("/v1/cache/pin", json={"prompt": list(range(1000, 1000 + n))})
-
-        if prefix_cache == "none":
-            r = pin(32)
-            assert r.status_code == 400 and "prefix cache" in r.json()["error"]["message"]
-        else:
-            short, long = pin(8), pin(5 * 16)
-            assert short.status_code == 400 and "full block" in short.json()["error"]["message"]
-            assert long.status_code == 400 and "at most 4" in long.json()["error"]["message"]
-            assert {"type", "param", "code"} <= set(long.json()["error"])
-            ok = pin(32)
-            assert ok.status_code == 200, ok.text
-            assert ok.json() == {"pinned_tokens": 32, "num_pinned_blocks": 2}
-            unpin = c.post("/v1/cache/unpin", json={"prompt": list(range(1000, 1032))})
-            assert unpin.json() == {"unpinned": True}
-    assert threads and set(threads) == {"kvstack-engine"}, threads
