@@ -2,7 +2,7 @@
 codec's PyTorch ``write`` stores: the same codes and bf16 parameters, bit for bit, for
 bf16 and float32 rows, strided rows (views into a fused qkv), outliers, all-zero rows,
 rows near rounding ties, and any slot order; the C++ block gather (``codec_gather``)
-returns exactly the codec's ``gather``; bad input is refused, nothing written."""
+returns exactly the codec's ``gather`` (kivi2's too, residual pool included); bad input is refused, nothing written."""
 
 from __future__ import annotations
 
@@ -83,6 +83,39 @@ def test_codec_gather_matches_the_pytorch_gather(
             view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
             view.v_params, view.rotation_signs, torch.tensor([1, 9]), hd, dtype,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_codec_gather_matches_kivi2s_gather(kernels: Kernels, dtype: torch.dtype) -> None:
+    """Full blocks from their 2-bit codes, filling blocks from the residual pool."""
+    g = torch.Generator().manual_seed(7)
+    codec = codec_class("kivi2")(CacheShape(1, 9, 16, 3, 64), dtype, 4)
+    for slots in (torch.arange(0, 64), torch.arange(64, 69), torch.arange(96, 105)):
+        k, v = _rows(g, slots.numel(), 3, 64, dtype)
+        codec.write(0, slots, k, v)  # blocks 0-3 quantized; 4 and 6 filling
+    view = codec.gather_view(0)
+    assert view is not None and view.residual_of is not None
+    assert (view.residual_of[[4, 6]] >= 0).all() and (view.residual_of[:4] < 0).all()
+    for ids in (torch.tensor([4, 0, 6, 3]), torch.tensor([[1, 6], [2, 4]])):
+        want = codec.gather(0, ids)
+        got = kernels.codec_gather(
+            "kivi2", view.group, view.k_codes, view.v_codes, view.k_params, view.v_params,
+            None, ids, 64, dtype, view.res_k, view.res_v, view.residual_of,
+        )  # fmt: skip
+        for a, b in zip(want, got, strict=True):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape == (*ids.shape, 16, 3, 64)
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="residual pool must be"):
+        kernels.codec_gather(
+            "kivi2", view.group, view.k_codes, view.v_codes, view.k_params, view.v_params,
+            None, ids, 64, dtype, view.res_k[:, :8], view.res_v, view.residual_of,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="only kivi2 has a residual pool"):
+        kernels.codec_gather(
+            "int8", 0, view.k_codes, view.v_codes, view.k_params, view.v_params,
+            None, ids, 64, dtype, view.res_k, view.res_v, view.residual_of,
+        )  # fmt: skip
+    codec.check_integrity()
 
 
 def test_rotate_rows_is_the_hadamard_rotation() -> None:

@@ -57,16 +57,16 @@ class LayerCache:
         self, block_ids: torch.Tensor, kernels: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of whole blocks, ``block_ids.shape + (bs, kv_heads, head_dim)``; with the C++
-        kernels a per-token codec's blocks are dequantized by ``codec_gather`` (the same
-        values as the codec's ``gather``)."""
+        kernels a codec with a ``gather_view`` (per-token codecs, kivi2) has its blocks
+        dequantized by ``codec_gather`` (the same values as the codec's ``gather``)."""
         if self.k is not None and self.v is not None:
             return self.k[block_ids], self.v[block_ids]
-        view = self.per_token_view if kernels is not None else None
+        view = self.codec.gather_view(self.layer) if kernels is not None else None
         if view is not None:
             k, v = kernels.codec_gather(
                 view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
                 view.v_params, view.rotation_signs, block_ids, self.codec.shape.head_dim,
-                self.codec.dtype,
+                self.codec.dtype, view.res_k, view.res_v, view.residual_of,
             )  # fmt: skip
             return k, v
         return self.codec.gather(self.layer, block_ids)
@@ -76,11 +76,21 @@ class LayerCache:
         """A row reads its own block through ``gather_own`` (``KVCodec.own_block_exact``)."""
         return self.k is None and self.codec.own_block_exact
 
-    def gather_own(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_own(
+        self, block_ids: torch.Tensor, kernels: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of whole blocks as the rows inside them read them (``KVCodec.gather_own``)."""
         if self.k is not None and self.v is not None:
             return self.k[block_ids], self.v[block_ids]
-        return self.codec.gather_own(self.layer, block_ids)
+        return self.codec.overlay_own(self.layer, block_ids, *self.gather(block_ids, kernels))
+
+    def overlay_own(
+        self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered blocks (``gather``) turned into ``gather_own``'s (``KVCodec.overlay_own``)."""
+        if self.k is not None:
+            return k, v
+        return self.codec.overlay_own(self.layer, block_ids, k, v)
 
 
 class KVStorage:

@@ -231,7 +231,7 @@ def chunk_context(
         row 6 (block 1):    x x x x . . . . . .    x x x . . .
         row 8 (block 2):    x x x x x x x x . .    . . . . x .
     """
-    kb, vb = cache.gather(block_ids, kernels)  # per-token codecs: codec_gather (C++)
+    kb, vb = cache.gather(block_ids, kernels)  # per-token codecs, kivi2: codec_gather
     bs, kvh, hd = kb.shape[-3], kb.shape[-2], kb.shape[-1]
     n = mask.shape[0]
     kk = kb.view(-1, kvh, hd)[: kc + n]
@@ -239,7 +239,8 @@ def chunk_context(
     if not cache.own_block_exact:
         return kk, vv, mask
     first = kc // bs
-    ko, vo = cache.gather_own(block_ids[first:])
+    own_ids = block_ids[first:]
+    ko, vo = cache.overlay_own(own_ids, kb[first:].clone(), vb[first:].clone())
     s0 = first * bs
     own_start = (torch.arange(kc, kc + n) // bs * bs)[:, None]
     j = torch.arange(kc + n)[None, :]

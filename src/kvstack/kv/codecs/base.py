@@ -103,7 +103,7 @@ class KVCodec(abc.ABC):
     def gather_own(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks as the rows inside them read them, right after this step
         wrote ``layer`` (``own_block_exact``); by default the same as ``gather``."""
-        return self.gather(layer, block_ids)
+        return self.overlay_own(layer, block_ids, *self.gather(layer, block_ids))
 
     def kernel_view(self, layer: int) -> KernelView | None:
         """How the C++ attention reads ``layer`` in place, or None: attention then takes
@@ -117,6 +117,19 @@ class KVCodec(abc.ABC):
         ``write`` / ``gather``. None: ``write`` and ``gather`` (PyTorch) do it, the write
         counted as the ``kv_cache_write`` fallback."""
         return None
+
+    def gather_view(self, layer: int) -> KernelView | None:
+        """``layer``'s storage as ``csrc/codec_gather.cpp`` decodes whole blocks from it, the
+        same values as ``gather``: the per-token view, or kivi2's with the residual pool of
+        its filling blocks. None: ``gather`` (PyTorch)."""
+        return self.per_token_view(layer)
+
+    def overlay_own(
+        self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Turns the gathered blocks ``k, v`` (``gather`` of ``block_ids``) into what
+        ``gather_own`` returns, in place where it can; by default they are the same."""
+        return k, v
 
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """A block went back to the free queue (its contents are dead)."""

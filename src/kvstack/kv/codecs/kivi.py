@@ -107,6 +107,7 @@ class Kivi2Codec(KVCodec):
         self._no_step = torch.full((N,), -1, dtype=torch.long)
         self._step_layer = -1
         self._step_k = self._step_v = self.res_k[0, :0]
+        self._gather_views: dict[int, KernelView] = {}
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_params, self.v_codes, self.v_params]
@@ -214,11 +215,12 @@ class Kivi2Codec(KVCodec):
         tail = (*block_ids.shape, *k.shape[1:])
         return k.view(tail), v.view(tail)
 
-    def gather_own(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def overlay_own(
+        self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks as the rows inside them read them: this step's full-precision rows of a
-        block the step wrote at ``layer`` (even one it filled and quantized), else
-        ``gather``."""
-        k, v = self.gather(layer, block_ids)
+        block the step wrote at ``layer`` (even one it filled and quantized) replace the
+        gathered ones."""
         if self._step_layer != layer:
             return k, v
         idx = self.step_index[block_ids]
@@ -227,6 +229,26 @@ class Kivi2Codec(KVCodec):
             k[live] = self._step_k[idx[live]]
             v[live] = self._step_v[idx[live]]
         return k, v
+
+    def gather_view(self, layer: int) -> KernelView | None:
+        """Codes and parameters in place with the residual pool of the filling blocks
+        (``residual_of``): ``codec_gather`` then returns what ``gather`` does."""
+        if layer not in self._gather_views:
+            self._gather_views[layer] = self._build_gather_view(layer)
+        return self._gather_views[layer]
+
+    def _build_gather_view(self, layer: int) -> KernelView:
+        return KernelView(
+            "kivi2",
+            self.k_codes[layer],
+            self.v_codes[layer],
+            self.k_params[layer],
+            self.v_params[layer],
+            group=V_GROUP,
+            res_k=self.res_k[layer],
+            res_v=self.res_v[layer],
+            residual_of=self.residual_of,
+        )
 
     def kernel_view(self, layer: int) -> KernelView | None:
         """Codes and parameters in place; as the residual pool, the full-precision rows of

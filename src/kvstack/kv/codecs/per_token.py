@@ -27,6 +27,9 @@ class PerTokenCodec(KVCodec):
         self.v_codes = torch.zeros((*rows, cw), dtype=self.code_dtype)
         self.k_params = torch.zeros((*rows, npar), dtype=torch.bfloat16)
         self.v_params = torch.zeros((*rows, npar), dtype=torch.bfloat16)
+        # The storage never moves, so each layer's view is built once (views of a layer's
+        # slices cost ~1 us each, four per layer per step).
+        self._views: dict[int, KernelView | None] = {}
 
     @classmethod
     def code_cols(cls, head_dim: int) -> int:
@@ -74,6 +77,12 @@ class PerTokenCodec(KVCodec):
         return 0
 
     def kernel_view(self, layer: int) -> KernelView | None:
+        if layer not in self._views:
+            self._views[layer] = self.build_kernel_view(layer)
+        return self._views[layer]
+
+    def build_kernel_view(self, layer: int) -> KernelView | None:
+        """``kernel_view`` before caching (subclasses add to it here)."""
         if self.kernel_layout is None:
             return None
         return KernelView(

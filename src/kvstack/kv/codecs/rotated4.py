@@ -90,10 +90,10 @@ class Rotated4Codec(Int4Codec):
     def kernel_group(self) -> int:
         return 0  # one (scale, zero) pair per head vector
 
-    def kernel_view(self, layer: int) -> KernelView | None:
+    def build_kernel_view(self, layer: int) -> KernelView | None:
         """The int4 layout with one group per head, in the rotated basis: the kernel scores
         ``q @ rot`` against the codes and rotates its output back (orthogonal ``rot``)."""
-        view = super().kernel_view(layer)
+        view = super().build_kernel_view(layer)
         return None if view is None else dataclasses.replace(view, rotation_signs=self.signs)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

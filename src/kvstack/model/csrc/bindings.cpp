@@ -20,7 +20,8 @@ TORCH_LIBRARY(kvstack, m) {
         "Tensor(b!) v_codes, Tensor(c!) k_params, Tensor(d!) v_params, Tensor? rotation_signs) -> ()",
         &codec_write);
   m.def("codec_gather(str kind, int group, Tensor k_codes, Tensor v_codes, Tensor k_params, "
-        "Tensor v_params, Tensor? rotation_signs, Tensor block_ids, int head_dim, ScalarType dtype) -> Tensor[]",
+        "Tensor v_params, Tensor? rotation_signs, Tensor block_ids, int head_dim, ScalarType dtype, "
+        "Tensor? res_k=None, Tensor? res_v=None, Tensor? residual_of=None) -> Tensor[]",
         &codec_gather);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",

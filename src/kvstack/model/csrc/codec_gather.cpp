@@ -1,5 +1,5 @@
-// Whole blocks of a per-token codec (int8, fp8 e4m3 / e5m2, int4, rotated4) dequantized in
-// C++ for the prefill chunks that read earlier KV (chunked prefill, prefix hits) with more
+// Whole blocks of a per-token codec (int8, fp8 e4m3 / e5m2, int4, rotated4) or of kivi2
+// dequantized in C++ for the prefill chunks that read earlier KV (chunked prefill, prefix hits) with more
 // rows than the codec attention kernel takes: the same values as the codec's PyTorch
 // `gather` (kv/codecs/per_token.py: `decode(codes[ids], params[ids]).to(dtype)`), bit for
 // bit (tests/model/test_codec_write.py), read in place and in one pass instead of an
@@ -9,6 +9,8 @@
 //   int4       x = float(code) * s_g + z_g    (a product, then a sum: no fused multiply-add)
 //   rotated4   the int4 row of one group, then x R^T (codec_rows.h rotate(), inverse; the
 //              Python decode runs the same fast Walsh-Hadamard transform)
+//   kivi2      x = float(code) * s + z, keys' (s, z) per block and channel, values' per
+//              group; a block that is still filling copied from the residual pool
 //
 // Rows go through codec_rows.h row_scalar (the codec attention's portable reader), int4
 // rows 32 channels at a time with AVX-512.
@@ -44,7 +46,8 @@ void decode_row(const CodecView& cv, bool is_k, int64_t r, float* dst) {
 #endif
   {
     const int64_t per_block = cv.BS * cv.KVH;
-    row_scalar(cv, is_k, r / per_block, r % per_block / cv.KVH, r % cv.KVH, false, dst);
+    // kivi2: a block with a residual slot (still filling) is read from the pool.
+    row_scalar(cv, is_k, r / per_block, r % per_block / cv.KVH, r % cv.KVH, true, dst);
   }
   if (cv.signs) rotate(dst, cv.signs, cv.HD, true);
 }
@@ -66,30 +69,64 @@ void gather_rows(const CodecView& cv, bool is_k, const int64_t* ids, int64_t n_i
 // k_codes/v_codes [NB, BS, KVH, bytes] and k_params/v_params [NB, BS, KVH, cols] of one
 // layer (kv/codecs/per_token.py); block_ids any shape; group and rotation_signs as
 // codec_write. Returns K and V as block_ids.shape + [BS, KVH, HD] in `dtype`.
+// The storage of kivi2 (kv/codecs/kivi.py): 2-bit codes, keys' (scale, zero) per block and
+// channel, values' per token and group, and the residual pool of the filling blocks.
+static CodecView kivi2_view(int64_t group, int64_t HD, const torch::Tensor& kc, const torch::Tensor& vc,
+                            const torch::Tensor& kp, const torch::Tensor& vp) {
+  for (const auto* t : {&kc, &vc, &kp, &vp})
+    TORCH_CHECK(t->is_contiguous(), "codes and parameters must be contiguous");
+  TORCH_CHECK(kc.sizes() == vc.sizes(), "K and V codes differ in shape");
+  check_codec_tensors(Codec::kKivi2, group, HD, kc, kp, vp);
+  return CodecView{Codec::kKivi2, static_cast<const uint8_t*>(kc.data_ptr()),
+                   static_cast<const uint8_t*>(vc.data_ptr()), kp.data_ptr<c10::BFloat16>(),
+                   vp.data_ptr<c10::BFloat16>(), HD / 4, 0, 2 * HD / group, group, nullptr,
+                   nullptr, false, nullptr, nullptr, kc.size(2), kc.size(1), HD};
+}
+
+// k_codes/v_codes [NB, BS, KVH, bytes] and k_params/v_params of one layer as the codec
+// stores them (kv/codecs/per_token.py, kivi.py); block_ids any shape; group and
+// rotation_signs as codec_write; kivi2: res_k/res_v [cap, BS, KVH, HD] and residual_of [NB],
+// a block with a slot read from the pool (the codec's `gather`). Returns K and V as
+// block_ids.shape + [BS, KVH, HD] in `dtype`.
 std::vector<torch::Tensor> codec_gather(std::string kind, int64_t group, torch::Tensor k_codes,
                                         torch::Tensor v_codes, torch::Tensor k_params,
                                         torch::Tensor v_params,
                                         std::optional<torch::Tensor> rotation_signs,
                                         torch::Tensor block_ids, int64_t head_dim,
-                                        c10::ScalarType dtype) {
+                                        c10::ScalarType dtype, std::optional<torch::Tensor> res_k,
+                                        std::optional<torch::Tensor> res_v,
+                                        std::optional<torch::Tensor> residual_of) {
   const Codec c = codec_kind(kind);
   TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat32, "dtype must be bfloat16 or float32");
   const int64_t HD = head_dim;
-  const auto [grp, code_bytes, cols] =
-      check_per_token_storage(c, group, HD, k_codes, v_codes, k_params, v_params, rotation_signs);
-  const int64_t NB = k_codes.size(0), BS = k_codes.size(1), KVH = k_codes.size(2);
-  torch::Tensor signs;
-  if (rotation_signs.has_value()) signs = rotation_signs->to(torch::kFloat32).contiguous();
+  CodecView cv;
+  torch::Tensor signs, res_t;
+  int64_t cap = 0;
+  if (c == Codec::kKivi2) {
+    TORCH_CHECK(!rotation_signs.has_value(), "kivi2 has no rotation");
+    cv = kivi2_view(group, HD, k_codes, v_codes, k_params, v_params);
+    cap = attach_residual(cv, k_codes.size(0), res_k, res_v, residual_of, res_t);
+  } else {
+    TORCH_CHECK(!residual_of.has_value() && !res_k.has_value() && !res_v.has_value(),
+                "only kivi2 has a residual pool");
+    const auto [grp, code_bytes, cols] =
+        check_per_token_storage(c, group, HD, k_codes, v_codes, k_params, v_params, rotation_signs);
+    if (rotation_signs.has_value()) signs = rotation_signs->to(torch::kFloat32).contiguous();
+    cv = CodecView{c, static_cast<const uint8_t*>(k_codes.data_ptr()),
+                   static_cast<const uint8_t*>(v_codes.data_ptr()),
+                   k_params.data_ptr<c10::BFloat16>(), v_params.data_ptr<c10::BFloat16>(),
+                   code_bytes, cols, cols, grp, nullptr, nullptr, false, nullptr,
+                   signs.defined() ? signs.data_ptr<float>() : nullptr, k_codes.size(2),
+                   k_codes.size(1), HD};
+  }
+  const int64_t NB = k_codes.size(0), BS = cv.BS, KVH = cv.KVH;
   const torch::Tensor ids = block_ids.to(torch::kInt64).contiguous();
   const int64_t n = ids.numel();
   const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < NB, "block id ", ip[i], " out of range [0, ", NB, ")");
-  const CodecView cv{c, static_cast<const uint8_t*>(k_codes.data_ptr()),
-                     static_cast<const uint8_t*>(v_codes.data_ptr()),
-                     k_params.data_ptr<c10::BFloat16>(), v_params.data_ptr<c10::BFloat16>(),
-                     code_bytes, cols, cols, grp, nullptr, nullptr, false, nullptr,
-                     signs.defined() ? signs.data_ptr<float>() : nullptr, KVH, BS, HD};
+    TORCH_CHECK(cv.residual(ip[i]) < cap, "residual slot ", cv.residual(ip[i]), " outside the pool");
+  }
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.insert(shape.end(), {BS, KVH, HD});
   std::vector<torch::Tensor> out;

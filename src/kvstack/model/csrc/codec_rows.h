@@ -95,6 +95,33 @@ static inline void partition_rows(const CodecView& cv, const int64_t* table, int
   }
 }
 
+// Attaches kivi2's residual pool (res_k / res_v [cap, BS, KVH, HD], float32 or bf16, and
+// residual_of [NB]) to cv after checking it; res_t keeps the int64 copy of residual_of
+// alive. Returns cap (0 without a pool).
+static inline int64_t attach_residual(CodecView& cv, int64_t NB,
+                                      const std::optional<torch::Tensor>& res_k,
+                                      const std::optional<torch::Tensor>& res_v,
+                                      const std::optional<torch::Tensor>& residual_of,
+                                      torch::Tensor& res_t) {
+  if (!residual_of.has_value()) return 0;
+  TORCH_CHECK(cv.kind == Codec::kKivi2 && res_k.has_value() && res_v.has_value(),
+              "a residual pool needs kivi2 and res_k, res_v");
+  res_t = residual_of->to(torch::kInt64).contiguous();
+  TORCH_CHECK(res_t.numel() == NB, "one residual slot per block");
+  TORCH_CHECK(res_k->is_contiguous() && res_v->is_contiguous() && res_k->sizes() == res_v->sizes() &&
+                  res_k->dim() == 4 && res_k->size(1) == cv.BS && res_k->size(2) == cv.KVH &&
+                  res_k->size(3) == cv.HD,
+              "residual pool must be [cap, BS, KVH, HD]");
+  TORCH_CHECK(res_k->scalar_type() == torch::kFloat32 || res_k->scalar_type() == torch::kBFloat16,
+              "residual pool must be float32 or bfloat16");
+  TORCH_CHECK(res_v->scalar_type() == res_k->scalar_type(), "res_k and res_v differ in dtype");
+  cv.res_k = res_k->data_ptr();
+  cv.res_v = res_v->data_ptr();
+  cv.res_float = res_k->scalar_type() == torch::kFloat32;
+  cv.residual_of = res_t.data_ptr<int64_t>();
+  return res_k->size(0);
+}
+
 // A per-token codec's storage (codec_write.cpp, codec_gather.cpp): K/V codes [NB, BS, KVH,
 // bytes] and bf16 parameters [NB, BS, KVH, cols]; int4 group 0 means the whole head.
 struct PerTokenLayout {

@@ -28,7 +28,10 @@ std::vector<torch::Tensor> codec_gather(std::string kind, int64_t group, torch::
                                         torch::Tensor v_params,
                                         std::optional<torch::Tensor> rotation_signs,
                                         torch::Tensor block_ids, int64_t head_dim,
-                                        c10::ScalarType dtype);
+                                        c10::ScalarType dtype,
+                                        std::optional<torch::Tensor> res_k,
+                                        std::optional<torch::Tensor> res_v,
+                                        std::optional<torch::Tensor> residual_of);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gu);

@@ -386,24 +386,7 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
                 "rotation signs need a power-of-two head_dim, one sign per channel");
     cv.signs = signs_t.data_ptr<float>();
   }
-  int64_t cap = 0;
-  if (residual_of.has_value()) {
-    TORCH_CHECK(c == Codec::kKivi2 && res_k.has_value() && res_v.has_value(),
-                "a residual pool needs kivi2 and res_k, res_v");
-    res_t = residual_of->to(torch::kInt64).contiguous();
-    TORCH_CHECK(res_t.numel() == NB, "one residual slot per block");
-    TORCH_CHECK(res_k->is_contiguous() && res_v->is_contiguous() && res_k->sizes() == res_v->sizes() &&
-                    res_k->dim() == 4 && res_k->size(1) == BS && res_k->size(2) == KVH &&
-                    res_k->size(3) == HD,
-                "residual pool must be [cap, BS, KVH, HD]");
-    TORCH_CHECK(res_k->scalar_type() == torch::kFloat32 || res_k->scalar_type() == torch::kBFloat16,
-                "residual pool must be float32 or bfloat16");
-    cap = res_k->size(0);
-    cv.res_k = res_k->data_ptr();
-    cv.res_v = res_v->data_ptr();
-    cv.res_float = res_k->scalar_type() == torch::kFloat32;
-    cv.residual_of = res_t.data_ptr<int64_t>();
-  }
+  const int64_t cap = attach_residual(cv, NB, res_k, res_v, residual_of, res_t);
   // Every index checked before any read (as paged_attention).
   const int64_t* lens_p = context_lens.data_ptr<int64_t>();
   const int64_t* tab_p = block_tables.data_ptr<int64_t>();
