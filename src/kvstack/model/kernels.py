@@ -21,8 +21,9 @@ reason}``. Reasons: ``build_failed`` (compiler or headers missing), ``disabled``
 (``KVSTACK_NO_KERNELS``), and per-kernel ones such as ``encoded_cache`` (a codec with no
 kernel view; every built-in codec has one, and the codec kernel has a portable path for
 every CPU and head size, so none falls back on an ISA) or
-``bf16_unsupported`` (oneDNN cannot prepack bf16 weights on this CPU: AVX2-only CPUs,
-where ``Linear`` runs the AVX2 kernel or a float32 GEMM of widened copies instead).
+``bf16_unsupported`` (oneDNN has no native bf16 on this CPU: AVX2-only CPUs, where
+``Linear`` runs the AVX2 kernel or a float32 GEMM of widened copies instead, and AVX-512
+CPUs without BF16 or AMX, where it runs the AVX-512F widening kernel).
 """
 
 from __future__ import annotations

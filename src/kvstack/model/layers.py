@@ -4,11 +4,12 @@
 0.14 ms vs 0.27 ms for a decode-size GEMM); float32 uses plain ``F.linear`` so fp32
 results stay bit-comparable with the reference. A bf16 weight that cannot be prepacked
 runs through ``F.linear`` and is counted (``kvstack:kernel_fallback_total{kernel=
-"onednn_prepack"}``). On a CPU with AMX, AVX512-BF16 or AVX2 + FMA, decode-sized bf16
-inputs (decode batches, short chunks) go to kvstack's own kernel instead
+"onednn_prepack"}``). On a CPU with AMX, AVX512-BF16, AVX-512F or AVX2 + FMA, decode-sized
+bf16 inputs (decode batches, short chunks) go to kvstack's own kernel instead
 (``model/packed_linear.py``: AMX tiles, ``VDPBF16PS`` or widening FMAs), which streams the
-weights where oneDNN is compute-starved (the chosen kernel's ``use`` decides per input). On
-AVX2-only CPUs (no oneDNN bf16) longer inputs run as a float32 GEMM of widened copies
+weights where oneDNN is compute-starved (the chosen kernel's ``use`` decides per input).
+Without native bf16 in oneDNN: on AVX-512F CPUs every bf16 input goes to the widening
+kernel; on AVX2-only CPUs longer inputs run as a float32 GEMM of widened copies
 (``packed_linear.widened_linear``), ~7x faster there than PyTorch's bf16 matmul.
 """
 
@@ -27,8 +28,9 @@ from kvstack.model_config import RopeScaling
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear`` for a weight that is not a ``Linear`` (a dequantized prefill weight); in
-    bf16 on a CPU without oneDNN bf16 (AVX2-only), the float32 GEMM of widened copies, ~7x
-    faster there than PyTorch's bf16 matmul (``packed_linear.widened_linear``)."""
+    bf16 on a CPU without native oneDNN bf16 (AVX2-only, AVX-512 without BF16), the float32
+    GEMM of widened copies, 3-7x faster there than PyTorch's bf16 matmul
+    (``packed_linear.widened_linear``)."""
     if x.dtype != torch.bfloat16 or packed_linear.onednn_bf16():
         return F.linear(x, weight)
     return packed_linear.widened_linear(x, weight)

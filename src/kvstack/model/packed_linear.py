@@ -34,8 +34,7 @@ keeps oneDNN's prepacked weight for the rest:
   a batch-32 decode step is compute-bound here, not bound by reading the weights.
 
 - ``avx2_fma`` (the same ``csrc/bf16_linear.cpp`` over ``csrc/fma_bf16.h``): CPUs with only
-  AVX2 + FMA (AMD EPYC Zen 2/3), where oneDNN has no bf16 (an AVX-512 CPU without
-  AVX512-BF16 builds this path too but keeps oneDNN, unmeasured against it). PyTorch 2.13
+  AVX2 + FMA (AMD EPYC Zen 2/3), where oneDNN has no bf16. PyTorch 2.13
   has no fast bf16 matmul there (oneDNN's bf16 needs AVX512/AMX; ``F.linear`` in bf16 ran
   at 7-8 GFLOP/s on the 2-core AMD EPYC Zen 3 of 2026-12-02 against 44-108 in float32).
   The kernel widens each weight pair to float32 in registers (exact) and runs FMAs.
@@ -52,6 +51,22 @@ keeps oneDNN's prepacked weight for the rest:
   so the kernel takes every input of up to ``AVX2_MAX_ROWS`` rows and the lm_head (wider
   than ``WIDE_OUT``, whose widened copy costs more than the GEMM) at any size; ``Linear``
   sends the rest to ``widened_linear``.
+
+- ``avx512_fma`` (the same ``csrc/bf16_linear.cpp`` over ``csrc/fma512_bf16.h``): CPUs with
+  AVX-512F but neither AVX512-BF16 nor AMX (Skylake-SP .. Ice Lake Xeons; the 2-core Intel
+  Xeon of 2026-12-02 is a VM that hides both flags). oneDNN converts bf16 in software
+  there (35-63 GFLOP/s); the kernel widens each weight pair in registers and runs 16-lane
+  FMAs. ``benchmarks/linear_kernels.py`` on that Xeon, two threads, minimum of 10, warm
+  weights, oneDNN time / kernel time (and / ``widened_linear`` time):
+
+      rows (M)   576->960       576->3072      1536->576      576->49152 (lm_head)
+      1          1.90 (0.53)    1.79 (0.23)    2.04 (0.37)    1.50 (0.05)
+      32         3.48 (1.77)    4.59 (2.37)    4.57 (2.06)    4.92 (0.80)
+      128        3.83 (3.28)    4.44 (3.94)    3.32 (3.69)    4.61 (2.00)
+      512        4.54 (2.46)    3.89 (5.04)    4.40 (4.60)    4.39 (2.90)
+
+  so the kernel takes every bf16 input (``widened_linear`` is at best 1.3x faster, at 512
+  rows of the gate/up projection, and up to 20x slower at decode sizes).
 
 AMX wins over AVX512-BF16 where both exist (a tile instruction does 16x the work of a
 ``VDPBF16PS``), so it is chosen first. Invariant: a kernel is chosen once per process
@@ -81,14 +96,17 @@ _onednn_bf16: bool | None = None
 
 
 def onednn_bf16() -> bool:
-    """Whether PyTorch's oneDNN runs bf16 linears on this CPU (AVX512 or AMX; not on
-    AVX2-only CPUs), decided once."""
+    """Whether PyTorch's oneDNN runs bf16 linears natively on this CPU (AMX or AVX512-BF16),
+    decided once. oneDNN also accepts bf16 on plain AVX-512 (Skylake-SP .. Ice Lake, or a
+    virtual machine that hides the bf16 flags) but converts in software there, 3-5x slower
+    than float32 GEMM (``benchmarks/linear_kernels.py``), so that counts as no."""
     global _onednn_bf16
     if _onednn_bf16 is None:
         try:
             _onednn_bf16 = bool(
                 torch.backends.mkldnn.is_available()
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
             )
         except (AttributeError, RuntimeError):
             _onednn_bf16 = False
@@ -120,6 +138,12 @@ def use_avx2(x: torch.Tensor, out_features: int) -> bool:
     return x.shape[0] <= AVX2_MAX_ROWS or out_features > WIDE_OUT
 
 
+def use_avx512_fma(x: torch.Tensor, out_features: int) -> bool:
+    """Whether ``x`` goes to the AVX-512F widening kernel: every 2-D bf16 input with
+    contiguous rows (rule above)."""
+    return x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.bfloat16
+
+
 def widened_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for bf16 operands through float32 GEMM (MKL): exact products and
     float32 sums rounded to bf16 once, like the kernels; for CPUs where PyTorch's own bf16
@@ -141,7 +165,9 @@ def tile_kernel() -> TileKernel | None:
         _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
     elif (isa := str(ops.bf16_linear_isa())) == "avx512_bf16":
         _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_avx512)
-    elif isa == "avx2_fma" and not onednn_bf16():  # AVX-512 without BF16 keeps oneDNN
+    elif isa == "avx512_fma" and not onednn_bf16():
+        _chosen = TileKernel("avx512_fma", direct(ops.bf16_linear), use_avx512_fma)
+    elif isa == "avx2_fma" and not onednn_bf16():
         _chosen = TileKernel("avx2_fma", direct(ops.bf16_linear), use_avx2)
     _decided = True
     return _chosen

@@ -1,8 +1,9 @@
 // bf16 linear layer on AVX512-BF16 (kvstack): y[M, N] = x[M, K] @ W[N, K]^T, for CPUs
-// without AMX (AMD EPYC Zen 4/5, Intel Cooper Lake); on CPUs with only AVX2 + FMA (AMD EPYC
-// Zen 2/3, older Xeons) the same loop runs fma_bf16.h's micro-kernel over x widened to
-// float32 once per call (see that header for why: PyTorch's bf16 matmul is ~7x slower
-// than float32 there).
+// without AMX (AMD EPYC Zen 4/5, Intel Cooper Lake); on CPUs with AVX-512F but no BF16
+// (Skylake-SP .. Ice Lake Xeons, VMs hiding the flags) the same loop runs fma512_bf16.h's
+// micro-kernel, and on CPUs with only AVX2 + FMA (AMD EPYC Zen 2/3, older Xeons)
+// fma_bf16.h's, each over x widened to float32 once per call (see those headers for why:
+// PyTorch's bf16 matmul is 3-7x slower than float32 there).
 //
 // Why: on the 2-core AMD EPYC of issue 15 (Zen 4, avx512_bf16, no AMX), oneDNN ran a
 // batch-32 decode step's linears at ~280 GFLOP/s, 2.4x the time of reading their weights
@@ -41,6 +42,7 @@
 #include "kvstack_ops.h"
 
 #include "dpbf16.h"
+#include "fma512_bf16.h"
 #include "fma_bf16.h"
 
 namespace {
@@ -80,18 +82,52 @@ void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
   }
 }
 
-#elif defined(KVSTACK_AVX2_FMA)
+#else
 
 // Rows per chunk: the chunk's float32 x (rows x K x 4 B) stays in L2 (<= 256 KiB) while
-// every column block of the thread passes over it.
-int64_t row_chunk(int64_t K) {
+// every column block of the thread passes over it; a multiple of mr.
+[[maybe_unused]] int64_t row_chunk(int64_t K, int64_t mr) {
   const int64_t rows = (256 * 1024) / (4 * K);
-  return std::max<int64_t>(fmabf16::kMR, rows / fmabf16::kMR * fmabf16::kMR);
+  return std::max<int64_t>(mr, rows / mr * mr);
 }
+
+#endif
+
+#if !defined(KVSTACK_AVX512_BF16) && defined(KVSTACK_AVX512_FMA)
+
+// As bf16_columns, over x widened to float32 once per call (fma512_bf16.h).
+void fma512_columns(const float* x, int64_t M, int64_t K, const at::BFloat16* w,
+                    int64_t nb_begin, int64_t nb_end, at::BFloat16* y, int64_t ldy) {
+  using fma512::kMR;
+  using fma512::kNR;
+  const int64_t block_elems = 16 * K, kpairs = K / 2, chunk = row_chunk(K, kMR);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m_end = std::min(M, m0 + chunk);
+    const int64_t row_blocks = (m_end - m0 + kMR - 1) / kMR;
+    for (int64_t nb = nb_begin; nb < nb_end; nb += kNR) {
+      const int64_t cols = std::min<int64_t>(kNR, nb_end - nb);
+      const at::BFloat16* b = w + nb * block_elems;
+      // The next group's panel streams into L2 while this group computes.
+      const int64_t next_cols = std::min<int64_t>(kNR, nb_end - nb - cols);
+      const int64_t next_lines = next_cols * block_elems * 2 / 64;
+      const int64_t share = (next_lines + row_blocks - 1) / row_blocks;
+      const char* next = reinterpret_cast<const char*>(b + cols * block_elems);
+      for (int64_t r = m0, i = 0; r < m_end; r += kMR, ++i) {
+        const int64_t rows = std::min<int64_t>(kMR, m_end - r);
+        const int64_t first = std::min(next_lines, i * share);
+        const int64_t lines = std::min(next_lines - first, share);
+        const fma512::Prefetch pf{next + 64 * first, lines, (lines + kpairs - 1) / kpairs};
+        fma512::pick(rows, cols)(x + r * K, K, b, block_elems, kpairs, y + r * ldy + 16 * nb, ldy, pf);
+      }
+    }
+  }
+}
+
+#elif !defined(KVSTACK_AVX512_BF16) && defined(KVSTACK_AVX2_FMA)
 
 void fma_columns(const float* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t nb_begin,
                  int64_t nb_end, at::BFloat16* y, int64_t ldy) {
-  const int64_t block_elems = 16 * K, kpairs = K / 2, chunk = row_chunk(K);
+  const int64_t block_elems = 16 * K, kpairs = K / 2, chunk = row_chunk(K, fmabf16::kMR);
   const int64_t lines = block_elems * 2 / 64;  // 64-byte lines in one column block's panel
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m_end = std::min(M, m0 + chunk);
@@ -113,22 +149,25 @@ void fma_columns(const float* x, int64_t M, int64_t K, const at::BFloat16* w, in
   }
 }
 
-#endif  // KVSTACK_AVX512_BF16 / KVSTACK_AVX2_FMA
+#endif  // KVSTACK_AVX512_BF16 / KVSTACK_AVX512_FMA / KVSTACK_AVX2_FMA
 
 }  // namespace
 
 bool bf16_linear_available() {
-#if defined(KVSTACK_AVX512_BF16) || defined(KVSTACK_AVX2_FMA)
+#if defined(KVSTACK_AVX512_BF16) || defined(KVSTACK_AVX512_FMA) || defined(KVSTACK_AVX2_FMA)
   return true;
 #else
   return false;
 #endif
 }
 
-// Which micro-kernel bf16_linear runs: "avx512_bf16", "avx2_fma" or "" (none in this build).
+// Which micro-kernel bf16_linear runs: "avx512_bf16", "avx512_fma", "avx2_fma" or "" (none
+// in this build).
 std::string bf16_linear_isa() {
 #if defined(KVSTACK_AVX512_BF16)
   return "avx512_bf16";
+#elif defined(KVSTACK_AVX512_FMA)
+  return "avx512_fma";
 #elif defined(KVSTACK_AVX2_FMA)
   return "avx2_fma";
 #else
@@ -138,7 +177,7 @@ std::string bf16_linear_isa() {
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(bf16_linear_available(),
-              "bf16_linear: neither AVX512-BF16 nor AVX2+FMA is available in this build");
+              "bf16_linear: neither AVX512-BF16, AVX-512F nor AVX2+FMA is available in this build");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "bf16_linear: x must be 2-D bf16 with contiguous rows");
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
@@ -156,18 +195,26 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     bf16_columns(xp, lda, M, K, wp, begin, end, yp, N);
   });
-#elif defined(KVSTACK_AVX2_FMA)
+#elif defined(KVSTACK_AVX512_FMA) || defined(KVSTACK_AVX2_FMA)
   if (M == 0) return y;
   std::vector<float> xf(M * K);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const int64_t lda = x.stride(0);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+#if defined(KVSTACK_AVX512_FMA)
+    for (int64_t r = begin; r < end; ++r) fma512::widen(xp + r * lda, xf.data() + r * K, K);
+#else
     for (int64_t r = begin; r < end; ++r) fmabf16::widen(xp + r * lda, xf.data() + r * K, K);
+#endif
   });
   const auto* wp = packed.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+#if defined(KVSTACK_AVX512_FMA)
+    fma512_columns(xf.data(), M, K, wp, begin, end, yp, N);
+#else
     fma_columns(xf.data(), M, K, wp, begin, end, yp, N);
+#endif
   });
 #endif
   return y;
