@@ -2,7 +2,8 @@
 codec's PyTorch ``write`` stores: the same codes and bf16 parameters, bit for bit, for
 bf16 and float32 rows, strided rows (views into a fused qkv), outliers, all-zero rows,
 rows near rounding ties, and any slot order; the C++ block gather (``codec_gather``)
-returns exactly the codec's ``gather`` (kivi2's too, residual pool included); bad input is refused, nothing written."""
+returns exactly the codec's ``gather`` (kivi2's too, residual pool included); bad input is
+refused, nothing written."""
 
 from __future__ import annotations
 
