@@ -175,10 +175,10 @@ void codec_scores(const CodecView& cv, __m512 (*qv)[4], int G, const int64_t* ta
 template <Codec C, int GT>
 void scores(const CodecView& cv, const float* q, __m512 (*qv)[4], int G, const int64_t* table,
             int64_t kh, int64_t t0, int64_t t1, int64_t own, float scale, float (*sc)[kCodecPart]) {
-#if defined(KVSTACK_CODEC_INT8_VNNI)
-  if constexpr (GT > 0 && kHasBf16Dot && C == Codec::kInt8)
+#if defined(KVSTACK_CODEC_INT8_VNNI)  // integer dot products: no AVX512-BF16 needed
+  if constexpr (GT > 0 && C == Codec::kInt8)
     return int8_scores<GT, kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
-  if constexpr (GT > 0 && kHasBf16Dot && C == Codec::kInt4)
+  if constexpr (GT > 0 && C == Codec::kInt4)
     if (cv.group == 32 || cv.group == 64) return int4_scores<GT, kCodecPart>(cv, q, table, kh, t0, t1, scale, sc);
 #endif
 #if defined(KVSTACK_CODEC_FP8_BITS)

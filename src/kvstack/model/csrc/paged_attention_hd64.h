@@ -1,0 +1,229 @@
+// The head_dim-64 AVX-512 path of the paged decode attention (paged_attention.cpp):
+// decode_fast() runs it for head_dim 64 and GQA groups of 1-8 q heads, else returns false
+// and the caller takes the generic kernel. Included by paged_attention.cpp only.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "simd.h"
+
+// First key a row of context L attends under window W (0: no window).
+static inline int64_t window_start(int64_t L, int64_t W) { return W > 0 && L > W ? L - W : 0; }
+
+// Row d reads block table tidx[d] (prefill rows of one sequence share its table), or
+// table d when tidx is null (decode: one table per row).
+static inline int64_t table_row(const int64_t* tidx, int64_t d) { return tidx ? tidx[d] : d; }
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------- head_dim 64 fast path
+// Work is split over (request, context partition, kv head): a partition holds up to
+// kPartTokens tokens, so one long context still spreads over every thread (flash-decoding,
+// Dao et al. 2023). Each work item runs an online softmax over its tokens, 16 at a time
+// (one horizontal reduction per 16 keys), and leaves per q head the running max m, the sum
+// l and the unnormalized output; a merge pass combines partitions:
+//
+//   out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
+//
+// bf16 caches score with AVX512-BF16 dot products (vdpbf16ps: products exact in float32,
+// float32 sums); V is converted once per row and shared by the G q heads of a KV head.
+constexpr int64_t kPartTokens = 512;
+constexpr int64_t kAhead = 48;  // rows prefetched ahead of the scoring loop
+
+// Every cache line of one head_dim-64 K/V row (128 B in bf16, 256 B in float32).
+// Locality 3 = into L1 (_MM_HINT_T0), 2 = into L2 (_MM_HINT_T1).
+template <typename T, int Locality>
+static inline void prefetch_row(const T* row) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (size_t b = 0; b < 64 * sizeof(T); b += 64) __builtin_prefetch(p + b, 0, Locality);
+}
+
+struct Partial {  // one (request, partition, q head): m, l, acc[64]
+  float m, l;
+  alignas(64) float acc[64];
+};
+
+// Query of one q head, kept in registers: bf16 pairs for vdpbf16ps, or float32.
+template <typename T>
+struct QReg;
+template <>
+struct QReg<float> {
+  __m512 v[4];
+  void load(const float* q) {
+    for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(q + 16 * c);
+  }
+  __m512 dot(const float* k) const {  // 16 partial sums of q . k
+    __m512 a = _mm512_mul_ps(v[0], _mm512_loadu_ps(k));
+    a = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(k + 16), a);
+    a = _mm512_fmadd_ps(v[2], _mm512_loadu_ps(k + 32), a);
+    return _mm512_fmadd_ps(v[3], _mm512_loadu_ps(k + 48), a);
+  }
+};
+template <>
+struct QReg<c10::BFloat16> {
+#if defined(__AVX512BF16__)
+  __m512bh v[2];
+  void load(const c10::BFloat16* q) {
+    v[0] = (__m512bh)_mm512_loadu_si512(q);
+    v[1] = (__m512bh)_mm512_loadu_si512(q + 32);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0], (__m512bh)_mm512_loadu_si512(k));
+    return _mm512_dpbf16_ps(a, v[1], (__m512bh)_mm512_loadu_si512(k + 32));
+  }
+#else
+  __m512 v[4];
+  void load(const c10::BFloat16* q) {
+    for (int c = 0; c < 4; ++c) v[c] = load16(q + 16 * c);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 a = _mm512_mul_ps(v[0], load16(k));
+    a = _mm512_fmadd_ps(v[1], load16(k + 16), a);
+    a = _mm512_fmadd_ps(v[2], load16(k + 32), a);
+    return _mm512_fmadd_ps(v[3], load16(k + 48), a);
+  }
+#endif
+};
+
+// Tokens [t_begin, t_end) of request d against KV head kh: G partials. Two passes over
+// the partition (scores of all its tokens into an L1-resident buffer, then one softmax and
+// the P.V pass): an online update every 16 keys costs more in reduction latency than the
+// second read of the scores.
+template <typename T, int G>
+static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t* table,
+                             int64_t KVH, int64_t BS, int64_t kh, int64_t t_begin,
+                             int64_t t_end, float scale, Partial* parts) {
+  constexpr int64_t HD = 64;
+  const int64_t n = t_end - t_begin, np = (n + 15) / 16 * 16;
+  alignas(64) float sc[G][kPartTokens];
+  int64_t offs[kPartTokens];  // element offset of each token's row for head kh
+  for (int64_t j = 0, b = t_begin / BS, i = t_begin % BS; j < n; ++j) {
+    offs[j] = ((table[b] * BS + i) * KVH + kh) * HD;
+    if (++i == BS) i = 0, ++b;
+  }
+  for (int64_t j = n; j < np; ++j) offs[j] = offs[0];  // padding rows: masked below
+  QReg<T> qr[G];
+  for (int g = 0; g < G; ++g) qr[g].load(q + (kh * G + g) * HD);
+  // Rows sit scattered over blocks, so the hardware prefetcher cannot follow them: K rows
+  // kAhead ahead into L1 (a DRAM miss outlasts ~16 rows of scoring), V rows into L2 for
+  // the second pass.
+  for (int64_t j = 0; j < std::min(kAhead, n); ++j) {
+    prefetch_row<T, 3>(kc + offs[j]);
+    prefetch_row<T, 2>(vc + offs[j]);
+  }
+  for (int64_t j0 = 0; j0 < np; j0 += 16) {
+    for (int64_t j = j0 + kAhead; j < std::min(j0 + kAhead + 16, n); ++j) {
+      prefetch_row<T, 3>(kc + offs[j]);
+      prefetch_row<T, 2>(vc + offs[j]);
+    }
+    const __mmask16 live = static_cast<__mmask16>(n - j0 >= 16 ? 0xFFFF : (1u << (n - j0)) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512 d16[16];
+      for (int j = 0; j < 16; ++j) d16[j] = qr[g].dot(kc + offs[j0 + j]);
+      const __m512 s = _mm512_mul_ps(hsum16(d16), _mm512_set1_ps(scale));
+      _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[g] + j));
+    const float m = _mm512_reduce_max_ps(mv);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j += 16) {
+      const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m))));
+      _mm512_store_ps(sc[g] + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    parts[g].m = m;
+    parts[g].l = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + 16 < n) prefetch_row<T, 3>(vc + offs[j + 16]);
+    const T* v = vc + offs[j];
+    __m512 vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(sc[g][j]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(parts[g].acc + 16 * c, acc[g][c]);
+}
+
+template <typename T, int G>
+static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                               const int64_t* tidx, const int64_t* lens, T* out, int64_t D,
+                               int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t W) {
+  constexpr int64_t HD = 64;
+  const int64_t H = KVH * G;
+  std::vector<int64_t> first(D + 1, 0);  // first partition index of each request
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t n = lens[d] - window_start(lens[d], W);  // keys the row attends
+    first[d + 1] = first[d] + std::max<int64_t>(1, (n + kPartTokens - 1) / kPartTokens);
+  }
+  const int64_t P = first[D];
+  std::vector<Partial> parts(P * H);
+  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t pi = w / KVH, kh = w % KVH;
+      const int64_t d = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
+      const int64_t t0 = window_start(lens[d], W) + (pi - first[d]) * kPartTokens;
+      decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + table_row(tidx, d) * MB, KVH, BS, kh, t0,
+                             std::min(lens[d], t0 + kPartTokens), scale,
+                             parts.data() + pi * H + kh * G);
+    }
+  });
+  at::parallel_for(0, D * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t d = w / H, h = w % H;
+      float mx = -INFINITY;
+      for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      float l = 0.f;
+      for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) {
+        const Partial& pt = parts[pi * H + h];
+        const float wgt = std::exp(pt.m - mx);
+        l += wgt * pt.l;
+        for (int c = 0; c < 4; ++c)
+          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * c), acc[c]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / l);
+      for (int c = 0; c < 4; ++c) store16(out + (d * H + h) * HD + 16 * c, _mm512_mul_ps(acc[c], inv));
+    }
+  });
+}
+
+template <typename T>
+static bool decode_fast(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                        const int64_t* tidx, const int64_t* lens, T* out, int64_t D, int64_t H,
+                        int64_t KVH, int64_t HD, int64_t BS, int64_t MB, float scale,
+                        int64_t W) {
+  if (HD != 64) return false;
+  switch (H / KVH) {
+#define KVSTACK_G(g)                                                                  \
+  case g:                                                                             \
+    decode_kernel_hd64<T, g>(q, kc, vc, tables, tidx, lens, out, D, KVH, BS, MB, scale, W); \
+    return true;
+    KVSTACK_G(1) KVSTACK_G(2) KVSTACK_G(3) KVSTACK_G(4)
+    KVSTACK_G(5) KVSTACK_G(6) KVSTACK_G(7) KVSTACK_G(8)
+#undef KVSTACK_G
+    default:
+      return false;
+  }
+}
+#else
+template <typename T>
+static bool decode_fast(const T*, const T*, const T*, const int64_t*, const int64_t*,
+                        const int64_t*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, int64_t) {
+  return false;
+}
+#endif
