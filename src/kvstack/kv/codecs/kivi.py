@@ -230,14 +230,10 @@ class Kivi2Codec(KVCodec):
             v[live] = self._step_v[idx[live]]
         return k, v
 
-    def gather_view(self, layer: int) -> KernelView | None:
-        """Codes and parameters in place with the residual pool of the filling blocks
-        (``residual_of``): ``codec_gather`` then returns what ``gather`` does."""
-        if layer not in self._gather_views:
-            self._gather_views[layer] = self._build_gather_view(layer)
-        return self._gather_views[layer]
-
-    def _build_gather_view(self, layer: int) -> KernelView:
+    def _view(
+        self, layer: int, res_k: torch.Tensor, res_v: torch.Tensor, residual_of: torch.Tensor
+    ) -> KernelView:
+        """Layer ``layer``'s codes and parameters in place with a residual pool."""
         return KernelView(
             "kivi2",
             self.k_codes[layer],
@@ -245,27 +241,27 @@ class Kivi2Codec(KVCodec):
             self.k_params[layer],
             self.v_params[layer],
             group=V_GROUP,
-            res_k=self.res_k[layer],
-            res_v=self.res_v[layer],
-            residual_of=self.residual_of,
+            res_k=res_k,
+            res_v=res_v,
+            residual_of=residual_of,
         )
+
+    def gather_view(self, layer: int) -> KernelView | None:
+        """Codes and parameters in place with the residual pool of the filling blocks
+        (``residual_of``): ``codec_gather`` then returns what ``gather`` does."""
+        if layer not in self._gather_views:
+            self._gather_views[layer] = self._view(
+                layer, self.res_k[layer], self.res_v[layer], self.residual_of
+            )
+        return self._gather_views[layer]
 
     def kernel_view(self, layer: int) -> KernelView | None:
         """Codes and parameters in place; as the residual pool, the full-precision rows of
         the blocks this step wrote at ``layer`` (``step_index``), which the kernel reads
         for a row's own block only (the layer's last write; none before it)."""
-        here = self._step_layer == layer
-        return KernelView(
-            "kivi2",
-            self.k_codes[layer],
-            self.v_codes[layer],
-            self.k_params[layer],
-            self.v_params[layer],
-            group=V_GROUP,
-            res_k=self._step_k if here else self.res_k[layer, :0],
-            res_v=self._step_v if here else self.res_v[layer, :0],
-            residual_of=self.step_index if here else self._no_step,
-        )
+        if self._step_layer == layer:
+            return self._view(layer, self._step_k, self._step_v, self.step_index)
+        return self._view(layer, self.res_k[layer, :0], self.res_v[layer, :0], self._no_step)
 
     # ------------------------------------------------------------------ bookkeeping
     def on_block_freed(self, block_id: int) -> None:

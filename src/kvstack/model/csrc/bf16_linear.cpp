@@ -47,42 +47,35 @@
 
 namespace {
 
-#if defined(KVSTACK_AVX512_BF16)
-
-constexpr int64_t kRowChunk = 96;
-using dpbf16::kMR;
-using dpbf16::kNR;
-using dpbf16::Prefetch;
-
-void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
-                  const at::BFloat16* w, int64_t nb_begin, int64_t nb_end, at::BFloat16* y,
-                  int64_t ldy) {
+// Row chunks of `chunk` rows, in blocks of up to MR rows, against groups of up to NR
+// 16-column blocks in [nb_begin, nb_end): micro(r, rows, nb, cols, b, pf) computes one
+// (row block, group), b being the group's panel. The next group's panel (contiguous after
+// this one) streams in from DRAM while this group computes: each row block prefetches its
+// share (pf, into L2), so the weight read overlaps the dot products instead of preceding
+// them (cold weights: ~25 % of the time).
+template <int MR, int NR, typename PF, typename Micro>
+[[maybe_unused]] void column_groups(int64_t M, int64_t K, int64_t chunk, const at::BFloat16* w,
+                                    int64_t nb_begin, int64_t nb_end, Micro micro) {
   const int64_t block_elems = 16 * K, kpairs = K / 2;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t m_end = std::min(M, m0 + kRowChunk);
-    const int64_t row_blocks = (m_end - m0 + kMR - 1) / kMR;
-    for (int64_t nb = nb_begin; nb < nb_end; nb += kNR) {
-      const int64_t cols = std::min<int64_t>(kNR, nb_end - nb);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m_end = std::min(M, m0 + chunk);
+    const int64_t row_blocks = (m_end - m0 + MR - 1) / MR;
+    for (int64_t nb = nb_begin; nb < nb_end; nb += NR) {
+      const int64_t cols = std::min<int64_t>(NR, nb_end - nb);
       const at::BFloat16* b = w + nb * block_elems;
-      // The next group's panel (contiguous after this one) streams in from DRAM while this
-      // group computes: each row block prefetches its share, so the weight read overlaps
-      // the dot products instead of preceding them (cold weights: ~25 % of the time).
-      const int64_t next_cols = std::min<int64_t>(kNR, nb_end - nb - cols);
+      const int64_t next_cols = std::min<int64_t>(NR, nb_end - nb - cols);
       const int64_t next_lines = next_cols * block_elems * 2 / 64;
       const int64_t share = (next_lines + row_blocks - 1) / row_blocks;
       const char* next = reinterpret_cast<const char*>(b + cols * block_elems);
-      for (int64_t r = m0, i = 0; r < m_end; r += kMR, ++i) {
-        const int64_t rows = std::min<int64_t>(kMR, m_end - r);
+      for (int64_t r = m0, i = 0; r < m_end; r += MR, ++i) {
+        const int64_t rows = std::min<int64_t>(MR, m_end - r);
         const int64_t first = std::min(next_lines, i * share);
         const int64_t lines = std::min(next_lines - first, share);
-        const Prefetch pf{next + 64 * first, lines, (lines + kpairs - 1) / kpairs};
-        dpbf16::pick<at::BFloat16>(rows, cols)(x + r * lda, lda, b, block_elems, kpairs, y + r * ldy + 16 * nb, ldy, pf);
+        micro(r, rows, nb, cols, b, PF{next + 64 * first, lines, (lines + kpairs - 1) / kpairs});
       }
     }
   }
 }
-
-#else
 
 // Rows per chunk: the chunk's float32 x (rows x K x 4 B) stays in L2 (<= 256 KiB) while
 // every column block of the thread passes over it; a multiple of mr.
@@ -91,39 +84,36 @@ void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
   return std::max<int64_t>(mr, rows / mr * mr);
 }
 
-#endif
+#if defined(KVSTACK_AVX512_BF16)
 
-#if !defined(KVSTACK_AVX512_BF16) && defined(KVSTACK_AVX512_FMA)
+constexpr int64_t kRowChunk = 96;
+
+void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
+                  const at::BFloat16* w, int64_t nb_begin, int64_t nb_end, at::BFloat16* y,
+                  int64_t ldy) {
+  using dpbf16::Prefetch;
+  column_groups<dpbf16::kMR, dpbf16::kNR, Prefetch>(
+      M, K, kRowChunk, w, nb_begin, nb_end,
+      [&](int64_t r, int64_t rows, int64_t nb, int64_t cols, const at::BFloat16* b, Prefetch pf) {
+        dpbf16::pick<at::BFloat16>(rows, cols)(x + r * lda, lda, b, 16 * K, K / 2,
+                                               y + r * ldy + 16 * nb, ldy, pf);
+      });
+}
+
+#elif defined(KVSTACK_AVX512_FMA)
 
 // As bf16_columns, over x widened to float32 once per call (fma512_bf16.h).
 void fma512_columns(const float* x, int64_t M, int64_t K, const at::BFloat16* w,
                     int64_t nb_begin, int64_t nb_end, at::BFloat16* y, int64_t ldy) {
-  using fma512::kMR;
-  using fma512::kNR;
-  const int64_t block_elems = 16 * K, kpairs = K / 2, chunk = row_chunk(K, kMR);
-  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t m_end = std::min(M, m0 + chunk);
-    const int64_t row_blocks = (m_end - m0 + kMR - 1) / kMR;
-    for (int64_t nb = nb_begin; nb < nb_end; nb += kNR) {
-      const int64_t cols = std::min<int64_t>(kNR, nb_end - nb);
-      const at::BFloat16* b = w + nb * block_elems;
-      // The next group's panel streams into L2 while this group computes.
-      const int64_t next_cols = std::min<int64_t>(kNR, nb_end - nb - cols);
-      const int64_t next_lines = next_cols * block_elems * 2 / 64;
-      const int64_t share = (next_lines + row_blocks - 1) / row_blocks;
-      const char* next = reinterpret_cast<const char*>(b + cols * block_elems);
-      for (int64_t r = m0, i = 0; r < m_end; r += kMR, ++i) {
-        const int64_t rows = std::min<int64_t>(kMR, m_end - r);
-        const int64_t first = std::min(next_lines, i * share);
-        const int64_t lines = std::min(next_lines - first, share);
-        const fma512::Prefetch pf{next + 64 * first, lines, (lines + kpairs - 1) / kpairs};
-        fma512::pick(rows, cols)(x + r * K, K, b, block_elems, kpairs, y + r * ldy + 16 * nb, ldy, pf);
-      }
-    }
-  }
+  using fma512::Prefetch;
+  column_groups<fma512::kMR, fma512::kNR, Prefetch>(
+      M, K, row_chunk(K, fma512::kMR), w, nb_begin, nb_end,
+      [&](int64_t r, int64_t rows, int64_t nb, int64_t cols, const at::BFloat16* b, Prefetch pf) {
+        fma512::pick(rows, cols)(x + r * K, K, b, 16 * K, K / 2, y + r * ldy + 16 * nb, ldy, pf);
+      });
 }
 
-#elif !defined(KVSTACK_AVX512_BF16) && defined(KVSTACK_AVX2_FMA)
+#elif defined(KVSTACK_AVX2_FMA)
 
 void fma_columns(const float* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t nb_begin,
                  int64_t nb_end, at::BFloat16* y, int64_t ldy) {
