@@ -47,13 +47,17 @@ V_GROUP = 32
 
 @dataclass
 class _WritePlan:
-    """How this step's rows map onto the blocks they touch (same for every layer)."""
+    """How this step's rows map onto the blocks they touch (same for every layer), as index
+    tensors so that each layer's write is a few ``index_select`` / ``index_copy_`` calls."""
 
     blocks: torch.Tensor  # [n] touched block ids
     rows: torch.Tensor  # [T] row of each written slot in the [n * bs] temp buffer
-    old_res: torch.Tensor  # [n] residual slot holding earlier rows, or -1
-    complete: torch.Tensor  # [n] bool, full after this step
-    new_res: torch.Tensor  # [n] residual slot after this step (-1 for complete blocks)
+    old_pos: torch.Tensor  # positions (in blocks) whose block had earlier rows ...
+    old_slots: torch.Tensor  # ... in these residual slots
+    done_pos: torch.Tensor  # positions of the blocks full after this step ...
+    done_blocks: torch.Tensor  # ... and their block ids
+    live_pos: torch.Tensor  # positions of the blocks still filling after this step ...
+    live_slots: torch.Tensor  # ... and their residual slots
 
 
 class Kivi2Codec(KVCodec):
@@ -146,12 +150,22 @@ class Kivi2Codec(KVCodec):
                     r = self.free_res.pop()
                     self.residual_of[b] = r
                 new_res.append(r)
+        old = [i for i, r in enumerate(old_res) if r >= 0]
+        done = [i for i, c in enumerate(complete) if c]
+        live = [i for i, c in enumerate(complete) if not c]
+
+        def idx(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
         return _WritePlan(
             blocks,
             rows,
-            torch.tensor(old_res, dtype=torch.long),
-            torch.tensor(complete, dtype=torch.bool),
-            torch.tensor(new_res, dtype=torch.long),
+            idx(old),
+            idx([old_res[i] for i in old]),
+            idx(done),
+            blocks[idx(done)],
+            idx(live),
+            idx([new_res[i] for i in live]),
         )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -165,32 +179,28 @@ class Kivi2Codec(KVCodec):
         assert plan is not None
         n = plan.blocks.numel()
         steps = []
-        has_old = plan.old_res >= 0
         for x, res, codes, params, per_channel in (
             (k, self.res_k, self.k_codes, self.k_params, True),
             (v, self.res_v, self.v_codes, self.v_params, False),
         ):
             tmp = torch.zeros((n, s.block_size, s.num_kv_heads, s.head_dim), dtype=self.dtype)
-            if has_old.any():
-                tmp[has_old] = res[layer, plan.old_res[has_old]]
+            if plan.old_pos.numel():
+                tmp.index_copy_(0, plan.old_pos, res[layer].index_select(0, plan.old_slots))
             tmp.view(-1, s.num_kv_heads, s.head_dim)[plan.rows] = x.to(self.dtype)
             steps.append(tmp)
-            done = plan.complete
-            if done.any():
-                full = tmp[done].float()  # [m, bs, H, d]
+            if plan.done_pos.numel():
+                full = tmp.index_select(0, plan.done_pos).float()  # [m, bs, H, d]
                 if per_channel:  # keys: range of each channel over the block's tokens
                     q, sz = quant_asym(full, BITS, 1)  # sz [m, 2, H, d] (scale, zero)
-                    params[layer, plan.blocks[done]] = (
-                        sz.permute(0, 2, 3, 1).contiguous().to(params.dtype)
-                    )
+                    p = sz.permute(0, 2, 3, 1).contiguous().to(params.dtype)
                 else:  # values: each token, groups of V_GROUP channels
                     q, sz = quant_asym(full.unflatten(-1, (-1, V_GROUP)), BITS, -1)
                     q = q.flatten(-2)
-                    params[layer, plan.blocks[done]] = sz.flatten(-2)
-                codes[layer, plan.blocks[done]] = pack(q, BITS)
-            live = ~done
-            if live.any():
-                res[layer, plan.new_res[live]] = tmp[live]
+                    p = sz.flatten(-2)
+                params[layer].index_copy_(0, plan.done_blocks, p)
+                codes[layer].index_copy_(0, plan.done_blocks, pack(q, BITS))
+            if plan.live_pos.numel():
+                res[layer].index_copy_(0, plan.live_slots, tmp.index_select(0, plan.live_pos))
         self._step_k, self._step_v = steps
         self._step_layer = layer
         if layer == s.num_layers - 1:
