@@ -26,12 +26,13 @@ LAYERS: list[tuple[str, ...]] = [
         "model_config",
         "structured_outputs",
         "request",
+        "segment_marks",
         "prompts",
         "hugepages",
     ),
     ("kv", "sched", "spec", "stats"),  # 1 bookkeeping and KV memory, speculation
     ("model",),  # 2 the model, its runner and sampler
-    ("config", "vllm_args"),  # 3 engine options, validated against the registries below
+    ("config", "vllm_args", "segment_config"),  # 3 engine options, checked against registries
     ("engine", "llm", "output_processor", "testing", ""),  # 4 the engine ("" = kvstack)
     ("serve",),  # 5 the OpenAI server
     ("route", "tools"),  # 6 applications on top of the server/engine

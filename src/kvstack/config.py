@@ -31,6 +31,7 @@ from kvstack.options import (
     option,
     option_specs,
 )
+from kvstack.segment_config import SegmentConfig
 from kvstack.spec.config import SpeculativeConfig, parse_speculative_config
 from kvstack.units import parse_size
 
@@ -402,6 +403,7 @@ class EngineConfig:
     )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    segments: SegmentConfig = field(default_factory=SegmentConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
 from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvstack.engine_stats import engine_stats
 from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
@@ -26,7 +27,6 @@ from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
 from kvstack.model.fingerprint import model_fingerprint
 from kvstack.model.generation_config import load_generation_defaults
-from kvstack.model.kernels import fallback_counts
 from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
 from kvstack.model.runner import LogitCapture, ModelRunner
 from kvstack.model.structured import StructuredOutputManager
@@ -36,6 +36,7 @@ from kvstack.prompts import check_cache_salt
 from kvstack.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvstack.sched.output import SchedulerOutput
 from kvstack.sched.scheduler import Scheduler
+from kvstack.segment_support import enable_segments, request_marks
 from kvstack.spec.speculator import build_speculator
 from kvstack.stats import EngineStats, UsageTracker
 
@@ -108,6 +109,7 @@ class LLMEngine:
             self.model.scale,
         )
         self.scheduler.press = self.press
+        enable_segments(self)  # issue 18: segment reuse, unless --segment-cache none
         so_backend = config.structured_outputs_backend
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
         self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
@@ -179,11 +181,13 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        segments: Sequence[Sequence[int]] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``InvalidRequestError``.
 
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
-        salt share cached KV; it must pass vLLM's ``validate_cache_salt``.
+        salt share cached KV; it must pass vLLM's ``validate_cache_salt``. ``segments``:
+        ``[start, end)`` token ranges of the prompt reused wherever they sit (issue 18).
         """
         check_cache_salt(cache_salt)
         sp = replace(sampling_params or self.default_sampling_params())
@@ -215,6 +219,7 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), sp.max_tokens)
 
         press = self.press.resolve(sp)
+        marks = request_marks(self, segments, ids, sp, press)
         if self.speculator is not None:
             self.speculator.check_request(sp)
         so = sp.structured_outputs
@@ -226,7 +231,9 @@ class LLMEngine:
             if sp.n > 1 and sp.seed is not None:
                 csp.seed = sp.seed + i
             cid = rid if sp.n == 1 else f"{rid}#{i}"
-            children.append(Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt))
+            children.append(
+                Request(cid, ids, csp, eos_token_ids=eos, cache_salt=cache_salt, segments=marks)
+            )
         for child in children:
             if child.request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
@@ -363,41 +370,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def stats(self, kv: KVCacheStats | None = None) -> EngineStats:
         """Engine counters; ``kv`` is a KV snapshot the caller already took, if any."""
-        kv = kv or self.kv_manager.stats()
-        sched = self.scheduler
-        press = self.press.counters
-        return EngineStats(
-            num_steps=self.num_steps,
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_waiting_deferred=sched.num_waiting_deferred,
-            max_num_running=sched.max_num_running,
-            num_preemptions=sched.num_preemptions_total,
-            prefill_tokens_computed=sched.num_prefill_tokens_computed,
-            prefix_query_tokens=kv.prefix_query_tokens,
-            prefix_hit_tokens=kv.prefix_hit_tokens,
-            prefix_hit_rate=kv.prefix_hit_tokens / kv.prefix_query_tokens
-            if kv.prefix_query_tokens
-            else 0.0,
-            num_evicted_blocks=kv.num_evicted_blocks,
-            num_cached_blocks=kv.num_cached_blocks,
-            num_pinned_blocks=kv.num_pinned_blocks,
-            kv_usage=kv.usage,
-            kv_usage_avg=self.usage_tracker.usage_avg,
-            kv_waste_avg=self.usage_tracker.waste_avg,
-            kv_waste_peak=self.usage_tracker.waste_peak,
-            offload=self.connector.stats() if self.connector is not None else {},
-            kv_capacity_tokens=kv.num_blocks * self.kv_manager.block_size,
-            num_pressed_requests=press.pressed_requests,
-            num_press_dropped_tokens=press.dropped_tokens,
-            num_press_input_tokens=press.input_tokens,
-            num_represses=press.represses,
-            num_reclaimed_blocks=press.reclaimed_blocks,
-            press_skipped=dict(press.skipped),
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            kernel_fallbacks=[[k, r, n] for (k, r), n in fallback_counts().items()],
-            spec_decode=self.speculator.stats.to_dict() if self.speculator is not None else {},
-        )
+        return engine_stats(self, kv or self.kv_manager.stats())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

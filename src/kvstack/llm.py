@@ -59,6 +59,7 @@ class LLM:
         lora_request: Any = None,
         check_integrity: bool = False,
         on_step: Callable[[], None] | None = None,
+        segments: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of the prompts.
 
@@ -67,7 +68,9 @@ class LLM:
         ``prompt_token_ids=`` (older vLLM's keyword) is kept. ``use_tqdm`` shows a
         progress bar by default, as vLLM does (a callable: the ``tqdm`` class to use).
         All prompts are validated before any runs: one bad prompt raises
-        ``InvalidRequestError`` and nothing is queued.
+        ``InvalidRequestError`` and nothing is queued. ``segments`` (kvstack's, issue 18):
+        per prompt, ``[start, end)`` token ranges whose KV is reused wherever they sit
+        (tool schemas, documents in any order; ``--segment-cache``), or None.
         """
         if lora_request is not None:
             raise InvalidRequestError("lora_request: kvstack does not serve LoRA adapters")
@@ -83,14 +86,18 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or self.get_default_sampling_params()] * len(items)
+        marks = list(segments) if segments is not None else [None] * len(items)
+        if len(marks) != len(items):
+            raise InvalidRequestError("segments: one list of token ranges (or None) per prompt")
 
         ids: list[str] = []
         try:
-            for item, sp in zip(items, params, strict=True):
+            for item, sp, spans in zip(items, params, marks, strict=True):
                 rid = self.engine.new_request_id()
                 self.engine.add_request(
-                    rid, item.text, sp, prompt_token_ids=item.token_ids, cache_salt=item.cache_salt
-                )
+                    rid, item.text, sp, prompt_token_ids=item.token_ids,
+                    cache_salt=item.cache_salt, segments=spans,
+                )  # fmt: skip
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
+from kvstack.segment_marks import SegmentMarks, check_recompute
 from kvstack.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 MAX_BAD_WORDS = 128  # vLLM's limit per request
 _FLOAT_PARAMS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "kv_press_ratio",
+    "repetition_penalty", "kv_press_ratio", "segment_recompute_ratio",
 )  # fmt: skip
 
 
@@ -71,6 +72,9 @@ class SamplingParams:
     kv_press_after: int | None = None
     # Press again every this many generated tokens, back to the first press's budget.
     kv_press_every: int | None = None
+    # Issue 18: repair of placed segments (None: the engine's --segment-recompute-*).
+    segment_recompute_ratio: float | None = None
+    segment_recompute_tokens: int | None = None
     # vLLM's: words that must not be generated (see ``resolve_bad_words``), the only
     # token ids that may be sampled (None: all), and how many prompt tokens to keep (the
     # last k; -1: max_model_len; None: all).
@@ -111,6 +115,11 @@ class SamplingParams:
             raise bad(f"kv_press_every must be at least 1, got {self.kv_press_every}")
         if self.kv_press_ratio is not None and not 0.0 <= self.kv_press_ratio < 1.0:
             raise bad(f"kv_press_ratio must be in [0, 1), got {self.kv_press_ratio}")
+        if self.segment_recompute_ratio is not None or self.segment_recompute_tokens is not None:
+            check_recompute(
+                0.0 if self.segment_recompute_ratio is None else self.segment_recompute_ratio,
+                self.segment_recompute_tokens or 0,
+            )
         if self.temperature < 0:
             raise bad(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -291,6 +300,10 @@ class Request:
     # Speculative decoding (``spec/``): the proposer's guess of the tokens after
     # all_token_ids, verified next step. Never part of all_token_ids, never hashed.
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
+    # Issue 18: reusable segments of the prompt (``segment_marks.py``); once one is placed
+    # (a copy of standalone KV), only blocks before ``cacheable_tokens`` are a true prefix.
+    segments: SegmentMarks | None = None
+    cacheable_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,6 +57,8 @@ class EngineStats:
     num_waiting_deferred: int = 0
     # Speculative decoding (``spec/stats.py`` ``SpecDecodeStats.to_dict``); empty when off.
     spec_decode: dict[str, Any] = field(default_factory=dict)
+    # Issue 18: segment reuse (``kv/segments.py`` ``SegmentCounters``); empty when off.
+    segments: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

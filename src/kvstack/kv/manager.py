@@ -46,6 +46,7 @@ from kvstack.kv.policies import EvictionPolicy, make_policy
 from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
 from kvstack.kv.radix import RadixPrefixCache
 from kvstack.kv.residency import BlockResidency
+from kvstack.kv.segments import SegmentCache
 from kvstack.registry import Registry
 from kvstack.request import Request
 
@@ -98,6 +99,12 @@ class KVCacheManager:
         # request id -> (first, end) block indices loaded by the connector at admission
         # (registered in the cache, never reported as newly computed).
         self._external: dict[str, tuple[int, int]] = {}
+        self.segments: SegmentCache | None = None  # issue 18: ``enable_segments``
+
+    def enable_segments(self, sink: Sequence[int], max_fraction: float = 0.5) -> SegmentCache:
+        """Keep standalone segment KV (``kv/segments.py``) in this pool."""
+        self.segments = SegmentCache(self.pool, self.block_size, tuple(sink), max_fraction)
+        return self.segments
 
     @property
     def num_blocks(self) -> int:
@@ -189,7 +196,10 @@ class KVCacheManager:
         hit = len(computed) + ext
         num_tokens = request.num_kv_tokens + hit * self.block_size + num_new_tokens
         needed = self.num_blocks_for(num_tokens) - len(blocks) - len(computed)
-        if needed > self.num_free_blocks_adopting(computed):
+        short = needed - self.num_free_blocks_adopting(computed)
+        if short > 0 and self.segments is not None:  # idle segment entries go first
+            short -= self.segments.release(short)
+        if short > 0:
             return None
         if self.cache is not None and request.num_computed_tokens == 0 and not blocks:
             self.prefix_query_tokens += request.num_tokens
@@ -214,6 +224,8 @@ class KVCacheManager:
         """Register the blocks completely covered by the first ``num_tokens`` tokens."""
         if self.cache is None or request.press_applied:
             return  # a pressed request's blocks no longer hold a token prefix
+        if request.cacheable_tokens is not None:  # placed segments: not a true prefix
+            num_tokens = min(num_tokens, request.cacheable_tokens)
         num_full = num_tokens // self.block_size
         rid = request.request_id
         if num_full <= self._num_inserted.get(rid, 0):
@@ -385,7 +397,9 @@ class KVCacheManager:
         return True
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix and pin (``LLM.reset_prefix_cache``)."""
+        """Forget every cached prefix, pin and segment (``LLM.reset_prefix_cache``)."""
+        if self.segments is not None:
+            self.segments.reset()
         if self.cache is None:
             return
         for blocks in self.pins.values():
@@ -414,14 +428,17 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for chain in (*self.req_blocks.values(), *self.pins.values()):
+        segs = [e.blocks for e in self.segments.entries.values()] if self.segments else []
+        for chain in (*self.req_blocks.values(), *self.pins.values(), *segs):
             for b in chain:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
-                f"{held.get(block.block_id, 0)} request and pin references"
+                f"{held.get(block.block_id, 0)} request, pin and segment references"
             )
+        if self.segments is not None:
+            self.segments.check_integrity()
         for rid, blocks in self.req_blocks.items():
             assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         for rid, (first, end) in self._external.items():

@@ -85,6 +85,9 @@ class Gemma3Model(LlamaModel):
             config.layer_rope_theta(i) != config.rope_theta for i in range(len(self.layers))
         ]
 
+    def rotary_for(self, layer: int) -> Rotary:
+        return self.rotary_local if self.local[layer] else self.rotary
+
     @torch.inference_mode()
     def forward(
         self,
@@ -94,6 +97,7 @@ class Gemma3Model(LlamaModel):
         kv: KVStorage,
         logits_indices: torch.Tensor | None,
         float_logits: bool = True,
+        stop_after_kv_of: int | None = None,
     ) -> torch.Tensor:
         """As ``LlamaModel.forward``: logits of ``logits_indices`` (all rows if None)."""
         eps, ops, heads = self.config.rms_norm_eps, self.ops, self.heads
@@ -114,6 +118,8 @@ class Gemma3Model(LlamaModel):
             cache = kv.layer(li)
             rope = ropes[1] if self.local[li] else ropes[0]
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
+            if li == stop_after_kv_of:
+                return q.new_empty(0)
             a = paged_attention(q, k, v, cache, meta, self.scale, self.windows[li])
             a = ops.rms_norm(layer.o(a.reshape(t, heads.q_size)), layer.post_norm, eps)
             x, residual = ops.add_rms_norm(a, residual, extra.pre_feedforward, eps)

@@ -134,6 +134,10 @@ class LlamaModel:
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
 
+    def rotary_for(self, layer: int) -> Rotary:
+        """The RoPE tables layer ``layer``'s keys were rotated with."""
+        return self.rotary
+
     @torch.inference_mode()
     def forward(
         self,
@@ -143,10 +147,13 @@ class LlamaModel:
         kv: KVStorage,
         logits_indices: torch.Tensor | None,
         float_logits: bool = True,
+        stop_after_kv_of: int | None = None,
     ) -> torch.Tensor:
         """Return logits ``[len(logits_indices), vocab]`` (all rows if None): float32, or
         with ``float_logits=False`` in the model dtype (the runner's consumers convert
-        what they need; greedy sampling reads bf16 logits directly)."""
+        what they need; greedy sampling reads bf16 logits directly).
+        ``stop_after_kv_of=l`` stops once layer ``l``'s K/V are written (returns nothing):
+        the segment repair probe (``model/segment_rows.py``)."""
         eps, ops, heads = self.config.rms_norm_eps, self.ops, self.heads
         t = input_ids.shape[0]
         residual = self.embed[input_ids]
@@ -165,6 +172,8 @@ class LlamaModel:
                 head_rms_norm(ops, qkv, heads, layer, eps)
             cache = kv.layer(li)
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
+            if li == stop_after_kv_of:
+                return q.new_empty(0)
             for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
                 meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
             a = paged_attention(q, k, v, cache, meta, self.scale, self.windows[li])

@@ -19,9 +19,11 @@ from kvstack.model.allocator import tune_host_allocator
 from kvstack.model.attention import KERNEL_CHUNK_ROWS, AttentionMetadata, KernelRows, PrefillSeq
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
+from kvstack.model.logit_capture import LogitCapture
 from kvstack.model.rejection_sampler import RejectionSampler
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.model.sampling_metadata import plain_greedy
+from kvstack.model.segment_rows import append_rows, segment_rows
 from kvstack.request import Logprob, Request
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
@@ -60,27 +62,6 @@ def _tokens(req: Request, start: int, n: int) -> list[int]:
     if start >= p:
         return req.output_token_ids[start - p : start - p + n]
     return (req.prompt_token_ids + req.output_token_ids)[start : start + n]
-
-
-@dataclass
-class LogitCapture:
-    """Next-token log-distributions of prompt positions ``>= start`` (fp16, ``[n, vocab]``).
-
-    The row kept for prompt position ``p >= 1`` is the distribution the model gave the
-    token at ``p`` from tokens ``0 .. p - 1`` (what ``prompt_logprobs`` scores).
-    """
-
-    start: int  # first prompt position to keep
-    rows: list[torch.Tensor] = field(default_factory=list)
-
-    def add(self, first: int, logits: torch.Tensor) -> None:
-        """``logits[j]`` scores prompt position ``first + j``."""
-        skip = max(0, self.start - first)
-        if skip < logits.shape[0]:
-            self.rows.append(torch.log_softmax(logits[skip:].float(), -1).to(torch.float16))
-
-    def logprobs(self) -> torch.Tensor:
-        return torch.cat(self.rows) if self.rows else torch.empty(0)
 
 
 def _layer_lens(req: Request) -> list[int] | None:
@@ -173,8 +154,12 @@ class ModelRunner:
         inputs = StepInputs()
         if kernel:
             inputs.kernel_seqs = []
+        repair = segment_rows(out.scheduled, self.kv, self.model, self.kernels)  # issue 18
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
+        append_rows(
+            repair, self.block_size, inputs.ids, inputs.positions, inputs.slots, inputs.prefills
+        )
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))
         plan = self._logit_plan(ordered)
         result = RunnerOutput()

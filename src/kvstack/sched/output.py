@@ -23,6 +23,16 @@ step's token budget) and get KV slots, but are not in ``all_token_ids``::
     logits row j predicts position N + j: row 0 checks d1, ..., row 3 is the bonus
 
 The request then samples (``samples``) when ``c + n == num_tokens + len(draft)``.
+
+Segments (issue 18, ``sched/segments.py``): before the step's forward the runner copies
+each ``SegmentImport`` (standalone KV, keys re-rotated to their new positions) into the
+request's slots ``[dst_start, dst_start + length)``, which end at ``c``; ``recompute``
+then names positions before ``c`` whose KV the step computes again (repair), as extra
+rows after every chunk of the step::
+
+    all_token_ids:  p0 p1 | x0 x1 x2 x3 | q0 q1 q2
+                    cache   imported      this step's chunk (c = 6)
+    recompute:              x0    x2       two more rows, positions 2 and 4
 """
 
 from __future__ import annotations
@@ -30,6 +40,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstack.request import Request
+
+
+@dataclass(frozen=True)
+class SegmentImport:
+    """Copy ``length`` tokens of a segment entry's KV from its position ``src_start`` to
+    the request's position ``dst_start`` (keys re-rotated by the difference)."""
+
+    src_block_ids: tuple[int, ...]
+    src_start: int
+    dst_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RecomputeSpan:
+    """Repair of a placed segment ``[start, end)``: its first ``first`` tokens are
+    recomputed, and ``count`` more of the rest, chosen by the runner (the tokens whose
+    layer-1 KV deviates most from the copy: CacheBlend)."""
+
+    start: int
+    end: int
+    first: int
+    count: int
 
 
 @dataclass
@@ -40,6 +73,13 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table (covers computed + new tokens)
     # Speculative decoding: the last num_new_tokens rows' inputs are these guesses.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Segments (issue 18): KV copied in before the forward, and positions recomputed.
+    segment_imports: list[SegmentImport] = field(default_factory=list)
+    recompute: list[RecomputeSpan] = field(default_factory=list)
+
+    @property
+    def num_recompute_rows(self) -> int:
+        return sum(min(r.first, r.end - r.start) + r.count for r in self.recompute)
 
     @property
     def samples(self) -> bool:
@@ -57,7 +97,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_recompute_rows for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

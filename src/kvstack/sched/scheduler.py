@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from kvstack.kv.base import KVManager
     from kvstack.kv.press.coordinator import PressCoordinator
     from kvstack.kv.tiers.connector import TierConnector
+    from kvstack.sched.segments import Placement, SegmentPlanner
 
 
 class Scheduler:
@@ -74,6 +75,8 @@ class Scheduler:
         self.connector: TierConnector | None = None
         # Era 5 (``kv/press/coordinator.py``): press points cap chunks; set by the engine.
         self.press: PressCoordinator | None = None
+        # Issue 18 (``sched/segments.py``): segment reuse; set by the engine.
+        self.segments: SegmentPlanner | None = None
         self.max_num_running = 0  # peak concurrency seen
 
     # ------------------------------------------------------------------ admission
@@ -117,6 +120,7 @@ class Scheduler:
             req = s.request
             p, c = req.num_prompt_tokens, s.num_computed_tokens
             self.num_prefill_tokens_computed += min(c + s.num_new_tokens, p) - min(c, p)
+            self.num_prefill_tokens_computed += s.num_recompute_rows
             req.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
         self.max_num_running = max(self.max_num_running, len(self.running))
         self.last_num_scheduled_tokens = out.total_num_scheduled_tokens
@@ -128,31 +132,60 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            plan = self._place(req, req.num_computed_tokens)
+            skip = 0 if plan is None else plan.start - req.num_computed_tokens  # copied
+            limit = req.num_tokens if plan is None else plan.limit
+            rows = 0 if plan is None else plan.rows  # segment repair rows
+            num_new = min(limit - req.num_computed_tokens - skip, budget - rows)
             if self.press is not None:  # era 5: a chunk stops at the press point
                 num_new = self.press.max_new_tokens(req, req.num_computed_tokens, num_new)
+            if num_new <= 0 and rows:  # no budget left for the repair rows this step
+                i += 1
+                continue
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
             draft = self._draft(req, num_new, budget)
-            block_ids = self.kv.allocate_slots(req, num_new + len(draft))
+            block_ids = self.kv.allocate_slots(req, skip + num_new + len(draft))
             if block_ids is None and draft:  # speculation never preempts anyone
                 draft = []
-                block_ids = self.kv.allocate_slots(req, num_new)
+                block_ids = self.kv.allocate_slots(req, skip + num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is req:
                     break
-                block_ids = self.kv.allocate_slots(req, num_new)
+                block_ids = self.kv.allocate_slots(req, skip + num_new)
             if block_ids is None:
                 break
             num_new += len(draft)
-            out.scheduled.append(
-                ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids, draft)
-            )
-            budget -= num_new
+            out.scheduled.append(self._scheduled(req, plan, num_new, block_ids, draft))
+            budget -= num_new + rows
             i += 1
         return budget
+
+    def _place(self, req: Request, c: int) -> Placement | None:
+        """Segment copies and repair at chunk start ``c`` (issue 18), or None."""
+        if self.segments is None or req.segments is None:
+            return None
+        return self.segments.place(req, c)
+
+    def _scheduled(
+        self,
+        req: Request,
+        plan: Placement | None,
+        num_new: int,
+        block_ids: list[int],
+        draft: list[int] | None = None,
+    ) -> ScheduledRequest:
+        """The step's entry for ``req``; a segment plan moves it past the copies."""
+        if plan is None:
+            return ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids, draft or [])
+        assert self.segments is not None
+        self.segments.commit(req, plan)
+        req.num_computed_tokens = plan.start
+        return ScheduledRequest(
+            req, plan.start, num_new, block_ids, draft or [], plan.imports, plan.recompute
+        )
 
     def _draft(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The draft rows a decoding request gets: its proposal (used once), cut so that
@@ -177,6 +210,12 @@ class Scheduler:
             if self.connector is not None and self.connector.is_loading(req):
                 skipped.append(self.waiting.popleft())
                 continue
+            if self.segments is not None and req.segments is not None:
+                ready, used = self.segments.prepare(req, out, budget)
+                budget -= used  # standalone segment prefills (fills) run this step
+                if not ready:  # its segments are computed this step: admit it next
+                    skipped.append(self.waiting.popleft())
+                    continue
             # Era 3: adopt the longest cached prefix; compute only the rest.
             computed = self.kv.get_computed_blocks(req)
             num_ext = offered = 0  # era 4: blocks after the hit the offload tiers supply
@@ -191,21 +230,26 @@ class Scheduler:
                 num_ext = max(0, min(num_ext, cap - len(computed)))
             num_hit = len(computed) + num_ext
             num_cached = num_hit * self.kv.block_size
-            num_new = req.num_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            plan = self._place(req, num_cached)
+            start = num_cached if plan is None else plan.start  # past segment copies
+            rows = 0 if plan is None else plan.rows
+            num_new = (req.num_tokens if plan is None else plan.limit) - start
+            if num_new + rows > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget - rows)
             if self.press is not None:  # the press runs once its point is computed
                 num_new = self.press.max_new_tokens(req, num_cached, num_new)
-            block_ids = self.kv.allocate_slots(req, num_new, computed, num_ext)
+            if num_new <= 0:
+                break
+            block_ids = self.kv.allocate_slots(req, start - num_cached + num_new, computed, num_ext)
             if block_ids is None:
                 break
             if self.connector is not None and offered:  # (num_ext may be 0 after the cap)
                 self.connector.write_external(req, block_ids[len(computed) : num_hit])
             self.waiting.popleft()
             self._start(req, num_cached, num_hit)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids))
-            budget -= num_new
+            out.scheduled.append(self._scheduled(req, plan, num_new, block_ids))
+            budget -= num_new + rows
         self.waiting.extendleft(reversed(skipped))
 
     def _start(self, req: Request, num_cached: int, num_hit: int) -> None:
@@ -222,6 +266,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        if self.segments is not None:
+            self.segments.forget(req, finished=False)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -247,6 +293,8 @@ class Scheduler:
         Returns the requests that received a token (finished ones included).
         """
         changed: list[Request] = []
+        if self.segments is not None:  # this step computed the segments it reserved
+            self.segments.cache.mark_ready()
         for s in out.scheduled:
             req = s.request
             rid = req.request_id
@@ -290,6 +338,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        if self.segments is not None:
+            self.segments.forget(req, finished=True)
         if self.connector is not None:
             self.connector.on_request_finished(request_id)
         if self.press is not None:
@@ -337,3 +387,5 @@ class Scheduler:
             assert not self.kv.get_block_ids(r.request_id), f"waiting {r.request_id} holds blocks"
         for rid in self.kv.held_request_ids():
             assert rid in running_ids, f"blocks held by non-running request {rid}"
+        if self.segments is not None:
+            self.segments.check_integrity(running_ids | waiting_ids)

@@ -1,0 +1,188 @@
+"""SegmentPlanner: the scheduler's side of segment reuse (issue 18, ``kv/segments.py``).
+
+A request with segments (``Request.segments``) goes through three stages:
+
+1. **Admission** (``prepare``): every segment must have a ready entry in the
+   ``SegmentCache``. A missing one is reserved and computed standalone in this step as
+   a *fill*: a ``ScheduledRequest`` of a request the scheduler never tracks, tokens
+   ``[sink][segment]`` at positions ``0 ..`` in the entry's blocks, that samples nothing.
+   The request waits (keeping its place in the queue) until its entries are ready, the
+   step after; then it holds each entry (``users``) until it has copied it, so no
+   eviction can change what it computes.
+2. **Placement** (``place`` / ``commit``): when the request's next token to compute is
+   the start of a segment (or inside one, after a prefix hit), the segment's KV is
+   copied in (``SegmentImport``) and the request jumps past it; adjacent segments are
+   copied together. A chunk never runs into a segment that can still be copied::
+
+       prompt:   p0 p1 p2 | x0 x1 x2 | y0 y1 | q0 q1 q2
+       steps:    compute    copy      copy    compute (+ repair rows of x and y)
+
+3. **Repair**: the step that copies also recomputes, as extra rows, each copied
+   segment's first ``recompute_tokens`` tokens (EPIC) and ``recompute_ratio`` of the
+   rest (``RecomputeSpan``; the runner picks them by layer-1 KV deviation: CacheBlend).
+   Those rows and the chunk after the segments run in one forward, so every later
+   token attends to the repaired KV.
+
+A segment without a usable entry at its turn (the cache was reset) is computed in place,
+exactly. Once a segment is copied, the request's later blocks are not a true prefix:
+``Request.cacheable_tokens`` stops prefix-cache registration at the first copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvstack.kv.segments import SegmentCache, SegmentEntry, segment_key, segment_namespace
+from kvstack.request import Request, SamplingParams
+from kvstack.sched.output import RecomputeSpan, ScheduledRequest, SchedulerOutput, SegmentImport
+
+FILL_PREFIX = "kvstack-segment-fill:"
+
+
+@dataclass
+class Placement:
+    """What the scheduler does at a request's chunk start: copies, repair, the chunk's
+    first position (past the copies) and the position the chunk must stop at."""
+
+    imports: list[SegmentImport] = field(default_factory=list)
+    recompute: list[RecomputeSpan] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)  # span indices copied
+    start: int = 0
+    limit: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(min(r.first, r.end - r.start) + r.count for r in self.recompute)
+
+
+class SegmentPlanner:
+    def __init__(self, cache: SegmentCache, model_id: str = "") -> None:
+        self.cache = cache
+        self.model_id = model_id
+        self.held: dict[str, list[SegmentEntry | None]] = {}  # request id -> per span
+        self._counted: set[str] = set()  # requests whose queries were counted
+
+    def _key(self, req: Request, span: tuple[int, int]) -> bytes:
+        ns = segment_namespace(self.model_id, req.cache_salt, self.cache.sink)
+        return segment_key(ns, req.prompt_token_ids[span[0] : span[1]])
+
+    # ------------------------------------------------------------------ admission
+    def prepare(self, req: Request, out: SchedulerOutput, budget: int) -> tuple[bool, int]:
+        """Admission gate: ``(ready, tokens)`` — whether every segment has a ready entry,
+        and how many tokens of ``budget`` the fills scheduled into ``out`` take. The
+        request holds (``users``) each entry from its first look until it copies it."""
+        assert req.segments is not None
+        rid = req.request_id
+        held = self.held.get(rid)
+        first_look = rid not in self._counted
+        if held is None:
+            held = self.held[rid] = [None] * len(req.segments.spans)
+        self._counted.add(rid)
+        used = 0
+        for i, span in enumerate(req.segments.spans):
+            if held[i] is not None and self._alive(held[i]):
+                continue
+            key = self._key(req, span)
+            entry = self.cache.get(key)
+            n = span[1] - span[0]
+            if first_look:
+                self.cache.counters.query_tokens += n
+                self.cache.counters.hit_tokens += n if entry is not None else 0
+            if entry is None and budget - used >= len(self.cache.sink) + n:
+                entry = self.cache.reserve(key, n)
+                if entry is not None:
+                    used += self._fill(req, span, entry, out)
+            if entry is not None:
+                entry.users += 1
+            held[i] = entry
+        ready = all(e is not None and e.ready for e in held)
+        return ready, used
+
+    def _alive(self, entry: SegmentEntry | None) -> bool:
+        return entry is not None and self.cache.entries.get(entry.key) is entry
+
+    def _fill(
+        self, req: Request, span: tuple[int, int], entry: SegmentEntry, out: SchedulerOutput
+    ) -> int:
+        """Schedule the standalone prefill of a reserved entry; returns its tokens."""
+        tokens = [*self.cache.sink, *req.prompt_token_ids[span[0] : span[1]]]
+        # One extra token so the chunk never completes the sequence: nothing is sampled.
+        fill = Request(FILL_PREFIX + entry.key.hex(), [*tokens, tokens[-1]], SamplingParams())
+        blocks = [b.block_id for b in entry.blocks]
+        out.scheduled.append(ScheduledRequest(fill, 0, len(tokens), blocks))
+        self.cache.counters.computed_tokens += len(tokens)
+        return len(tokens)
+
+    def forget(self, req: Request, finished: bool) -> None:
+        """A preempted or finished request lets go of the entries it had not copied."""
+        if finished:
+            self._counted.discard(req.request_id)
+        for entry in self.held.pop(req.request_id, ()):
+            if entry is not None:
+                entry.users -= 1
+
+    # ------------------------------------------------------------------ placement
+    def _usable(self, rid: str, i: int) -> SegmentEntry | None:
+        held = self.held.get(rid)
+        entry = held[i] if held is not None else None
+        return entry if entry is not None and self._alive(entry) and entry.ready else None
+
+    def place(self, req: Request, c: int) -> Placement | None:
+        """Copies and repair at chunk start ``c`` (None: no segment left to copy). Pure:
+        nothing changes until ``commit``."""
+        marks = req.segments
+        if marks is None or req.request_id not in self.held or c >= marks.spans[-1][1]:
+            return None
+        sink = len(self.cache.sink)
+        plan = Placement(start=c, limit=req.num_tokens)
+        for i, (a, b) in enumerate(marks.spans):
+            if b <= plan.start:
+                continue
+            entry = self._usable(req.request_id, i)
+            if entry is None:
+                continue  # computed in place
+            if a > plan.start:
+                plan.limit = a
+                break
+            off = plan.start - a
+            blocks = tuple(x.block_id for x in entry.blocks)
+            plan.imports.append(SegmentImport(blocks, sink + off, plan.start, b - plan.start))
+            first = marks.recompute_tokens if off == 0 else 0
+            rest = b - plan.start - min(first, b - plan.start)
+            count = math.ceil(marks.recompute_ratio * rest - 1e-9)
+            plan.recompute.append(RecomputeSpan(plan.start, b, first, count))
+            plan.used.append(i)
+            plan.start = b
+        if not plan.imports and plan.limit == req.num_tokens:
+            return None
+        return plan
+
+    def commit(self, req: Request, plan: Placement) -> None:
+        """The scheduled step copies ``plan``: release those entries, stop prefix-cache
+        registration at the first copy, count the tokens."""
+        held = self.held.get(req.request_id)
+        for i in plan.used:
+            assert held is not None
+            entry = held[i]
+            if entry is not None:
+                entry.users -= 1
+                held[i] = None
+        if plan.imports:
+            first = plan.imports[0].dst_start
+            cap = req.cacheable_tokens
+            req.cacheable_tokens = first if cap is None else min(cap, first)
+        counters = self.cache.counters
+        counters.placed_tokens += sum(x.length for x in plan.imports)
+        counters.recomputed_tokens += plan.rows
+
+    def check_integrity(self, live: set[str]) -> None:
+        """Only live requests hold entries; each held entry counts it among its users."""
+        assert set(self.held) <= live, "a finished request still holds segment entries"
+        users: dict[int, int] = {}
+        for entries in self.held.values():
+            for e in entries:
+                if e is not None and self.cache.entries.get(e.key) is e:
+                    users[id(e)] = users.get(id(e), 0) + 1
+        for e in self.cache.entries.values():
+            assert e.users == users.get(id(e), 0), f"segment entry with {e.users} users"

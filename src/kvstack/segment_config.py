@@ -1,0 +1,55 @@
+"""``SegmentConfig``: the engine options of segment reuse (issue 18, ``kv/segments.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.options import check_choices, option
+from kvstack.segment_marks import check_recompute
+
+KV = "KV cache"
+
+
+@dataclass(frozen=True)
+class SegmentConfig:
+    """Whether marked prompt segments (tools, documents, ``kvstack_segment`` parts,
+    ``LLM.generate(segments=...)``) reuse standalone KV, and how much is recomputed."""
+
+    segment_cache: str = option(
+        "lru",
+        "reuse the KV of marked prompt segments (each tool, each document, content parts "
+        "with \"kvstack_segment\": true) wherever they sit in a prompt: 'lru' keeps them "
+        "(computed standalone once, placed with re-rotated keys, least recently used "
+        "dropped first; default), 'none' ignores the marks",
+        group=KV, choices=lambda: ("lru", "none"),
+    )  # fmt: skip
+    segment_recompute_ratio: float = option(
+        0.15,
+        "repair of a placed segment: the share of its tokens recomputed with the request's "
+        "context, those whose layer-1 KV deviates most (CacheBlend), in [0, 1]; 1 equals a "
+        "full prefill. Requests may set segment_recompute_ratio",
+        group=KV,
+    )  # fmt: skip
+    segment_recompute_tokens: int = option(
+        4,
+        "repair: the first N tokens of every placed segment are always recomputed (EPIC); "
+        "requests may set segment_recompute_tokens",
+        group=KV, metavar="N",
+    )  # fmt: skip
+    segment_max_fraction: float = option(
+        0.5,
+        "segments may hold at most this fraction of the KV blocks (default 0.5)",
+        group=KV,
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        try:
+            check_recompute(self.segment_recompute_ratio, self.segment_recompute_tokens)
+        except InvalidRequestError as e:
+            raise ConfigError(str(e)) from None
+        if not 0.0 < self.segment_max_fraction <= 1.0:
+            raise ConfigError(
+                f"segment_max_fraction must be in (0, 1], got {self.segment_max_fraction}"
+            )

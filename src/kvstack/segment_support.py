@@ -1,0 +1,78 @@
+"""The engine's side of segment reuse (issue 18): set it up, check a request's marks.
+
+``enable_segments`` gives the paged KV manager a ``SegmentCache`` (``kv/segments.py``)
+and the scheduler its ``SegmentPlanner`` (``sched/segments.py``) unless
+``--segment-cache none``. ``request_marks`` turns a request's ``[start, end)`` marks
+into ``SegmentMarks`` or refuses them with one clear ``InvalidRequestError`` where
+kvstack cannot place segments yet: the era-1 layouts (no blocks to copy into), presses
+(they drop the tokens a copy fills), sliding-window models and kivi2 (the repair rows'
+attention assumes full causal context and per-token codes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvstack.errors import InvalidRequestError
+from kvstack.kv.manager import KVCacheManager
+from kvstack.request import SamplingParams
+from kvstack.sched.segments import SegmentPlanner
+from kvstack.segment_marks import SegmentMarks, make_marks
+
+if TYPE_CHECKING:
+    from kvstack.engine import LLMEngine
+
+
+def enable_segments(engine: LLMEngine) -> None:
+    """Attach the segment cache and planner (``--segment-cache lru``, paged layout)."""
+    cfg = engine.config.segments
+    kv = engine.kv_manager
+    if cfg.segment_cache == "none" or not isinstance(kv, KVCacheManager):
+        return
+    bos = engine.tokenizer.bos_token_id
+    sink = [bos] if bos is not None else []  # the attention sink every segment follows
+    cache = kv.enable_segments(sink, cfg.segment_max_fraction)
+    engine.scheduler.segments = SegmentPlanner(cache, engine.model_config.name)
+
+
+def request_marks(
+    engine: LLMEngine,
+    spans: Sequence[Sequence[int]] | None,
+    ids: list[int],
+    sp: SamplingParams,
+    press: Any,
+) -> SegmentMarks | None:
+    """A request's checked marks; None when it has none or they do not apply (the
+    feature is off; prompt logprobs need every position computed, as prefix hits)."""
+    if spans is None:
+        return None
+    if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
+        raise InvalidRequestError("segments: a list of [start, end) token ranges")
+    cfg = engine.config.segments
+    planner = engine.scheduler.segments
+    if not spans or cfg.segment_cache == "none":
+        return None
+    if planner is None:
+        raise InvalidRequestError("segments need the paged KV layout (--kv-layout paged)")
+    if engine.model_config.has_window:
+        raise InvalidRequestError("segments are not supported with sliding-window attention yet")
+    if engine.kv_storage.codec.own_block_exact:
+        raise InvalidRequestError("segments are not supported with --kv-cache-dtype kivi2 yet")
+    if press is not None:
+        raise InvalidRequestError("segments cannot be combined with a KV press")
+    if sp.prompt_logprobs is not None:
+        return None
+    ratio = sp.segment_recompute_ratio
+    first = sp.segment_recompute_tokens
+    cache = planner.cache
+    room = int(cfg.segment_max_fraction * cache.pool.num_blocks) * cache.block_size
+    budget = engine.config.scheduler.max_num_batched_tokens
+    max_tokens = min(budget, room) - len(cache.sink)
+    return make_marks(
+        spans,
+        len(ids),
+        max_tokens,
+        cfg.segment_recompute_ratio if ratio is None else ratio,
+        cfg.segment_recompute_tokens if first is None else first,
+    )
