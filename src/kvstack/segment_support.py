@@ -69,10 +69,19 @@ def request_marks(
     room = int(cfg.segment_max_fraction * cache.pool.num_blocks) * cache.block_size
     budget = engine.config.scheduler.max_num_batched_tokens
     max_tokens = min(budget, room) - len(cache.sink)
-    return make_marks(
+    marks = make_marks(
         spans,
         len(ids),
         max_tokens,
         cfg.segment_recompute_ratio if ratio is None else ratio,
         cfg.segment_recompute_tokens if first is None else first,
     )
+    if marks is not None:
+        need = sum(cache.blocks_for(e - s) for s, e in marks.spans)
+        cap = int(cfg.segment_max_fraction * cache.pool.num_blocks)
+        if need > cap:
+            raise InvalidRequestError(
+                f"the request's segments need {need} KV blocks together; segments may "
+                f"hold at most {cap} (--segment-max-fraction of {cache.pool.num_blocks})"
+            )
+    return marks

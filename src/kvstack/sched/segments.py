@@ -62,6 +62,7 @@ class SegmentPlanner:
         self.model_id = model_id
         self.held: dict[str, list[SegmentEntry | None]] = {}  # request id -> per span
         self._counted: set[str] = set()  # requests whose queries were counted
+        self.reserver: str | None = None  # the one request holding an incomplete set
 
     def _key(self, req: Request, span: tuple[int, int]) -> bytes:
         ns = segment_namespace(self.model_id, req.cache_salt, self.cache.sink)
@@ -70,25 +71,37 @@ class SegmentPlanner:
     # ------------------------------------------------------------------ admission
     def prepare(self, req: Request, out: SchedulerOutput, budget: int) -> tuple[bool, int]:
         """Admission gate: ``(ready, tokens)`` — whether every segment has a ready entry,
-        and how many tokens of ``budget`` the fills scheduled into ``out`` take. The
-        request holds (``users``) each entry from its first look until it copies it."""
+        and how many tokens of ``budget`` the fills scheduled into ``out`` take.
+
+        A request holds (``users``) the entries it looked at until it copies them. Only
+        one waiting request at a time (``reserver``) may hold an incomplete set, while
+        its missing entries are reserved and computed as budget and room allow: two
+        requests each holding part of what the other needs would wait forever.
+        """
         assert req.segments is not None
         rid = req.request_id
+        spans = req.segments.spans
+        if rid not in self._counted:  # queries and hits counted once per request
+            self._counted.add(rid)
+            for span in spans:
+                n = span[1] - span[0]
+                self.cache.counters.query_tokens += n
+                if self.cache.entries.get(self._key(req, span)) is not None:
+                    self.cache.counters.hit_tokens += n
         held = self.held.get(rid)
-        first_look = rid not in self._counted
         if held is None:
-            held = self.held[rid] = [None] * len(req.segments.spans)
-        self._counted.add(rid)
+            if self.reserver is not None and self.reserver != rid:
+                ready = [self.cache.entries.get(self._key(req, span)) for span in spans]
+                if not all(e is not None and e.ready for e in ready):
+                    return False, 0  # another request is completing its set first
+            held = self.held[rid] = [None] * len(spans)
         used = 0
-        for i, span in enumerate(req.segments.spans):
-            if held[i] is not None and self._alive(held[i]):
+        for i, span in enumerate(spans):
+            if self._alive(held[i]):
                 continue
             key = self._key(req, span)
             entry = self.cache.get(key)
             n = span[1] - span[0]
-            if first_look:
-                self.cache.counters.query_tokens += n
-                self.cache.counters.hit_tokens += n if entry is not None else 0
             if entry is None and budget - used >= len(self.cache.sink) + n:
                 entry = self.cache.reserve(key, n)
                 if entry is not None:
@@ -96,10 +109,15 @@ class SegmentPlanner:
             if entry is not None:
                 entry.users += 1
             held[i] = entry
-        ready = all(e is not None and e.ready for e in held)
-        return ready, used
+        complete = all(e is not None for e in held)
+        if not complete:
+            self.reserver = rid
+        elif self.reserver == rid:
+            self.reserver = None
+        return complete and all(e is not None and e.ready for e in held), used
 
     def _alive(self, entry: SegmentEntry | None) -> bool:
+        """The entry is still the cache's (a reset drops every entry)."""
         return entry is not None and self.cache.entries.get(entry.key) is entry
 
     def _fill(
@@ -118,6 +136,8 @@ class SegmentPlanner:
         """A preempted or finished request lets go of the entries it had not copied."""
         if finished:
             self._counted.discard(req.request_id)
+        if self.reserver == req.request_id:
+            self.reserver = None
         for entry in self.held.pop(req.request_id, ()):
             if entry is not None:
                 entry.users -= 1
@@ -179,6 +199,7 @@ class SegmentPlanner:
     def check_integrity(self, live: set[str]) -> None:
         """Only live requests hold entries; each held entry counts it among its users."""
         assert set(self.held) <= live, "a finished request still holds segment entries"
+        assert self.reserver is None or self.reserver in self.held, "reserver holds nothing"
         users: dict[int, int] = {}
         for entries in self.held.values():
             for e in entries:

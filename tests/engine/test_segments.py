@@ -1,0 +1,251 @@
+"""Segment reuse (issue 18) on the real default model, float32.
+
+Documents are marked as segments and sent in different orders; the engine computes each
+one standalone once, copies it (keys re-rotated) into every request that holds it and
+repairs a share of its tokens. Checked here: ratio 1.0 gives the tokens of a full
+prefill; the copied layer-0 keys equal keys computed in place; results do not depend on
+the pool (preemption, eviction, chunking); bad marks are refused with nothing leaked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.request import RequestStatus
+
+DOCS = [
+    "Document A: The river Lune flows through Lancaster. Its bridges date from the "
+    "eighteenth century and the quay once handled trade with the West Indies.",
+    "Document B: Kendal is known for mint cake, a sugar confection carried by climbers "
+    "on Everest in 1953. The town sits on the river Kent.",
+    "Document C: Morecambe Bay has fast tides and quicksand; guides have led walkers "
+    "across the sands for centuries, and the bay hosts many wading birds.",
+]
+ASKS = [
+    ((0, 1, 2), "Which town is known for mint cake?"),
+    ((2, 0, 1), "Where are the quicksands?"),
+    ((1, 2, 0), "What river flows through Lancaster?"),
+    ((1, 0), "Name a bridge town."),
+]
+SP = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+NOTES = [d.replace("Document", "Note") for d in DOCS]  # other segments, same lengths
+Ask = tuple[tuple[int, ...], str]
+
+
+def build(
+    llm: LLM, order: tuple[int, ...], question: str, docs: list[str] = DOCS
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """A chat prompt with the documents of ``order`` marked as segments."""
+    enc = llm.tokenizer.encode
+    ids = enc("<|im_start|>system\nAnswer from the documents.\n", add_special_tokens=False)
+    spans = []
+    for i in order:
+        doc = enc(docs[i] + "\n", add_special_tokens=False)
+        spans.append((len(ids), len(ids) + len(doc)))
+        ids += doc
+    ids += enc(
+        f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    return ids, spans
+
+
+def run(llm: LLM, asks: list[Ask] = ASKS, notes: list[Ask] = (), **kw: Any) -> list[list[int]]:
+    built = [build(llm, order, q) for order, q in asks]
+    built += [build(llm, order, q, NOTES) for order, q in notes]
+    outs = llm.generate(
+        prompt_token_ids=[ids for ids, _ in built],
+        sampling_params=SP,
+        segments=[spans for _, spans in built],
+        check_integrity=True,
+        use_tqdm=False,
+        **kw,
+    )
+    eng = llm.engine
+    eng.check_integrity()
+    seg = eng.kv_manager.segments
+    held = seg.num_blocks if seg is not None else 0
+    assert eng.num_free_blocks + held == eng.kv_manager.num_blocks  # nothing leaked
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return run(LLM("default", dtype="float32", segment_cache="none", num_blocks=300))
+
+
+def test_full_recompute_equals_full_prefill(plain: list[list[int]]) -> None:
+    llm = LLM("default", dtype="float32", num_blocks=300, segment_recompute_ratio=1.0)
+    assert run(llm) == plain
+    seg = llm.get_stats().segments
+    # Three documents computed once each (after the sink), reused by the later requests.
+    sink = len(llm.engine.kv_manager.segments.sink)  # type: ignore[union-attr]
+    docs = [llm.tokenizer.encode(d + "\n", add_special_tokens=False) for d in DOCS]
+    assert seg["computed_tokens"] == sum(len(d) + sink for d in docs)
+    assert seg["hit_tokens"] > 0 and seg["recomputed_tokens"] == seg["placed_tokens"]
+
+
+def test_full_recompute_with_a_kv_codec() -> None:
+    """int8 KV: copies are decoded, re-rotated and encoded again; ratio 1.0 rewrites them
+    all, so the tokens equal the codec's own full prefill."""
+    kw = dict(dtype="float32", num_blocks=300, kv_cache_dtype="int8")
+    want = run(LLM("default", **kw, segment_cache="none"), ASKS[:2])
+    assert run(LLM("default", **kw, segment_recompute_ratio=1.0), ASKS[:2]) == want
+
+
+def test_partial_repair_computes_less_and_is_independent_of_the_pool() -> None:
+    roomy = LLM("default", dtype="float32", num_blocks=300, segment_recompute_ratio=0.15)
+    want = run(roomy, ASKS, ASKS)
+    s = roomy.get_stats()
+    assert 0 < s.segments["recomputed_tokens"] < s.segments["placed_tokens"]
+    # A tight pool and a small step budget: chunked prefill stops at segments, entries
+    # are evicted and recomputed, requests are preempted; the tokens stay the same.
+    tight = LLM(
+        "default",
+        dtype="float32",
+        num_blocks=24,
+        max_num_seqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        segment_recompute_ratio=0.15,
+        segment_max_fraction=0.4,
+    )
+    assert run(tight, ASKS * 2, ASKS) == want[:4] * 2 + want[4:]
+    t = tight.get_stats()
+    assert t.num_preemptions > 0 and t.segments["evicted"] > 0
+
+
+def _run_until(llm: LLM, rid: str, position: int) -> list[int]:
+    eng = llm.engine
+    while eng.scheduler.requests[rid].num_computed_tokens < position:
+        eng.step()
+        eng.check_integrity()
+    return eng.kv_manager.get_block_ids(rid)
+
+
+def _keys(llm: LLM, blocks: list[int], positions: range) -> torch.Tensor:
+    """Layer 0's keys at ``positions`` of a request with block table ``blocks``."""
+    keys = llm.engine.kv_storage.layer(0).gather(torch.tensor(blocks))[0].flatten(0, 1)
+    return keys[torch.tensor(list(positions))]
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_placed_keys_equal_keys_computed_in_place(block_size: int) -> None:
+    """Layer 0's KV depends only on token and position: a copy re-rotated from the
+    standalone positions must equal the keys computed in place (float32, 1e-5), at odd
+    offsets and across block boundaries."""
+    kw = dict(dtype="float32", num_blocks=200, block_size=block_size)
+    seg = LLM("default", **kw, segment_recompute_ratio=0.0, segment_recompute_tokens=0)
+    ref = LLM("default", **kw, segment_cache="none", prefix_cache="none")
+    for pad in (0, 3, block_size + 5):
+        ids, spans = build(seg, (0, 2, 1), "Which bay?")
+        ids = ids[:1] + [198] * pad + ids[1:]
+        spans = [(a + pad, b + pad) for a, b in spans]
+        seg.engine.add_request(f"s{pad}", None, SP, prompt_token_ids=ids, segments=spans)
+        ref.engine.add_request(f"r{pad}", None, SP, prompt_token_ids=ids)
+        end = spans[-1][1]
+        got = _keys(seg, _run_until(seg, f"s{pad}", end), range(spans[0][0], end))
+        want = _keys(ref, _run_until(ref, f"r{pad}", end), range(spans[0][0], end))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        seg.engine.abort_request(f"s{pad}")
+        ref.engine.abort_request(f"r{pad}")
+    seg.engine.check_integrity()
+
+
+def test_shared_entry_is_held_until_every_request_copied_it() -> None:
+    """Two requests hold document A's entry while a long prefix keeps them from copying
+    it; a flood of other segments must evict around it, never it."""
+    llm = LLM(
+        "default", dtype="float32", num_blocks=40, max_num_batched_tokens=64,
+        segment_max_fraction=0.5,
+    )  # fmt: skip
+    eng = llm.engine
+    doc = list(range(1000, 1040))
+    a_start, a_end = 200, 200 + len(doc)
+    for rid, filler in (("x", 11), ("y", 13)):
+        ids = [filler] * a_start + doc + [5, 6, 7]
+        eng.add_request(rid, None, SP, prompt_token_ids=ids, segments=[(a_start, a_end)])
+    eng.step()  # both requests look the entry up: one fill, both hold it
+    eng.step()
+    planner = eng.scheduler.segments
+    assert planner is not None
+    (entry,) = planner.cache.entries.values()
+    assert entry.ready and entry.users == 2
+    flood = [[1] + [300 + i] * 30 + [4] for i in range(6)]
+    for i, ids in enumerate(flood):
+        eng.add_request(f"f{i}", None, SP, prompt_token_ids=ids, segments=[(1, 31)])
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_integrity()
+        if entry.users:
+            assert planner.cache.entries.get(entry.key) is entry
+    assert entry.users == 0
+
+
+@pytest.mark.parametrize(
+    ("spans", "match"),
+    [
+        ([(5, 5)], "empty"),
+        ([(5, 9), (8, 12)], "overlaps"),
+        ([(5, 400)], "outside"),
+        ([(-1, 3)], "outside"),
+        ([(1, 2, 3)], "start, end"),
+        ([("a", "b")], "start, end"),
+        ("0-9", "token ranges"),
+    ],
+)
+def test_bad_marks_are_refused(spans: Any, match: str) -> None:
+    llm = _shared_llm()
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate(prompt_token_ids=[list(range(20, 60))], segments=[spans], use_tqdm=False)
+    _nothing_left(llm)
+
+
+def test_bad_settings_are_refused() -> None:
+    llm = _shared_llm()
+    ids = list(range(20, 60))
+    for sp, match in (
+        (SamplingParams(segment_recompute_ratio=1.5), r"\[0, 1\]"),
+        (SamplingParams(segment_recompute_tokens=-2), "non-negative"),
+        (SamplingParams(kv_press="knorm", kv_press_ratio=0.5), "press"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate(prompt_token_ids=[ids], sampling_params=sp, segments=[[(3, 9)]])
+    with pytest.raises(InvalidRequestError, match="per prompt"):
+        llm.generate(prompt_token_ids=[ids, ids], segments=[[(3, 9)]])
+    with pytest.raises(InvalidRequestError, match="at most"):  # longer than one step computes
+        llm.generate(prompt_token_ids=[list(range(600))], segments=[[(1, 599)]])
+    _nothing_left(llm)
+    with pytest.raises(ConfigError, match=r"\[0, 1\]"):
+        LLM("default", segment_recompute_ratio=2.0)
+    era1 = LLM("default", kv_layout="contiguous", num_blocks=64, max_model_len=512)
+    with pytest.raises(InvalidRequestError, match="paged"):
+        era1.generate(prompt_token_ids=[ids], segments=[[(3, 9)]])
+    off = LLM("default", segment_cache="none", num_blocks=64)  # marks ignored
+    assert off.generate(prompt_token_ids=[ids], sampling_params=SP, segments=[[(3, 9)]])
+
+
+_LLM: LLM | None = None
+
+
+def _shared_llm() -> LLM:
+    global _LLM
+    if _LLM is None:
+        _LLM = LLM("default", num_blocks=64, max_num_batched_tokens=2048)
+    return _LLM
+
+
+def _nothing_left(llm: LLM) -> None:
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    eng.check_integrity()
+    seg = eng.kv_manager.segments
+    assert eng.num_free_blocks + (seg.num_blocks if seg else 0) == eng.kv_manager.num_blocks
+    assert RequestStatus.WAITING not in {r.status for r in eng.scheduler.requests.values()}
