@@ -70,10 +70,14 @@ def run(llm: LLM, asks: list[Ask] = ASKS, notes: list[Ask] = (), **kw: Any) -> l
     )
     eng = llm.engine
     eng.check_integrity()
-    seg = eng.kv_manager.segments
-    held = seg.num_blocks if seg is not None else 0
-    assert eng.num_free_blocks + held == eng.kv_manager.num_blocks  # nothing leaked
+    assert eng.num_free_blocks + _held(llm)[0] == eng.kv_manager.num_blocks  # nothing leaked
     return [o.outputs[0].token_ids for o in outs]
+
+
+def _held(llm: LLM) -> tuple[int, tuple[int, ...]]:
+    """Blocks the segment entries hold, and the sink every segment follows."""
+    planner = llm.engine.scheduler.segments
+    return (0, ()) if planner is None else (planner.cache.num_blocks, planner.cache.sink)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,7 @@ def test_full_recompute_equals_full_prefill(plain: list[list[int]]) -> None:
     assert run(llm) == plain
     seg = llm.get_stats().segments
     # Three documents computed once each (after the sink), reused by the later requests.
-    sink = len(llm.engine.kv_manager.segments.sink)  # type: ignore[union-attr]
+    sink = len(_held(llm)[1])
     docs = [llm.tokenizer.encode(d + "\n", add_special_tokens=False) for d in DOCS]
     assert seg["computed_tokens"] == sum(len(d) + sink for d in docs)
     assert seg["hit_tokens"] > 0 and seg["recomputed_tokens"] == seg["placed_tokens"]
@@ -246,6 +250,5 @@ def _nothing_left(llm: LLM) -> None:
     eng = llm.engine
     assert not eng.has_unfinished_requests()
     eng.check_integrity()
-    seg = eng.kv_manager.segments
-    assert eng.num_free_blocks + (seg.num_blocks if seg else 0) == eng.kv_manager.num_blocks
+    assert eng.num_free_blocks + _held(llm)[0] == eng.kv_manager.num_blocks
     assert RequestStatus.WAITING not in {r.status for r in eng.scheduler.requests.values()}
