@@ -161,6 +161,7 @@ class OutputProcessor:
             outputs=outs,
             finished=all(r.is_finished() for r in children),
             num_cached_tokens=cached,
+            num_segment_tokens=max(r.num_segment_tokens for r in children),
             cached_tokens_by_tier=dict(by_tier) if by_tier is not None else None,
             prompt_logprobs=prompt_logprobs,
             error=errors[0] if errors else None,

@@ -304,6 +304,7 @@ class Request:
     # (a copy of standalone KV), only blocks before ``cacheable_tokens`` are a true prefix.
     segments: SegmentMarks | None = None
     cacheable_tokens: int | None = None
+    num_segment_tokens: int = 0  # prompt tokens of segments already cached on arrival
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -410,3 +411,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Where the cached tokens came from, with offload tiers: {"device": .., "disk": ..}.
     cached_tokens_by_tier: dict[str, int] | None = None
+    # Issue 18: prompt tokens of segments whose KV was already cached (copied, not computed).
+    num_segment_tokens: int = 0

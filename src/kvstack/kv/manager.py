@@ -112,11 +112,13 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Free, evictable cached and idle segment blocks (both are given back on demand)."""
+        idle = self.segments.evictable_blocks() if self.segments is not None else 0
+        return self.pool.num_free_blocks + idle
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        return 1.0 - self.num_free_blocks / self.pool.num_blocks
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -415,10 +417,10 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
             num_blocks=self.pool.num_blocks,
-            num_free_blocks=self.pool.num_free_blocks,
+            num_free_blocks=self.num_free_blocks,
             num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
             num_pinned_blocks=self.num_pinned_blocks,
-            usage=self.pool.usage,
+            usage=self.usage,
             num_requests=len(self.req_blocks),
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,

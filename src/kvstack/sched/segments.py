@@ -88,6 +88,7 @@ class SegmentPlanner:
                 self.cache.counters.query_tokens += n
                 if self.cache.entries.get(self._key(req, span)) is not None:
                     self.cache.counters.hit_tokens += n
+                    req.num_segment_tokens += n
         held = self.held.get(rid)
         if held is None:
             if self.reserver is not None and self.reserver != rid:

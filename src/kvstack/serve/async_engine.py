@@ -123,6 +123,8 @@ class AsyncEngine:
             llm_engine.config.model, llm_engine.max_model_len, llm_engine.model_config.vocab_size
         )
         self.routing_info: KVRoutingInfo = llm_engine.routing_info()  # hash parameters
+        # Issue 18: whether chat requests' tools/documents/parts become segments.
+        self.segments_enabled = llm_engine.scheduler.segments is not None
         # Sampling defaults of fields a request leaves unset (``--generation-config``).
         self.generation_defaults: dict[str, Any] = dict(llm_engine.generation_defaults)
 
@@ -206,6 +208,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        segments: list[tuple[int, int]] | None = None,
     ) -> OutputStream:
         """Queue a request; returns the stream of its outputs.
 
@@ -234,8 +237,9 @@ class AsyncEngine:
         def add() -> None:
             uncount()
             self._llm_engine.add_request(
-                request_id, None, params, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt
-            )
+                request_id, None, params, prompt_token_ids=prompt_token_ids,
+                cache_salt=cache_salt, segments=segments,
+            )  # fmt: skip
 
         try:
             await self.run(add)

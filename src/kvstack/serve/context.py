@@ -23,10 +23,12 @@ from pydantic import BaseModel, ValidationError
 
 from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.chat_prompt import chat_prompt_ids
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
-from kvstack.serve.protocol import ChatMessage, TokenizeRequest, chat_prompt_ids, ignored_fields
+from kvstack.serve.protocol import ChatMessage, TokenizeRequest, ignored_fields
+from kvstack.serve.segments import chat_segments
 from kvstack.serve.tool_calls import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
@@ -162,12 +164,14 @@ class ServerContext:
                 plan = None if tools is None else ToolPlan.build(
                     tools.tools, tools.tool_choice, None, self.config.tool_call_parser
                 )  # fmt: skip
-                return chat_prompt_ids(
-                    tok, messages, add_generation_prompt=add_generation_prompt,
+                kw: dict[str, Any] = dict(
+                    add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template_kwargs=chat_template_kwargs, plan=plan,
                     documents=None if tools is None else tools.documents,
                 )  # fmt: skip
+                seg = chat_segments(tok, messages, **kw) if self.engine.segments_enabled else None
+                return seg[0] if seg is not None else chat_prompt_ids(tok, messages, **kw)
             if isinstance(prompt, str):
                 return tok.encode(prompt, add_special_tokens=add_special_tokens)
             return list(prompt or [])

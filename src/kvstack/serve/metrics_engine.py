@@ -80,6 +80,8 @@ class EngineCollector(Collector):
         if s.spec_decode:
             yield from _spec_decode_metrics(vllm, s.spec_decode)
         yield from _own_metrics(self.m, name)
+        if s.segments:
+            yield from _segment_metrics(name, s.segments)
         if s.offload:
             yield from _offload_metrics(name, s.offload)
 
@@ -103,6 +105,22 @@ def _spec_decode_metrics(vllm: list[str], spec: Mapping[str, Any]) -> Iterator[M
     for pos, count in enumerate(spec["accepted_per_pos"]):
         per_pos.add_metric([*vllm, str(pos)], float(count))
     yield per_pos
+
+
+def _segment_metrics(name: str, seg: Mapping[str, int]) -> Iterator[Metric]:
+    """Segment reuse (issue 18), in tokens: like ``vllm:prefix_cache_*`` for segments."""
+    for key, field, doc in (
+        ("segment_cache_queries", "query_tokens", "Segment cache queries, in tokens."),
+        ("segment_cache_hits", "hit_tokens", "Segment cache hits, in tokens."),
+        ("segment_recomputed_tokens", "recomputed_tokens",
+         "Tokens of placed segments recomputed (repair)."),
+        ("segment_computed_tokens", "computed_tokens",
+         "Tokens computed standalone into the segment cache (with the sink)."),
+        ("segment_placed_tokens", "placed_tokens", "Prompt tokens copied from segments."),
+    ):  # fmt: skip
+        c = CounterMetricFamily(metric_name(key), doc, labels=["model_name"])
+        c.add_metric([name], float(seg[field]))
+        yield c
 
 
 def _info(cache_info: Mapping[str, str]) -> Metric:

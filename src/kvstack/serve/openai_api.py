@@ -96,6 +96,9 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    segment = sum(j.last.num_segment_tokens for j in jobs if j.last)
+    if segment:  # extension (issue 18): prompt tokens copied from reusable segments
+        out["prompt_tokens_details"]["kvstack_segment_tokens"] = segment
     # Extension (offload tiers on): where the cached tokens came from.
     splits = [j.last.cached_tokens_by_tier for j in jobs if j.last]
     if splits and all(s is not None for s in splits):
@@ -113,7 +116,7 @@ class OpenAIHandler:
 
     async def start(
         self,
-        prompts: list[tuple[list[int], str | None]],
+        prompts: list[tuple[list[int], str | None, list[tuple[int, int]] | None]],
         req: CompletionRequest | ChatCompletionRequest,
         endpoint: str,
         session_id: str | None,
@@ -134,9 +137,10 @@ class OpenAIHandler:
         base = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         try:
-            for i, (full, full_text) in enumerate(prompts):
+            for i, (full, full_text, spans) in enumerate(prompts):
                 ids = sp.truncate_prompt(full, engine.model_info.max_model_len)
-                text = full_text if len(ids) == len(full) else None
+                whole = len(ids) == len(full)
+                text = full_text if whole else None
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 stream = await self.ctx.engine.add(
                     rid,
@@ -145,6 +149,7 @@ class OpenAIHandler:
                     RequestInfo(endpoint, session_id),
                     cache_salt=req.cache_salt,
                     timeout_s=self.ctx.request_timeout_s,
+                    segments=spans if whole else None,  # a cut prompt: marks no longer fit
                 )
                 jobs.append(Job(i, stream, ids, text))
         except BaseException:

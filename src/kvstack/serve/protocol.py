@@ -29,7 +29,8 @@ from kvstack.model.chat_template import join_text_parts, template_role
 from kvstack.model.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer
 from kvstack.prompts import check_cache_salt
 from kvstack.request import SamplingParams
-from kvstack.serve.documents import MAX_DOCUMENTS, with_documents
+from kvstack.serve.chat_prompt import chat_prompt_ids
+from kvstack.serve.documents import MAX_DOCUMENTS
 from kvstack.serve.protocol_tools import (
     MAX_TOOLS,
     StructuredFields,
@@ -37,8 +38,8 @@ from kvstack.serve.protocol_tools import (
     ToolChoice,
     ToolDef,
 )
+from kvstack.serve.segments import chat_segments
 from kvstack.serve.tool_calls import ToolPlan
-from kvstack.serve.tool_prompt import fallback_messages, template_supports_tools
 
 MAX_N = 16
 MAX_STOP = 8
@@ -246,6 +247,7 @@ class CompletionRequest(_Sampling):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    kvstack_segment: StrictBool = False  # issue 18: reuse this part's KV at any offset
 
 
 class ChatMessage(_Strict):
@@ -271,56 +273,6 @@ class ChatMessage(_Strict):
         if isinstance(self.content, list):
             return join_text_parts([p.text for p in self.content])
         return self.content or ""
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template sees them (``developer`` as ``system``, parts
-    joined): one function for chat completions, ``/tokenize`` and pins, so a pinned
-    prefix is exactly the tokens a chat computes. Empty content is a 400 but on an
-    assistant message."""
-    out = []
-    for i, m in enumerate(messages):
-        if not m.text() and m.role != "assistant":
-            raise InvalidRequestError(
-                f"messages[{i}] ({m.role}) has empty content", param=f"messages.{i}.content"
-            )
-        if m.tool_calls and m.role != "assistant":
-            raise InvalidRequestError(
-                "only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls"
-            )
-        out.append(m.template_dict())
-    return out
-
-
-def chat_prompt_ids(
-    tokenizer: Tokenizer,
-    messages: list[ChatMessage],
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    plan: ToolPlan | None = None,
-    documents: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """Token ids of a conversation through the model's chat template, with its tools
-    rendered by ``plan`` and its ``documents`` (the template's own sections, or the
-    fallbacks of ``tool_prompt.py`` and ``documents.py`` for a template without them)."""
-    template = tokenizer.chat_template or ""
-    msgs, tools = template_messages(messages), None
-    if plan is not None:
-        msgs, tools = plan.render(msgs, template)
-    elif not template_supports_tools(template) and any(
-        m.get("tool_calls") or m["role"] == "tool" for m in msgs
-    ):  # a tool conversation continued without tools: its calls still reach the prompt
-        msgs = fallback_messages(msgs, [])
-    msgs, docs = with_documents(msgs, documents, template)
-    ids = tokenizer.apply_chat_template(
-        msgs, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, tokenize=True, tools=tools,
-        documents=docs, **(chat_template_kwargs or {}),
-    )  # fmt: skip
-    assert isinstance(ids, list)
-    return ids
 
 
 def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -357,6 +309,16 @@ class ChatCompletionRequest(_Sampling):
         elif not self.tools:
             ToolPlan.build(None, self.tool_choice, None, parser)  # tool_choice without tools
         return self._plan
+
+    def segments(self, tokenizer: Tokenizer) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``prompt_ids`` with its tools, documents and marked parts as segments (issue 18,
+        ``serve/segments.py``); None when it has none. Call ``tool_plan`` first."""
+        return chat_segments(
+            tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs, plan=self._plan,
+            documents=self.documents,
+        )  # fmt: skip
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The conversation's token ids (``InvalidRequestError`` if it cannot be rendered);

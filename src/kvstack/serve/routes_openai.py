@@ -29,7 +29,8 @@ from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kvstack.structured_outputs import SpecTooLargeError
 
 logger = logging.getLogger("kvstack.serve")
-Prompts = list[tuple[list[int], str | None]]  # (token ids, the text they came from)
+# (token ids, the text they came from, segment token ranges (issue 18) or None)
+Prompts = list[tuple[list[int], str | None, list[tuple[int, int]] | None]]
 DONE = "data: [DONE]\n\n"  # the last event of every stream (openai_api.py)
 
 
@@ -79,9 +80,13 @@ class OpenAIRoutes:
         if isinstance(req, ChatCompletionRequest):
             cfg = self.ctx.config
             req.tool_plan(cfg.tool_call_parser, cfg.enable_auto_tool_choice)
-            return [(req.prompt_ids(tok), None)]
+            seg = req.segments(tok) if self.ctx.engine.segments_enabled else None
+            if seg is not None:  # tools, documents, marked parts: reusable segments
+                return [(seg[0], None, seg[1])]
+            return [(req.prompt_ids(tok), None, None)]
         return [
-            (tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in req.prompts()
+            (tok.encode(p), p, None) if isinstance(p, str) else (list(p), None, None)
+            for p in req.prompts()
         ]
 
     async def start(

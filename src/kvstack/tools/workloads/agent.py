@@ -176,7 +176,8 @@ def render_ids(
 ) -> list[int]:
     """Token ids of a chat request exactly as ``kvstack serve`` renders it with this
     tokenizer: the template's tool section, or the fallback in the system prompt."""
-    from kvstack.serve.protocol import ChatMessage, chat_prompt_ids
+    from kvstack.serve.chat_prompt import chat_prompt_ids
+    from kvstack.serve.protocol import ChatMessage
     from kvstack.serve.protocol_tools import NamedToolChoice, ToolDef
     from kvstack.serve.tool_calls import ToolPlan
 
