@@ -136,7 +136,11 @@ class LLM:
         return list(prefix)
 
     def score(
-        self, prompt_token_ids: list[int], start: int = 1, press_after: int | None = None
+        self,
+        prompt_token_ids: list[int],
+        start: int = 1,
+        press_after: int | None = None,
+        segments: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """Teacher-forced next-token log-distributions of a text (``kvstack eval``).
 
@@ -145,7 +149,9 @@ class LLM:
         ``[len(prompt_token_ids) - start, vocab]``, float16. The prompt runs in chunks of
         ``max_num_batched_tokens``, so later chunks attend to earlier ones' cached KV.
         With a press (``kv_press``), ``press_after`` tokens are computed, pressed, and the
-        rest is read through the pressed cache (default: ``start``).
+        rest is read through the pressed cache (default: ``start``). ``segments``: token
+        ranges before ``start`` reused as segments (``generate``'s), so the rows score what
+        their copies change.
         """
         if not 1 <= start < len(prompt_token_ids):
             raise InvalidRequestError(f"start must be in [1, {len(prompt_token_ids)}), got {start}")
@@ -153,7 +159,9 @@ class LLM:
         with self.engine.capture_logits(rid, start) as capture:
             after = start if press_after is None else press_after
             sp = SamplingParams(max_tokens=1, prompt_logprobs=0, kv_press_after=after)
-            self.engine.add_request(rid, None, sp, prompt_token_ids=list(prompt_token_ids))
+            self.engine.add_request(
+                rid, None, sp, prompt_token_ids=list(prompt_token_ids), segments=segments
+            )
             self._run([rid], False, False, None)
         return capture.logprobs()
 

@@ -43,8 +43,9 @@ def request_marks(
     sp: SamplingParams,
     press: Any,
 ) -> SegmentMarks | None:
-    """A request's checked marks; None when it has none or they do not apply (the
-    feature is off; prompt logprobs need every position computed, as prefix hits)."""
+    """A request's checked marks; None when it has none or the feature is off. With
+    ``prompt_logprobs`` the positions a copy fills have no entry (None, like position 0):
+    ``LLM.score`` measures what the copies change on the tokens after them."""
     if spans is None:
         return None
     if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
@@ -61,8 +62,6 @@ def request_marks(
         raise InvalidRequestError("segments are not supported with --kv-cache-dtype kivi2 yet")
     if press is not None:
         raise InvalidRequestError("segments cannot be combined with a KV press")
-    if sp.prompt_logprobs is not None:
-        return None
     ratio = sp.segment_recompute_ratio
     first = sp.segment_recompute_tokens
     cache = planner.cache

@@ -146,6 +146,10 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "enable_chunked_prefill": ([], False),
         "kv_cache_metrics": ([], True),
         "kv_cache_metrics_sample": (["0.5"], 0.5),
+        "segment_cache": (["none"], "none"),
+        "segment_recompute_ratio": (["0.3"], 0.3),
+        "segment_recompute_tokens": (["8"], 8),
+        "segment_max_fraction": (["0.25"], 0.25),
     },
     {
         "kv_layout": (["contiguous"], "contiguous"),

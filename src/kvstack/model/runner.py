@@ -420,6 +420,9 @@ class ModelRunner:
         c = s.num_computed_tokens
         k = req.sampling_params.prompt_logprobs or 0
         first = len(req.prompt_logprobs)  # first prompt position still without an entry
+        if first <= c:  # positions after copied segment KV (issue 18): no row scored them
+            req.prompt_logprobs.extend([None] * (c + 1 - first))
+            first = c + 1
         end = min(c + s.num_new_tokens, req.num_prompt_tokens - 1)  # last row's target + 1
         rows = slice(first - 1 - c, end - c)
         targets = torch.tensor(req.prompt_token_ids[first : end + 1], dtype=torch.long)

@@ -21,6 +21,9 @@ blocks that an earlier prompt already contained, never the whole prompt. Layouts
     agent-tools    |H=instructions + <tools> JSON (1500)=|.user (40).| (+ turns: rounds)
     agent-loop     |H=system (150)=|=tools (8 of 16)=|u0|c0|r0|a0|u1|c1|r1|a1|...  forced
                    tool calls (c), their results (r) and answers (a): see .agent
+    agent-tools-shuffled  |H|sys|tool 7|tool 2|tool 15|.user.|  3-8 of 20 tools, any order
+    rag-shuffled          |H|sys|doc 12|doc 3|doc 27|.q.|     3-5 of 30 docs, any order
+                   (see .shuffled: only segment reuse shares these; ``segments`` marks them)
 
 ``round`` orders dependencies: turn k of a conversation is round k and needs turn k-1's
 reply; single-turn workloads are all round 0. In multi-turn histories the assistant replies

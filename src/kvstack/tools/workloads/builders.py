@@ -1,4 +1,4 @@
-"""The seven workload builders: seeded text, rendered with the chat template, in arrival order.
+"""The nine workload builders: seeded text, rendered with the chat template, in arrival order.
 
 Each builder draws its text from sub-generators seeded by ``(seed, workload, piece)``
 (:func:`_rng`), so text shared between requests does not depend on ``num_requests``, and
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvstack.errors import ConfigError
 from kvstack.tools.workloads.agent import agent_loop_requests
+from kvstack.tools.workloads.shuffled import agent_tools_shuffled, rag_shuffled
 from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
 from kvstack.tools.workloads.text import (
     QUESTION_OPENERS,
@@ -183,6 +184,10 @@ _BUILDERS: dict[str, Callable[[_Builder], None]] = {
     "rag-qa": _rag_qa,
     "agent-tools": _agent_tools,
     "agent-loop": _agent_loop,
+    "agent-tools-shuffled": lambda b: b.out.extend(
+        agent_tools_shuffled(b.spec, cast("Tokenizer", b.tok))
+    ),
+    "rag-shuffled": lambda b: b.out.extend(rag_shuffled(b.spec, cast("Tokenizer", b.tok))),
 }
 
 

@@ -15,8 +15,9 @@ def _to_json(req: WorkloadRequest) -> dict[str, Any]:
     body: dict[str, Any]
     body = {"prompt": req.prompt} if req.messages is None else {"messages": req.messages}
     row = {k: v for k, v in dataclasses.asdict(req).items() if k not in ("messages", "prompt")}
-    if req.body_extra is None:
-        del row["body_extra"]  # files of the other workloads stay as they were
+    for key in ("body_extra", "segments"):
+        if row[key] is None:
+            del row[key]  # files of the other workloads stay as they were
     full = {**body, "max_tokens": req.max_tokens, **(req.body_extra or {})}
     return {**row, **body, "prompt": req.prompt, "body": full}
 

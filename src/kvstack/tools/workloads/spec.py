@@ -39,6 +39,9 @@ DEFAULTS: dict[str, dict[str, int | float | None]] = {
         answer_len=32,
         named_tool_choice=0,
     ),
+    # Issue 18 (``shuffled.py``): shared pieces in any subset and order.
+    "agent-tools-shuffled": dict(system_len=40, num_tools=20),
+    "rag-shuffled": dict(system_len=20, num_docs=30, doc_len=200, question_len=30),
 }
 WORKLOADS: tuple[str, ...] = tuple(DEFAULTS)
 GROUP_SIZE = 32  # shared-prefix: default num_groups = ceil(num_requests / 32)
@@ -62,6 +65,8 @@ class WorkloadRequest:
     round: int  # may depend on requests of earlier rounds; benchmarks run rounds in order
     arrival_index: int  # global order
     body_extra: dict[str, Any] | None = None  # more body fields (agent-loop: tools, tool_choice)
+    # Segment token ranges [start, end) of prompt_token_ids (the *-shuffled workloads).
+    segments: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
