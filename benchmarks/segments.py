@@ -40,12 +40,12 @@ RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def modes(first: int) -> dict[str, dict[str, Any]]:
+def modes(first: int, ratios: tuple[float, ...]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {
         "full": {"prefix_cache": "none", "segment_cache": "none"},
         "prefix": {"segment_cache": "none"},
     }
-    for r in RATIOS:
+    for r in ratios:
         out[f"seg-r{round(r * 100)}"] = {
             "segment_recompute_ratio": r, "segment_recompute_tokens": first,
         }  # fmt: skip
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="passes on fresh engines (medians)")
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--first", type=int, default=4, help="EPIC's first-k tokens recomputed")
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)),
+                    help="recompute ratios of the seg-rX modes, comma-separated")  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default="default")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
@@ -136,7 +138,8 @@ def main() -> None:
     del probe
     results: dict[str, Any] = {}
     refs: list[torch.Tensor] = []
-    for mode, kw in modes(args.first).items():
+    ratios = tuple(float(r) for r in args.ratios.split(","))
+    for mode, kw in modes(args.first, ratios).items():
         passes = []
         for run in range(args.runs):
             llm = LLM(args.model, **opts, **kw)

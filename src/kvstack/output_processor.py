@@ -162,6 +162,7 @@ class OutputProcessor:
             finished=all(r.is_finished() for r in children),
             num_cached_tokens=cached,
             num_segment_tokens=max(r.num_segment_tokens for r in children),
+            segments=_spans(children[0]),
             cached_tokens_by_tier=dict(by_tier) if by_tier is not None else None,
             prompt_logprobs=prompt_logprobs,
             error=errors[0] if errors else None,
@@ -211,3 +212,8 @@ def _ended_by_stop_token(req: Request) -> bool:
     if req.stop_reason is None:
         return last in req.eos_token_ids and not sp.ignore_eos
     return isinstance(req.stop_reason, int) and req.stop_reason == last
+
+
+def _spans(req: Request) -> list[list[int]] | None:
+    """The segment ranges a request ran with (issue 18), JSON-ready."""
+    return None if req.segments is None else [list(span) for span in req.segments.spans]

@@ -411,5 +411,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Where the cached tokens came from, with offload tiers: {"device": .., "disk": ..}.
     cached_tokens_by_tier: dict[str, int] | None = None
-    # Issue 18: prompt tokens of segments whose KV was already cached (copied, not computed).
+    # Issue 18: prompt tokens of segments whose KV was already cached (copied, not computed),
+    # and the segment ranges the engine used (``[start, end)``; None without segments).
     num_segment_tokens: int = 0
+    segments: list[list[int]] | None = None

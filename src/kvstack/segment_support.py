@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.tiers.segments import SegmentTiers
 from kvstack.request import SamplingParams
 from kvstack.sched.segments import SegmentPlanner
 from kvstack.segment_marks import SegmentMarks, make_marks
@@ -33,7 +34,22 @@ def enable_segments(engine: LLMEngine) -> None:
     bos = engine.tokenizer.bos_token_id
     sink = [bos] if bos is not None else []  # the attention sink every segment follows
     cache = kv.enable_segments(sink, cfg.segment_max_fraction)
-    engine.scheduler.segments = SegmentPlanner(cache, engine.model_config.name)
+    planner = SegmentPlanner(cache, engine.model_config.name)
+    if engine.connector is not None:  # era 4: entries stored in and loaded from the tiers
+        planner.tiers = SegmentTiers(engine.connector.offload, engine.kv_storage)
+    engine.scheduler.segments = planner
+
+
+def automatic_segments(engine: LLMEngine) -> bool:
+    """Whether the server turns tools, documents and marked parts into segments: the
+    feature is on and nothing engine-wide refuses them (a window, kivi2, a default
+    press), so a chat request that never asked for segments cannot fail on them."""
+    return (
+        engine.scheduler.segments is not None
+        and not engine.model_config.has_window
+        and not engine.kv_storage.codec.own_block_exact
+        and engine.config.cache.kv_press is None
+    )
 
 
 def request_marks(

@@ -3,7 +3,7 @@
 Debian's ``prometheus`` (installed by ``scripts/prometheus.sh ensure``, like Redis)
 listens on a free loopback port and scrapes a real ``kvstack serve`` every second; after
 traffic that exercises every panel (repeated prompts for prefix hits, a cache reset for
-host-tier hits, a press), every PromQL expression of ``deploy/grafana/kvstack.json`` and
+host-tier hits, a press, a reused segment), every PromQL expression of ``deploy/grafana/kvstack.json`` and
 of ``deploy/k8s/scaledobject.yaml`` is evaluated through Prometheus's HTTP API and must
 return a non-empty series of finite values. Both processes are stopped at the end.
 """
@@ -123,6 +123,11 @@ def traffic(base: str) -> None:
              "kv_press": "streaming_llm", "kv_press_ratio": 0.5},  # a press
         ):  # fmt: skip
             r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        part = {"type": "text", "text": "shared passage " * 3, "kvstack_segment": True}
+        for lead in ("one", "two"):  # a segment computed standalone, then reused
+            msgs = [{"role": "user", "content": [{"type": "text", "text": lead}, part]}]
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
             assert r.status_code == 200, r.text
         assert c.post("/reset_prefix_cache").status_code == 200
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})

@@ -252,3 +252,17 @@ def _nothing_left(llm: LLM) -> None:
     eng.check_integrity()
     assert eng.num_free_blocks == eng.kv_manager.num_blocks
     assert RequestStatus.WAITING not in {r.status for r in eng.scheduler.requests.values()}
+
+
+def test_entries_go_to_the_offload_tier_and_come_back() -> None:
+    """Entries are stored write-through in the host tier; after a device reset a miss is
+    loaded from there instead of computed, and gives the same tokens."""
+    llm = LLM("default", dtype="float32", num_blocks=300, kv_offload="host:64MiB")
+    first = run(llm, ASKS[:2])
+    before = llm.get_stats().segments
+    assert llm.engine.flush_offload(30)
+    llm.reset_prefix_cache()  # the device forgets every entry; the host tier keeps them
+    assert run(llm, ASKS[:2]) == first
+    after = llm.get_stats().segments
+    assert after["computed_tokens"] == before["computed_tokens"]  # nothing recomputed
+    assert after["loaded_tokens"] == before["query_tokens"] - before["hit_tokens"]

@@ -92,3 +92,10 @@ def test_bad_segment_field_is_a_400(client: TestClient) -> None:
         json={"model": "t", "messages": [{"role": "user", "content": [part]}]},
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_pressed_request_keeps_its_tools_unsegmented(client: TestClient) -> None:
+    """Tools become segments on their own; a press drops KV a copy would fill, so a
+    request with one is served as before (never a 400 for something it did not ask)."""
+    body = chat(client, messages=ASK, tools=TOOLS, kv_press="knorm", kv_press_ratio=0.3)
+    assert segment_tokens(body) == 0

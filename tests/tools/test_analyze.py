@@ -348,3 +348,22 @@ def test_python_m_help() -> None:
     ).stdout
     assert out.startswith("usage: python -m kvstack.tools.analyze")
     assert "--cache-size" in out
+
+
+def test_segment_hit_rate_beside_the_prefix_one(tmp_path: Path) -> None:
+    """kvstack logs carry each request's segments (issue 18): two documents sent in both
+    orders are reused only by segments, and the report says how much."""
+    head, d1, d2, q = [1, 2, 3, 4], [10] * 8, [20] * 8, [99, 98]
+    rows = []
+    for i, docs in enumerate(((d1, d2), (d2, d1))):
+        ids = head + docs[0] + docs[1] + q
+        segs = [[4, 12], [12, 20]]
+        rows.append({"prompt_token_ids": ids, "num_cached_tokens": 0, "segments": segs,
+                     "timestamp": float(i)})  # fmt: skip
+    log = write_log(tmp_path / "seg.jsonl", rows)
+    report = analyze(read_log(log, "kvstack"), AnalyzeOptions(block_size=BS, cache_sizes=[64]))
+    assert report["segment_hit_rate"] == pytest.approx(16 / 32)  # the second request's two
+    assert report["segment_gain"] == pytest.approx(16 / 44)  # past the 4-token prefix hit
+    bad = write_log(tmp_path / "bad.jsonl", [{**rows[0], "segments": [[12, 4]]}])
+    with pytest.raises(ConfigError, match="segments"):
+        read_log(bad, "kvstack", strict=True)

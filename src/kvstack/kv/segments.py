@@ -39,6 +39,7 @@ from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.hashing import DIGEST_SIZE, hash_block
 
 SegmentKey = bytes
+LOADING = "loading"  # an offload-tier lookup of a segment is still running (kv/tiers/)
 
 
 def segment_key(namespace: bytes, token_ids: Sequence[int]) -> SegmentKey:
@@ -72,6 +73,7 @@ class SegmentCounters:
     query_tokens: int = 0
     hit_tokens: int = 0
     computed_tokens: int = 0  # standalone prefills (the sink included)
+    loaded_tokens: int = 0  # entries loaded from an offload tier instead
     recomputed_tokens: int = 0  # repair rows
     placed_tokens: int = 0  # tokens copied into requests
     evicted: int = 0
@@ -116,10 +118,12 @@ class SegmentCache:
         self.entries[key] = entry
         return entry
 
-    def mark_ready(self) -> None:
-        """The step that computed the pending entries has run."""
-        for entry in self.entries.values():
+    def mark_ready(self) -> list[SegmentEntry]:
+        """The step that computed the pending entries has run; returns them."""
+        done = [e for e in self.entries.values() if not e.ready]
+        for entry in done:
             entry.ready = True
+        return done
 
     def drop_pending(self) -> None:
         """A failed step: entries it was computing hold nothing usable."""

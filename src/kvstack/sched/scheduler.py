@@ -294,7 +294,7 @@ class Scheduler:
         """
         changed: list[Request] = []
         if self.segments is not None:  # this step computed the segments it reserved
-            self.segments.cache.mark_ready()
+            self.segments.on_step_done()
         for s in out.scheduled:
             req = s.request
             rid = req.request_id

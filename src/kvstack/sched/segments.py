@@ -32,10 +32,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvstack.kv.segments import SegmentCache, SegmentEntry, segment_key, segment_namespace
+from kvstack.kv.segments import (
+    LOADING,
+    SegmentCache,
+    SegmentEntry,
+    segment_key,
+    segment_namespace,
+)
 from kvstack.request import Request, SamplingParams
 from kvstack.sched.output import RecomputeSpan, ScheduledRequest, SchedulerOutput, SegmentImport
+
+if TYPE_CHECKING:
+    from kvstack.kv.tiers.segments import SegmentTiers
 
 FILL_PREFIX = "kvstack-segment-fill:"
 
@@ -63,6 +73,7 @@ class SegmentPlanner:
         self.held: dict[str, list[SegmentEntry | None]] = {}  # request id -> per span
         self._counted: set[str] = set()  # requests whose queries were counted
         self.reserver: str | None = None  # the one request holding an incomplete set
+        self.tiers: SegmentTiers | None = None  # era 4: entries in the offload tiers
 
     def _key(self, req: Request, span: tuple[int, int]) -> bytes:
         ns = segment_namespace(self.model_id, req.cache_salt, self.cache.sink)
@@ -102,11 +113,9 @@ class SegmentPlanner:
                 continue
             key = self._key(req, span)
             entry = self.cache.get(key)
-            n = span[1] - span[0]
-            if entry is None and budget - used >= len(self.cache.sink) + n:
-                entry = self.cache.reserve(key, n)
-                if entry is not None:
-                    used += self._fill(req, span, entry, out)
+            if entry is None:
+                entry, tokens = self._obtain(req, span, key, out, budget - used)
+                used += tokens
             if entry is not None:
                 entry.users += 1
             held[i] = entry
@@ -116,6 +125,42 @@ class SegmentPlanner:
         elif self.reserver == rid:
             self.reserver = None
         return complete and all(e is not None and e.ready for e in held), used
+
+    def _obtain(
+        self,
+        req: Request,
+        span: tuple[int, int],
+        key: bytes,
+        out: SchedulerOutput,
+        budget: int,
+    ) -> tuple[SegmentEntry | None, int]:
+        """A missing entry: loaded when the offload tiers hold all of it, else reserved
+        and computed standalone (a fill); ``(entry, fill tokens)``, ``(None, 0)`` while a
+        tier lookup runs or without room or budget now."""
+        n = span[1] - span[0]
+        staged: Any = None  # a complete StagedLoad from the tiers
+        if self.tiers is not None:
+            staged = self.tiers.lookup(key, self.cache.blocks_for(n))
+            if staged == LOADING:
+                return None, 0
+        if staged is None and budget < len(self.cache.sink) + n:
+            return None, 0
+        entry = self.cache.reserve(key, n)
+        if entry is None:
+            return None, 0
+        if staged is not None:
+            assert self.tiers is not None
+            self.tiers.write(entry, staged)
+            entry.ready = True
+            self.cache.counters.loaded_tokens += n
+            return entry, 0
+        return entry, self._fill(req, span, entry, out)
+
+    def on_step_done(self) -> None:
+        """The step ran: its fills are ready, and go to the offload tiers (write-through)."""
+        done = self.cache.mark_ready()
+        if self.tiers is not None and done:
+            self.tiers.store(done)
 
     def _alive(self, entry: SegmentEntry | None) -> bool:
         """The entry is still the cache's (a reset drops every entry)."""

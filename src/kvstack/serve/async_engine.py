@@ -42,6 +42,7 @@ from kvstack.kv.base import KVRoutingInfo
 from kvstack.kv.events import KVEvent
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.request import RequestOutput, SamplingParams
+from kvstack.segment_support import automatic_segments
 from kvstack.serve.kv_state import RecentRequests, build_state
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.output_stream import (
@@ -124,7 +125,7 @@ class AsyncEngine:
         )
         self.routing_info: KVRoutingInfo = llm_engine.routing_info()  # hash parameters
         # Issue 18: whether chat requests' tools/documents/parts become segments.
-        self.segments_enabled = llm_engine.scheduler.segments is not None
+        self.segments_enabled = automatic_segments(llm_engine)
         # Sampling defaults of fields a request leaves unset (``--generation-config``).
         self.generation_defaults: dict[str, Any] = dict(llm_engine.generation_defaults)
 

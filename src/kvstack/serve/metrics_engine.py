@@ -117,6 +117,8 @@ def _segment_metrics(name: str, seg: Mapping[str, int]) -> Iterator[Metric]:
         ("segment_computed_tokens", "computed_tokens",
          "Tokens computed standalone into the segment cache (with the sink)."),
         ("segment_placed_tokens", "placed_tokens", "Prompt tokens copied from segments."),
+        ("segment_loaded_tokens", "loaded_tokens",
+         "Segment tokens loaded from an offload tier instead of computed."),
     ):  # fmt: skip
         c = CounterMetricFamily(metric_name(key), doc, labels=["model_name"])
         c.add_metric([name], float(seg[field]))

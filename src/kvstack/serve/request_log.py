@@ -29,6 +29,8 @@ class RequestLog:
             "prompt_token_ids": out.prompt_token_ids,
             "num_prompt_tokens": len(out.prompt_token_ids),
             "num_cached_tokens": out.num_cached_tokens,
+            "num_segment_tokens": out.num_segment_tokens,
+            "segments": out.segments,
             "num_output_tokens": info.num_tokens,
             "ttft_s": None if info.first_token is None else info.first_token - info.arrival,
             "e2e_s": now - info.arrival,

@@ -80,7 +80,8 @@ class OpenAIRoutes:
         if isinstance(req, ChatCompletionRequest):
             cfg = self.ctx.config
             req.tool_plan(cfg.tool_call_parser, cfg.enable_auto_tool_choice)
-            seg = req.segments(tok) if self.ctx.engine.segments_enabled else None
+            auto = self.ctx.engine.segments_enabled and req.kv_press is None  # (presses drop KV)
+            seg = req.segments(tok) if auto else None
             if seg is not None:  # tools, documents, marked parts: reusable segments
                 return [(seg[0], None, seg[1])]
             return [(req.prompt_ids(tok), None, None)]

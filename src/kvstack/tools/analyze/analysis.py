@@ -76,6 +76,39 @@ def ideal_hit_rate(requests: Sequence[LogRequest], prep: Prepared, block_size: i
     return hits / total if total else 0.0
 
 
+def segment_rates(
+    requests: Sequence[LogRequest], prep: Prepared, block_size: int
+) -> dict[str, float] | None:
+    """With an infinite cache (issue 18): the share of segment tokens whose segment an
+    earlier request already held, and the share of all prompt tokens segment reuse adds
+    to prefix reuse (hit segment tokens past each request's ideal prefix hit). None when
+    the log marks no segment."""
+    if not any(r.segments for r in requests):
+        return None
+    seen_blocks: set[BlockHash] = set()
+    seen_segments: set[bytes] = set()
+    seg_total = seg_hits = beyond = total = 0
+    for i, r in enumerate(requests):
+        prefix = 0
+        for h in prep.needs[i]:
+            if h not in seen_blocks:
+                break
+            prefix += block_size
+        for start, end in r.segments or ():
+            key = r.token_ids[start:end].tobytes()
+            seg_total += end - start
+            if key in seen_segments:
+                seg_hits += end - start
+                beyond += max(0, end - max(start, prefix))
+            seen_segments.add(key)
+        seen_blocks.update(prep.hashes[i])
+        total += len(r.token_ids)
+    return {
+        "segment_hit_rate": round(seg_hits / seg_total, 6) if seg_total else 0.0,
+        "segment_gain": round(beyond / total, 6) if total else 0.0,
+    }
+
+
 def auto_cache_sizes(requests: Sequence[LogRequest], prep: Prepared, bs: int) -> list[int]:
     """Up to 8 geometric sizes (block multiples) from one that fits the largest request to
     one that holds every distinct block next to the largest request (an infinite cache)."""
@@ -176,6 +209,8 @@ def analyze(parsed: ParseResult, opts: AnalyzeOptions) -> dict[str, Any]:
     }
     if kvb is not None:
         report["kv_bytes_per_token"] = kvb
+    if (seg := segment_rates(reqs, prep, bs)) is not None:
+        report |= seg
     if reqs and all(c is not None for c in cached):
         report["observed_hit_rate"] = round(
             sum(c or 0 for c in cached) / prompt_tokens if prompt_tokens else 0.0, 6

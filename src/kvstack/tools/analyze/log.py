@@ -65,6 +65,8 @@ class LogRequest:
     session_id: str | None = None
     timestamp: float | None = None
     num_cached_tokens: int | None = None  # what the server reported (kvstack format)
+    # Segment token ranges (issue 18; kvstack format, written by ``--request-log``).
+    segments: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -247,10 +249,29 @@ def _openai_prompts(body: Any, tok: _Tokenize) -> list[array]:
     return [_token_ids(prompt, "prompt")]
 
 
-def parse_line(
-    obj: Any, fmt: str, session_field: str, tok: _Tokenize | None
-) -> list[tuple[array, str | None, float | None, int | None]]:
-    """``(token ids, session, timestamp, cached tokens)`` of the request(s) on a line."""
+def _segments(value: Any, num_tokens: int) -> list[tuple[int, int]] | None:
+    """Sorted, disjoint ``[start, end)`` ranges inside the prompt, or a malformed line."""
+    if value is None:
+        return None
+    bad = _Malformed(f"segments {_shown(value)} are not [start, end) ranges of the prompt")
+    if not isinstance(value, list):
+        raise bad
+    out: list[tuple[int, int]] = []
+    for mark in value:
+        if not isinstance(mark, list) or len(mark) != 2 or any(type(x) is not int for x in mark):
+            raise bad
+        if not (out[-1][1] if out else 0) <= mark[0] < mark[1] <= num_tokens:
+            raise bad
+        out.append((mark[0], mark[1]))
+    return out
+
+
+Parsed = tuple[array, str | None, float | None, int | None, list[tuple[int, int]] | None]
+
+
+def parse_line(obj: Any, fmt: str, session_field: str, tok: _Tokenize | None) -> list[Parsed]:
+    """``(token ids, session, timestamp, cached tokens, segments)`` of the request(s) on
+    a line."""
     if not isinstance(obj, dict):
         raise _Malformed("line is not a JSON object")
     ts = _timestamp(obj.get("timestamp"))
@@ -261,12 +282,13 @@ def parse_line(
         if sess is None and isinstance(body, dict):
             sess = body.get(session_field)
         session = _session(sess)
-        return [(ids, session, ts, None) for ids in _openai_prompts(body, tok)]
+        return [(ids, session, ts, None, None) for ids in _openai_prompts(body, tok)]
     ids = _token_ids(obj.get("prompt_token_ids"), "prompt_token_ids")
     cached = obj.get("num_cached_tokens") if fmt == "kvstack" else None
     if cached is not None and (type(cached) is not int or cached < 0):
         raise _Malformed(f"num_cached_tokens {_shown(cached)} is not a count")
-    return [(ids, _session(obj.get(session_field)), ts, cached)]
+    segments = _segments(obj.get("segments"), len(ids)) if fmt == "kvstack" else None
+    return [(ids, _session(obj.get(session_field)), ts, cached, segments)]
 
 
 def read_log(
@@ -312,8 +334,8 @@ def read_log(
                     parsed = parse_line(obj, fmt, session_field, tok)
                 except (ArithmeticError, ValueError, TypeError) as e:  # a check missed it
                     raise _Malformed(f"unreadable value ({type(e).__name__})") from None
-                for ids, sess, ts, cached in parsed:
-                    res.requests.append(LogRequest(line_no, ids, sess, ts, cached))
+                for ids, sess, ts, cached, segs in parsed:
+                    res.requests.append(LogRequest(line_no, ids, sess, ts, cached, segs))
             except _Malformed as e:
                 if strict:
                     raise ConfigError(f"{path}:{line_no}: malformed line: {e}") from None
