@@ -32,7 +32,7 @@ class SegmentConfig:
         group=KV,
     )  # fmt: skip
     segment_recompute_tokens: int = option(
-        4,
+        16,
         "repair: the first N tokens of every placed segment are always recomputed (EPIC); "
         "requests may set segment_recompute_tokens",
         group=KV, metavar="N",
