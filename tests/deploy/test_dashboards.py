@@ -4,8 +4,9 @@ Debian's ``prometheus`` (installed by ``scripts/prometheus.sh ensure``, like Red
 listens on a free loopback port and scrapes a real ``kvstack serve`` every second; after
 traffic that exercises every panel (repeated prompts for prefix hits, a cache reset for
 host-tier hits, a press, a reused segment), every PromQL expression of
-``deploy/grafana/kvstack.json`` and of ``deploy/k8s/scaledobject.yaml`` is evaluated through Prometheus's HTTP API and must
-return a non-empty series of finite values. Both processes are stopped at the end.
+``deploy/grafana/kvstack.json`` and of ``deploy/k8s/scaledobject.yaml`` is evaluated
+through Prometheus's HTTP API and must return a non-empty series of finite values. Both
+processes are stopped at the end.
 """
 
 from __future__ import annotations
