@@ -51,8 +51,12 @@ def req(ids: list[int], rnd: int = 0, idx: int = 0) -> WorkloadRequest:
     return WorkloadRequest(f"r{idx}", ids, None, "", 8, None, rnd, idx)
 
 
-# agent-loop renders tools and tool messages (tests/tools/test_agent_loop.py checks it).
-@pytest.mark.parametrize("name", [w for w in WORKLOADS if w != "agent-loop"])
+# agent-loop renders tools and tool messages (tests/tools/test_agent_loop.py checks it);
+# the *-shuffled ones tools and documents (test_shuffled_workloads_mark_their_pieces).
+PLAIN = [w for w in WORKLOADS if w != "agent-loop" and not w.endswith("-shuffled")]
+
+
+@pytest.mark.parametrize("name", PLAIN)
 def test_deterministic_and_consistent(tok: Tokenizer, name: str) -> None:
     a = make_workload(name, tok, 6, seed=1)
     b = make_workload(name, tok, 6, seed=1)
@@ -242,3 +246,29 @@ def test_python_m_help() -> None:
     ).stdout
     assert out.startswith("usage: python -m kvstack.tools.workloads")
     assert "--num-requests" in out
+
+
+@pytest.mark.parametrize("name", ["agent-tools-shuffled", "rag-shuffled"])
+def test_shuffled_workloads_mark_their_pieces(tok: Tokenizer, name: str) -> None:
+    """Issue 18: the same pieces in other subsets and orders; ids and segment ranges are
+    what the server computes from the body; a piece has the same ids wherever it sits."""
+    from kvstack.tools.workloads.shuffled import segment_ids
+
+    work = make_workload(name, tok, 12, seed=1)
+    assert work == make_workload(name, tok, 12, seed=1)
+    assert make_workload(name, tok, 3, seed=1)[0] == work[0]
+    pieces: dict[tuple[int, ...], int] = {}
+    for r in work:
+        extra = r.body_extra or {}
+        assert r.messages is not None and r.segments
+        ids, spans = segment_ids(tok, r.messages, extra.get("tools"), extra.get("documents"))
+        assert r.prompt_token_ids == ids and r.segments == [list(s) for s in spans]
+        n = len(extra.get("tools") or extra.get("documents") or [])
+        assert len(r.segments) == n and (3 <= n <= 8 if "tools" in extra else 3 <= n <= 5)
+        for s, e in r.segments:
+            piece = tuple(ids[s:e])
+            pieces[piece] = pieces.get(piece, 0) + 1
+            if "tools" in extra:
+                assert 110 <= e - s <= 260  # 120-250 rendered tokens, within a few
+    assert max(pieces.values()) > 1  # pieces recur, at other offsets
+
