@@ -271,4 +271,3 @@ def test_shuffled_workloads_mark_their_pieces(tok: Tokenizer, name: str) -> None
             if "tools" in extra:
                 assert 110 <= e - s <= 260  # 120-250 rendered tokens, within a few
     assert max(pieces.values()) > 1  # pieces recur, at other offsets
-
