@@ -168,15 +168,12 @@ def call_messages(calls: list[dict[str, Any]], results: list[str]) -> list[dict[
     return out
 
 
-def render_ids(
-    tokenizer: Tokenizer,
+def parse_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
-) -> list[int]:
-    """Token ids of a chat request exactly as ``kvstack serve`` renders it with this
-    tokenizer: the template's tool section, or the fallback in the system prompt."""
-    from kvstack.serve.chat_prompt import chat_prompt_ids
+) -> tuple[list[Any], Any]:
+    """A chat body's messages and tool plan as ``kvstack serve`` parses them."""
     from kvstack.serve.protocol import ChatMessage
     from kvstack.serve.protocol_tools import NamedToolChoice, ToolDef
     from kvstack.serve.tool_calls import ToolPlan
@@ -186,7 +183,20 @@ def render_ids(
         choice = NamedToolChoice.model_validate(tool_choice)
     defs = [ToolDef.model_validate(t) for t in tools] if tools else None
     plan = ToolPlan.build(defs, choice, None, "hermes")
-    msgs = [ChatMessage.model_validate(m) for m in messages]
+    return [ChatMessage.model_validate(m) for m in messages], plan
+
+
+def render_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a chat request exactly as ``kvstack serve`` renders it with this
+    tokenizer: the template's tool section, or the fallback in the system prompt."""
+    from kvstack.serve.chat_prompt import chat_prompt_ids
+
+    msgs, plan = parse_chat(messages, tools, tool_choice)
     return chat_prompt_ids(tokenizer, msgs, add_generation_prompt=True, plan=plan)
 
 

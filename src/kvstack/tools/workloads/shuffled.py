@@ -20,6 +20,7 @@ import json
 import random
 from typing import TYPE_CHECKING, Any
 
+from kvstack.tools.workloads.agent import parse_chat
 from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
 from kvstack.tools.workloads.text import TextMaker, tool_schema
 
@@ -51,14 +52,9 @@ def segment_ids(
     documents: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Ids and segment ranges of a chat body exactly as ``kvstack serve`` computes them."""
-    from kvstack.serve.protocol import ChatMessage
-    from kvstack.serve.protocol_tools import ToolDef
     from kvstack.serve.segments import chat_segments
-    from kvstack.serve.tool_calls import ToolPlan
 
-    defs = [ToolDef.model_validate(t) for t in tools] if tools else None
-    plan = ToolPlan.build(defs, None, None, "hermes") if defs else None
-    msgs = [ChatMessage.model_validate(m) for m in messages]
+    msgs, plan = parse_chat(messages, tools)
     found = chat_segments(
         tokenizer, msgs, plan=plan, documents=documents, add_generation_prompt=True
     )
