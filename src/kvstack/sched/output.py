@@ -65,6 +65,11 @@ class RecomputeSpan:
     count: int
 
 
+def recompute_rows(spans: list[RecomputeSpan]) -> int:
+    """Rows the repair of ``spans`` adds: each span's first tokens and ``count`` more."""
+    return sum(min(r.first, r.end - r.start) + r.count for r in spans)
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -79,7 +84,7 @@ class ScheduledRequest:
 
     @property
     def num_recompute_rows(self) -> int:
-        return sum(min(r.first, r.end - r.start) + r.count for r in self.recompute)
+        return recompute_rows(self.recompute)
 
     @property
     def samples(self) -> bool:

@@ -42,7 +42,13 @@ from kvstack.kv.segments import (
     segment_namespace,
 )
 from kvstack.request import Request, SamplingParams
-from kvstack.sched.output import RecomputeSpan, ScheduledRequest, SchedulerOutput, SegmentImport
+from kvstack.sched.output import (
+    RecomputeSpan,
+    ScheduledRequest,
+    SchedulerOutput,
+    SegmentImport,
+    recompute_rows,
+)
 
 if TYPE_CHECKING:
     from kvstack.kv.tiers.segments import SegmentTiers
@@ -63,7 +69,7 @@ class Placement:
 
     @property
     def rows(self) -> int:
-        return sum(min(r.first, r.end - r.start) + r.count for r in self.recompute)
+        return recompute_rows(self.recompute)
 
 
 class SegmentPlanner:
