@@ -32,9 +32,23 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("kv", "sched", "spec", "stats"),  # 1 bookkeeping and KV memory, speculation
     ("model",),  # 2 the model, its runner and sampler
-    ("config", "vllm_args", "segment_config"),  # 3 engine options, checked against registries
+    (
+        "config",
+        "config_choices",
+        "vllm_args",
+        "segment_config",
+    ),  # 3 engine options, checked against registries
     # 4 the engine ("" = kvstack)
-    ("engine", "engine_stats", "segment_support", "llm", "output_processor", "testing", ""),
+    (
+        "engine",
+        "engine_stats",
+        "segment_support",
+        "hybrid_support",
+        "llm",
+        "output_processor",
+        "testing",
+        "",
+    ),
     ("serve",),  # 5 the OpenAI server
     ("route", "tools"),  # 6 applications on top of the server/engine
     ("deploy",),  # 7 manifests that run the applications

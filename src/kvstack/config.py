@@ -15,11 +15,21 @@ its configuration, and every instance that exists passed ``__post_init__``'s che
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstack.config_choices import (
+    VLLM_DTYPES,
+    codecs_and_aliases,
+    eviction_policies,
+    kv_layouts,
+    prefix_caches,
+    presses,
+    quantizations,
+    to_dtype,
+    to_kv_cache_dtype,
+)
 from kvstack.errors import ConfigError
 from kvstack.model_config import ModelConfig, RopeScaling
 from kvstack.options import (
@@ -53,62 +63,6 @@ ENGINE = "engine"
 KV = "KV cache management"
 
 
-# Choices are the extension points' registries, imported when first read: ``kvstack
-# --help`` builds every parser, and the codec and press modules import torch.
-def _prefix_caches() -> Iterable[str]:
-    from kvstack.kv.manager import PREFIX_CACHES
-
-    return PREFIX_CACHES.names()
-
-
-def _eviction_policies() -> Iterable[str]:
-    from kvstack.kv.policies import EVICTION_POLICIES
-
-    return EVICTION_POLICIES.names()
-
-
-def _kv_layouts() -> Iterable[str]:
-    from kvstack.kv.layouts import KV_LAYOUTS
-
-    return KV_LAYOUTS.names()
-
-
-def _codecs() -> Iterable[str]:
-    from kvstack.kv.codecs import CODECS
-
-    return CODECS.names()
-
-
-# vLLM's spellings of kvstack's values (``--dtype auto``, ``--kv-cache-dtype fp8_e4m3``):
-# accepted as choices and converted to kvstack's name (idempotent, as ``convert`` must be).
-VLLM_DTYPES = {"auto": "bfloat16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
-VLLM_KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "bfloat16": "bf16"}
-
-
-def _dtype(value: str) -> str:
-    return VLLM_DTYPES.get(value, value)
-
-
-def _kv_cache_dtype(value: str) -> str:
-    return VLLM_KV_CACHE_DTYPES.get(value, value)
-
-
-def _codecs_and_aliases() -> Iterable[str]:
-    return (*_codecs(), *VLLM_KV_CACHE_DTYPES)
-
-
-def _quantizations() -> Iterable[str]:
-    from kvstack.model.quant.schemes import QUANTIZATIONS
-
-    return QUANTIZATIONS.names()
-
-
-def _presses() -> Iterable[str]:
-    from kvstack.kv.press import PRESSES
-
-    return PRESSES.names()
-
-
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing (vLLM PagedAttention) and the KV-management choices.
@@ -128,7 +82,7 @@ class CacheConfig:
         "hash",
         "reuse the KV of repeated prefixes: 'hash' = vLLM's block hash chain (default), "
         "'radix' = SGLang's token radix tree, 'none' = recompute every prompt",
-        group=KV, choices=_prefix_caches,
+        group=KV, choices=prefix_caches,
         switches=(
             Switch("--no-enable-prefix-caching", "none", "vLLM's spelling of --prefix-cache none"),
             Switch("--enable-prefix-caching", lambda cur: "hash" if cur == "none" else cur,
@@ -139,7 +93,7 @@ class CacheConfig:
         "lru",
         "which cached block to drop when the pool is full: least recently used "
         "(default), least frequently used, or adaptive (ARC: balances recency and frequency)",
-        group=KV, choices=_eviction_policies,
+        group=KV, choices=eviction_policies,
     )  # fmt: skip
     max_pinned_fraction: float = option(
         0.5,
@@ -164,7 +118,7 @@ class CacheConfig:
         "'paged' blocks (default); the era-1 baselines reserve one contiguous slab per "
         "request of max-model-len tokens ('contiguous') or prompt + max_tokens "
         "('contiguous-request'), for measurement",
-        group=KV, choices=_kv_layouts,
+        group=KV, choices=kv_layouts,
     )  # fmt: skip
     kv_cache_dtype: str = option(
         "auto",
@@ -175,7 +129,7 @@ class CacheConfig:
         "'rotated4' = randomized Hadamard rotation then 4-bit (3.6x); 'bf16' for float32 "
         "models; 'fp8_e5m2' = e5m2 (vLLM's; fp8 loses less). vLLM's 'fp8_e4m3' is 'fp8'. "
         "Measure what each costs with `kvstack eval`",
-        group=KV, choices=_codecs_and_aliases, label="--kv-cache-dtype", convert=_kv_cache_dtype,
+        group=KV, choices=codecs_and_aliases, label="--kv-cache-dtype", convert=to_kv_cache_dtype,
     )  # fmt: skip
     kv_press: str | None = option(
         None,
@@ -187,7 +141,7 @@ class CacheConfig:
         "worst-case (max) of the window's votes, clamped at the mean; layer_defensivekv = "
         "defensivekv with one budget shared by all layers. Requests may set their own "
         "(kv_press, kv_press_ratio)",
-        group=KV, choices=_presses,
+        group=KV, choices=presses,
     )  # fmt: skip
     kv_press_ratio: float = option(
         0.0,
@@ -202,6 +156,14 @@ class CacheConfig:
         "requests may set kv_press_every). Default: press once, after the prompt",
         group=KV, metavar="N",
     )  # fmt: skip
+    disable_hybrid_kv_cache_manager: bool = option(
+        False,
+        "vLLM's flag: one block table for all layers even when some attend to a sliding "
+        "window (Gemma 3, Mistral, Qwen2's sliding layers). Default: the hybrid KV "
+        "manager gives each group of layers its own table and frees the blocks that fell "
+        "out of every window",
+        group=KV,
+    )
     kv_offload: str | None = option(
         None,
         "era 4: keep evicted and past prefixes in lower tiers, tried in the order given "
@@ -358,7 +320,7 @@ class EngineConfig:
         "weights, activations and KV cache dtype (float32 for exact comparisons; vLLM's "
         "'auto' is bfloat16 here; float16 is not supported on CPU)",
         group=ENGINE, choices=lambda: ("bfloat16", "float32", *VLLM_DTYPES),
-        convert=_dtype,
+        convert=to_dtype,
     )  # fmt: skip
     tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
     chat_template: str | None = option(
@@ -383,7 +345,7 @@ class EngineConfig:
         "Q4_K weights kept packed (other types dequantized, with a warning naming them). "
         "Packed weights run a C++ kernel at decode and dequantize + oneDNN at prefill. "
         "vLLM's keyword; its None = 'none'",
-        group=ENGINE, choices=_quantizations,
+        group=ENGINE, choices=quantizations,
     )  # fmt: skip
     seed: int = option(0, "global random seed", group=ENGINE)
     structured_outputs_backend: str = option(

@@ -18,6 +18,7 @@ from dataclasses import replace
 from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.engine_stats import engine_stats
 from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.hybrid_support import num_pages, plan_kv_groups, token_capacity
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.layouts import build_kv_manager
@@ -67,11 +68,12 @@ class LLMEngine:
         self.max_model_len = max_len
         cc = config.cache
         max_seqs = config.scheduler.max_num_seqs
+        self.kv_groups = plan_kv_groups(config, mc)  # sliding windows: the hybrid manager
         num_blocks = self._num_blocks()
         if cc.block_size > max_len:
             raise ConfigError(f"block_size {cc.block_size} exceeds max_model_len {max_len}")
         self.kv_storage = KVStorage(
-            mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs
+            mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs, self.kv_groups
         )
         codec = self.kv_storage.codec
         # A sliding window with an encoded or pressed cache: one clear error (model/window.py).
@@ -80,7 +82,10 @@ class LLMEngine:
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
         )
-        params = cc.layout_params(num_blocks, max_len, mc.name)
+        params = replace(
+            cc.layout_params(num_blocks, max_len, mc.name), groups=self.kv_groups,
+            max_chunk_tokens=config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
         self.residency = params.residency  # vLLM's --kv-cache-metrics sampler, or None
         self.kv_manager: KVManager = build_kv_manager(cc.kv_layout, params)
         if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
@@ -114,7 +119,10 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
         self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
         self.speculator = build_speculator(
-            config, max_len, num_blocks * cc.block_size, codec.rolls_back
+            config,
+            max_len,
+            token_capacity(num_blocks, self.kv_groups, cc.block_size),
+            codec.rolls_back,
         )  # spec/: speculative decoding, or None
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
@@ -125,7 +133,7 @@ class LLMEngine:
         """Pool size: ``num_blocks``, or as many blocks as ``kv_cache_memory`` holds."""
         cc = self.config.cache
         if cc.num_blocks is not None:
-            return cc.num_blocks
+            return num_pages(cc.num_blocks, self.kv_groups)
         memory = cc.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         num_blocks = KVStorage.num_blocks_for_memory(
             self.model_config,
@@ -134,6 +142,7 @@ class LLMEngine:
             memory,
             cc.kv_cache_dtype,
             self.config.scheduler.max_num_seqs,
+            self.kv_groups,
         )
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {memory} B holds not even one KV block")
@@ -163,6 +172,8 @@ class LLMEngine:
             cc.prefix_cache if cc.kv_layout == "paged" else "none",
             cc.eviction_policy,
         )
+        if self.kv_groups is not None:  # blocks above are pages of a few layers each
+            logger.info("hybrid KV manager: %s", self.kv_groups.describe())
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:

@@ -134,7 +134,10 @@ def test_greedy_matches_transformers(tiny: Tiny, prompts: list[list[int]]) -> No
         max_num_seqs=3,
     )  # fmt: skip
     _check("chunked", refs, chunked.generate(prompt_token_ids=prompts, sampling_params=sp))
-    small = LLM(path, dtype="float32", block_size=4, num_blocks=14, max_num_seqs=5)
+    small = LLM(  # one table for all layers (hybrid preemption: test_hybrid_engine.py)
+        path, dtype="float32", block_size=4, num_blocks=14, max_num_seqs=5,
+        disable_hybrid_kv_cache_manager=True,
+    )  # fmt: skip
     outs = small.generate(prompt_token_ids=prompts, sampling_params=sp)
     assert small.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
     _check("preempted", refs, outs)

@@ -130,6 +130,9 @@ class ContiguousKVManager:
         slab = self.slabs.get(request_id)
         return [] if slab is None else list(range(slab[0], slab[0] + slab[1]))
 
+    def group_block_ids(self, request_id: str) -> None:
+        """One slab for every layer."""
+
     def free(self, request: Request | str) -> None:
         rid = request if isinstance(request, str) else request.request_id
         slab = self.slabs.pop(rid, None)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from kvstack.kv.base import KVManager
 from kvstack.kv.contiguous import ContiguousKVManager
+from kvstack.kv.groups import KVGroups
+from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.residency import BlockResidency
 from kvstack.registry import Registry
@@ -30,6 +32,8 @@ class KVLayoutParams:
     max_pinned_fraction: float = 0.5
     model_id: str = ""
     residency: BlockResidency | None = None  # paged only: --kv-cache-metrics
+    groups: KVGroups | None = None  # paged only: the hybrid manager's KV groups (pages)
+    max_chunk_tokens: int = 0  # the step's token budget (a window group's peak)
 
 
 KVLayoutFactory = Callable[[KVLayoutParams], KVManager]
@@ -37,6 +41,11 @@ KV_LAYOUTS: Registry[KVLayoutFactory] = Registry("kv_layout")
 
 
 def _paged(p: KVLayoutParams) -> KVManager:
+    if p.groups is not None:  # sliding-window layers: one table per group (kv/hybrid.py)
+        return HybridKVManager(
+            p.groups, p.num_blocks, p.block_size, p.max_chunk_tokens, p.prefix_cache,
+            p.eviction_policy, p.model_id, residency=p.residency,
+        )  # fmt: skip
     return KVCacheManager(
         p.num_blocks,
         p.block_size,

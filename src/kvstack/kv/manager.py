@@ -20,7 +20,7 @@ same). That is what stops 32 simultaneous prompts with one system prompt from al
 computing it. A step that fails must therefore reset the cache (``LLMEngine``).
 
 The last prompt token is always computed (a hit covers at most ``num_tokens - 1``
-tokens, block-aligned), so there are logits to sample from.
+tokens, block-aligned). Models with sliding-window layers get ``kv/hybrid.py`` instead.
 
 Externally loaded blocks (era 4, vLLM v1's connector shape): the connector says how
 many blocks after the device hit it can supply; ``allocate_slots(..., num_external_blocks=k)``
@@ -291,6 +291,9 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def group_block_ids(self, request_id: str) -> None:
+        """One table for every layer (``kv/hybrid.py`` has one per KV group)."""
 
     def free(self, request: Request | str) -> None:
         """Release all blocks of a request (tail first). Idempotent."""

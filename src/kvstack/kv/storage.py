@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstack.kv.codecs import CacheShape, IdentityCodec, KernelView, KVCodec, codec_class
+from kvstack.kv.groups import KVGroups
 from kvstack.model_config import ModelConfig
 
 
@@ -33,6 +34,11 @@ class LayerCache:
     codec: KVCodec
     k: torch.Tensor | None  # [num_blocks, bs, kv_heads, head_dim] when identity
     v: torch.Tensor | None
+    slot: int = -1  # the layer's index in the storage (hybrid: in its group's pages)
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.layer
 
     @property
     def identity(self) -> bool:
@@ -41,17 +47,17 @@ class LayerCache:
     @property
     def kernel_view(self) -> KernelView | None:
         """How the C++ codec attention reads this layer in place (None: it cannot)."""
-        return None if self.k is not None else self.codec.kernel_view(self.layer)
+        return None if self.k is not None else self.codec.kernel_view(self.slot)
 
     @property
     def per_token_view(self) -> KernelView | None:
         """This layer's per-token codec storage, for the C++ write and gather (None: the
         codec's ``write`` / ``gather``)."""
-        return None if self.k is not None else self.codec.per_token_view(self.layer)
+        return None if self.k is not None else self.codec.per_token_view(self.slot)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``."""
-        self.codec.write(self.layer, slots, k, v)
+        self.codec.write(self.slot, slots, k, v)
 
     def gather(
         self, block_ids: torch.Tensor, kernels: Any = None
@@ -61,7 +67,7 @@ class LayerCache:
         dequantized by ``codec_gather`` (the same values as the codec's ``gather``)."""
         if self.k is not None and self.v is not None:
             return self.k[block_ids], self.v[block_ids]
-        view = self.codec.gather_view(self.layer) if kernels is not None else None
+        view = self.codec.gather_view(self.slot) if kernels is not None else None
         if view is not None:
             k, v = kernels.codec_gather(
                 view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
@@ -69,7 +75,7 @@ class LayerCache:
                 self.codec.dtype, view.res_k, view.res_v, view.residual_of,
             )  # fmt: skip
             return k, v
-        return self.codec.gather(self.layer, block_ids)
+        return self.codec.gather(self.slot, block_ids)
 
     @property
     def own_block_exact(self) -> bool:
@@ -82,7 +88,7 @@ class LayerCache:
         """K, V of whole blocks as the rows inside them read them (``KVCodec.gather_own``)."""
         if self.k is not None and self.v is not None:
             return self.k[block_ids], self.v[block_ids]
-        return self.codec.overlay_own(self.layer, block_ids, *self.gather(block_ids, kernels))
+        return self.codec.overlay_own(self.slot, block_ids, *self.gather(block_ids, kernels))
 
     def overlay_own(
         self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -90,7 +96,7 @@ class LayerCache:
         """Gathered blocks (``gather``) turned into ``gather_own``'s (``KVCodec.overlay_own``)."""
         if self.k is not None:
             return k, v
-        return self.codec.overlay_own(self.layer, block_ids, k, v)
+        return self.codec.overlay_own(self.slot, block_ids, k, v)
 
 
 class KVStorage:
@@ -102,11 +108,17 @@ class KVStorage:
         dtype: torch.dtype,
         codec: str = "auto",
         max_num_seqs: int = 1,
+        groups: KVGroups | None = None,
     ) -> None:
+        """``groups`` (hybrid KV manager, ``kv/groups.py``): blocks are pages of
+        ``groups.layers_per_page`` layers and layer ``i`` lives in slot
+        ``groups.layer_slots()[i]`` of its group's pages."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.shape = self.cache_shape(config, num_blocks, block_size)
+        self.groups = groups
+        self._slots = groups.layer_slots() if groups is not None else None
+        self.shape = self.cache_shape(config, num_blocks, block_size, groups)
         self.codec: KVCodec = codec_class(codec)(self.shape, dtype, max_num_seqs)
         ident = isinstance(self.codec, IdentityCodec) and self.codec.identity
         self._k = self.codec.k if ident else None  # type: ignore[attr-defined]
@@ -114,19 +126,26 @@ class KVStorage:
         self._layer_views: tuple[torch.Tensor | None, dict[int, LayerCache]] | None = None
 
     @staticmethod
-    def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> CacheShape:
-        return CacheShape(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim
-        )
+    def cache_shape(
+        config: ModelConfig, num_blocks: int, block_size: int, groups: KVGroups | None = None
+    ) -> CacheShape:
+        layers = config.num_layers if groups is None else groups.layers_per_page
+        return CacheShape(layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
     def bytes_per_block(
-        config: ModelConfig, block_size: int, dtype: torch.dtype, codec: str = "auto"
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        codec: str = "auto",
+        groups: KVGroups | None = None,
     ) -> float:
+        """Bytes of one block (hybrid: one page, ``groups.layers_per_page`` layers)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_head = codec_class(codec).bytes_per_token_head(config.head_dim, block_size, itemsize)
-        return config.num_layers * config.num_kv_heads * block_size * per_head
+        layers = config.num_layers if groups is None else groups.layers_per_page
+        return layers * config.num_kv_heads * block_size * per_head
 
     @classmethod
     def num_blocks_for_memory(
@@ -137,11 +156,12 @@ class KVStorage:
         memory_bytes: int,
         codec: str = "auto",
         max_num_seqs: int = 1,
+        groups: KVGroups | None = None,
     ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        shape = cls.cache_shape(config, 0, block_size)
+        shape = cls.cache_shape(config, 0, block_size, groups)
         fixed = codec_class(codec).fixed_bytes(shape, max_num_seqs, itemsize)
-        per_block = cls.bytes_per_block(config, block_size, dtype, codec)
+        per_block = cls.bytes_per_block(config, block_size, dtype, codec, groups)
         return int((memory_bytes - fixed) // per_block)
 
     @property
@@ -167,10 +187,11 @@ class KVStorage:
             views = self._layer_views = (self._k, {})
         cache = views[1].get(layer)
         if cache is None:
+            slot = layer if self._slots is None else self._slots[layer]
             if self._k is not None and self._v is not None:
-                cache = LayerCache(layer, self.codec, self._k[layer], self._v[layer])
+                cache = LayerCache(layer, self.codec, self._k[slot], self._v[slot], slot)
             else:
-                cache = LayerCache(layer, self.codec, None, None)
+                cache = LayerCache(layer, self.codec, None, None, slot)
             views[1][layer] = cache
         return cache
 
@@ -180,7 +201,7 @@ class KVStorage:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""
-        self.codec.write(layer, slots, k, v)
+        self.layer(layer).write(slots, k, v)
 
     # ------------------------------------------------------------------ whole blocks
     @property

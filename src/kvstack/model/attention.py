@@ -123,6 +123,15 @@ class AttentionMetadata:
     kernel_rows: KernelRows | None = None
     # Window -> decode_bias with the slots older than it masked (lazily, fallback path).
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Hybrid KV manager (model/group_meta.py): per KV group its metadata, per layer its group.
+    groups: list[AttentionMetadata] | None = None
+    layer_groups: list[int] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata ``layer`` reads and writes through (its KV group's tables)."""
+        if self.groups is None or self.layer_groups is None:
+            return self
+        return self.groups[self.layer_groups[layer]]
 
     def decode_bias_for(self, layer: int, window: int | None) -> torch.Tensor:
         """The fallback decode path's additive mask for ``layer`` (windowed if ``window``)."""

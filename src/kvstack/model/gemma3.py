@@ -115,12 +115,12 @@ class Gemma3Model(LlamaModel):
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)
             head_rms_norm(ops, qkv, heads, layer, eps)
-            cache = kv.layer(li)
+            cache, m = kv.layer(li), meta.for_layer(li)
             rope = ropes[1] if self.local[li] else ropes[0]
-            q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
+            q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, m.slot_mapping)
             if li == stop_after_kv_of:
                 return q.new_empty(0)
-            a = paged_attention(q, k, v, cache, meta, self.scale, self.windows[li])
+            a = paged_attention(q, k, v, cache, m, self.scale, self.windows[li])
             a = ops.rms_norm(layer.o(a.reshape(t, heads.q_size)), layer.post_norm, eps)
             x, residual = ops.add_rms_norm(a, residual, extra.pre_feedforward, eps)
             mlp = layer.down(gelu_tanh_and_mul(layer.gate_up(x)))

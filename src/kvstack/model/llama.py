@@ -170,13 +170,13 @@ class LlamaModel:
                 qkv += layer.qkv_bias
             if layer.q_norm is not None:
                 head_rms_norm(ops, qkv, heads, layer, eps)
-            cache = kv.layer(li)
-            q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, meta.slot_mapping)
+            cache, m = kv.layer(li), meta.for_layer(li)
+            q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, m.slot_mapping)
             if li == stop_after_kv_of:
                 return q.new_empty(0)
             for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
                 meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
-            a = paged_attention(q, k, v, cache, meta, self.scale, self.windows[li])
+            a = paged_attention(q, k, v, cache, m, self.scale, self.windows[li])
             x, residual = ops.add_rms_norm(
                 layer.o(a.reshape(t, q_size)), residual, layer.post_norm, eps
             )

@@ -17,6 +17,7 @@ import torch
 from kvstack.kv.storage import KVStorage
 from kvstack.model.allocator import tune_host_allocator
 from kvstack.model.attention import KERNEL_CHUNK_ROWS, AttentionMetadata, KernelRows, PrefillSeq
+from kvstack.model.group_meta import group_metadata, virtual_tables
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.logit_capture import LogitCapture
@@ -123,6 +124,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.vocab_size = model.config.vocab_size
         self.num_layers = model.config.num_layers
+        self.groups = kv.groups if kv.groups is not None and kv.groups.hybrid else None
+        self.layer_groups = kv.groups.layer_groups() if kv.groups is not None else []
         tune_host_allocator()  # no page faults on each step's activations
         self.kernels = load_kernels()
         self.sampler = Sampler(kernels=self.kernels)
@@ -138,12 +141,15 @@ class ModelRunner:
         """Run one step: inputs -> forward -> prompt logprobs and sampling."""
         if out.is_empty:
             return RunnerOutput()
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        kernel = self._kernel_attention(out.scheduled)
+        scheduled, phys = out.scheduled, None
+        if self.groups is not None:  # hybrid KV manager: one table per group
+            scheduled, phys = virtual_tables(scheduled, self.groups.num_groups)
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        kernel = self._kernel_attention(scheduled)
         # Short chunks for the C++ kernel right after the decodes (KernelRows); fresh
         # prompts of equal length side by side so SDPA batches them.
         prefills = sorted(
-            (s for s in out.scheduled if s.num_new_tokens != 1),
+            (s for s in scheduled if s.num_new_tokens != 1),
             key=lambda s: (
                 not (kernel and s.num_new_tokens <= KERNEL_CHUNK_ROWS),
                 s.num_computed_tokens > 0,
@@ -161,6 +167,8 @@ class ModelRunner:
             repair, self.block_size, inputs.ids, inputs.positions, inputs.slots, inputs.prefills
         )
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))
+        if phys is not None:
+            group_metadata(meta, phys, self.layer_groups, self.block_size)
         plan = self._logit_plan(ordered)
         result = RunnerOutput()
         if meta.capture_rows:

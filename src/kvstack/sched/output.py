@@ -76,6 +76,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # snapshot taken when scheduled (the request's field moves on)
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table (covers computed + new tokens)
+    # Hybrid KV manager (kv/hybrid.py): every KV group's table (block_ids is group 0's).
+    group_block_ids: list[list[int]] | None = field(default=None, kw_only=True)
     # Speculative decoding: the last num_new_tokens rows' inputs are these guesses.
     draft_token_ids: list[int] = field(default_factory=list)
     # Segments (issue 18): KV copied in before the forward, and positions recomputed.

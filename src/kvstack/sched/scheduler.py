@@ -178,14 +178,19 @@ class Scheduler:
         draft: list[int] | None = None,
     ) -> ScheduledRequest:
         """The step's entry for ``req``; a segment plan moves it past the copies."""
+        groups = self.kv.group_block_ids(req.request_id)
         if plan is None:
-            return ScheduledRequest(req, req.num_computed_tokens, num_new, block_ids, draft or [])
+            return ScheduledRequest(
+                req, req.num_computed_tokens, num_new, block_ids, draft or [],
+                group_block_ids=groups,
+            )  # fmt: skip
         assert self.segments is not None
         self.segments.commit(req, plan)
         req.num_computed_tokens = plan.start
         return ScheduledRequest(
-            req, plan.start, num_new, block_ids, draft or [], plan.imports, plan.recompute
-        )
+            req, plan.start, num_new, block_ids, draft or [], plan.imports, plan.recompute,
+            group_block_ids=groups,
+        )  # fmt: skip
 
     def _draft(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The draft rows a decoding request gets: its proposal (used once), cut so that

@@ -1,0 +1,429 @@
+"""HybridKVManager: one block table per KV group, window groups free what no window sees.
+
+vLLM v1's hybrid KV cache manager (``KVCacheCoordinator`` with a ``FullAttentionManager``
+and a ``SlidingWindowManager`` per group over one ``BlockPool``), for models whose
+layers attend differently (``kv/groups.py``: Gemma 3's local/global layers, Qwen2's
+``max_window_layers``, Mistral). Every group has its own block table over one shared
+pool of pages; a page holds ``block_size`` tokens of the group's ``layers_per_page``
+layers, so the engine's memory serves any mix of groups.
+
+A window group's row at position ``p`` reads keys ``(p - W, p]``. Before a step computes
+rows from position ``c`` on, a block whose last slot is older than ``c - W + 1`` is read
+by no future row: it is freed and its table entry becomes the *null page* (page 0,
+never allocated, never written: vLLM's ``null_block``); long prompts never allocate such
+blocks at all beyond what their chunk reads::
+
+    W = 8, block_size 4, rows from c = 13 on (they read keys >= 6):
+    full group:    [b0][b1][b2][b3][b4]
+    window group:  [ 0][w1][w2][w3][w4]      block 0 (keys 0-3) freed: first live = 6 // 4
+
+Prefix caching per group (vLLM's ``find_longest_cache_hit``): a hit of ``L`` blocks
+needs every block of a full group below ``L``, and of a window group only the blocks
+that rows from ``L * block_size`` on read (``[first_live(L * bs), L)``); the hit is the
+longest ``L`` every group serves (a fixpoint: a window group's hits are not monotone in
+``L``). Blocks are keyed in one prefix cache with one eviction policy: group 0 (a full
+group) by the request's block hash as in the plain manager, every other group by the hash
+with its group number appended, so KV events (and the routers reading them) see the
+full-attention blocks only.
+
+Not supported yet (refused, ``kv/groups.py`` callers check): pins, offload tiers, the
+radix prefix cache, presses and KV codecs (refused with windows already); a contiguous
+layout. Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
+from kvstack.kv.block_pool import BlockPool, KVCacheBlock
+from kvstack.kv.events import KVEventLog
+from kvstack.kv.groups import KVGroups
+from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvstack.kv.policies import make_policy
+from kvstack.kv.prefix_cache import HashPrefixCache
+from kvstack.kv.residency import BlockResidency
+from kvstack.request import Request
+
+UNSUPPORTED = "with the hybrid KV manager (a sliding-window model); pass "
+UNSUPPORTED += "--disable-hybrid-kv-cache-manager to keep one block table for all layers"
+
+
+class GroupedHashCache(HashPrefixCache):
+    """The hash cache with per-group keys: only untagged (group 0) keys reach events."""
+
+    def _stored(
+        self,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        first: int,
+        last: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        if last > first and not _tagged(hashes[first]):  # one insert = one group
+            super()._stored(token_ids, hashes, first, last, cache_salt)
+
+    def _removed(self, hashes: list[BlockHash]) -> None:
+        super()._removed([h for h in hashes if not _tagged(h)])
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return [h for h in self.table if not _tagged(h)]
+
+
+_HASH_LEN = len(root_hash())
+
+
+def _tagged(h: BlockHash) -> bool:
+    return len(h) != _HASH_LEN
+
+
+class HybridKVManager:
+    """Paged KV bookkeeping with one block table per KV group (see the module docstring)."""
+
+    def __init__(
+        self,
+        groups: KVGroups,
+        num_pages: int,
+        block_size: int,
+        max_chunk_tokens: int,
+        prefix_cache: str = "hash",
+        eviction_policy: str = "lru",
+        model_id: str = "",
+        events: KVEventLog | None = None,
+        residency: BlockResidency | None = None,
+    ) -> None:
+        if prefix_cache not in ("hash", "none"):
+            raise ConfigError(f"--prefix-cache {prefix_cache} is not supported " + UNSUPPORTED)
+        if num_pages < 2:
+            raise ConfigError(f"the hybrid KV manager needs at least 2 pages, got {num_pages}")
+        self.kv_groups = groups
+        self.windows = groups.windows
+        self.block_size = block_size
+        self.max_chunk_tokens = max_chunk_tokens
+        self.events = events if events is not None else KVEventLog()
+        self.cache: GroupedHashCache | None = None
+        if prefix_cache == "hash":
+            policy = make_policy(eviction_policy, num_pages)
+            self.cache = GroupedHashCache(block_size, policy, self.events)
+        self.pool = BlockPool(num_pages, self.cache, residency)
+        self.null = self.pool.allocate(1)[0]  # page 0: the table entry of a freed block
+        assert self.null.block_id == 0
+        self.model_id = model_id
+        self.tables: dict[str, list[list[KVCacheBlock]]] = {}
+        self._num_inserted: dict[str, int] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_blocks(self) -> int:
+        """Pages a request can hold (the null page excluded)."""
+        return self.pool.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache is not None
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return 0
+
+    def routing_info(self) -> KVRoutingInfo:
+        return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)
+
+    def held_request_ids(self) -> list[str]:
+        return list(self.tables)
+
+    def cached_hashes(self) -> list[bytes]:
+        return self.cache.cached_hashes() if self.cache is not None else []
+
+    def first_live(self, group: int, position: int) -> int:
+        """First block a row at ``position`` (or later) of ``group`` still reads."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, position - w + 1) // self.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Pages a sequence of ``num_tokens`` holds at its peak, over all groups (a window
+        group: its window plus one step's chunk)."""
+        full = cdiv(num_tokens, self.block_size)
+        peak = [
+            full
+            if w is None
+            else min(full, cdiv(w - 1 + self.max_chunk_tokens, self.block_size) + 1)
+            for w in self.windows
+        ]
+        return sum(peak)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.num_blocks_for(num_tokens) <= self.num_blocks
+
+    # ------------------------------------------------------------------ hashing
+    def root_of(self, request: Request) -> BlockHash:
+        return root_hash(self.model_id, request.cache_salt)
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        have = request.block_hashes
+        if len(have) < request.num_tokens // self.block_size:
+            have.extend(
+                hash_blocks(request.all_token_ids, self.block_size, self.root_of(request), have)
+            )
+        return have
+
+    def _tagged_group(self, group: int) -> bool:
+        """Group 0, when full (the model has a full-attention layer), keeps plain hashes."""
+        return group != 0 or self.windows[0] is not None
+
+    def _key(self, group: int, h: BlockHash) -> BlockHash:
+        return h + bytes((group,)) if self._tagged_group(group) else h
+
+    # ------------------------------------------------------------------ prefix hits
+    def _longest(self, group: int, hashes: Sequence[BlockHash], limit: int) -> int:
+        """Longest hit ``L <= limit`` (in blocks) ``group`` serves."""
+        assert self.cache is not None
+        table = self.cache.table
+        if self.windows[group] is None:
+            n = 0
+            while n < limit and self._key(group, hashes[n]) in table:
+                n += 1
+            return n
+        length = limit
+        while length > 0:
+            j = length - 1
+            first = self.first_live(group, length * self.block_size)
+            while j >= first and self._key(group, hashes[j]) in table:
+                j -= 1
+            if j < first:
+                return length
+            length = j  # every hit ending after block j needs it
+        return 0
+
+    def _hit_tables(self, request: Request, limit: int) -> list[list[KVCacheBlock]]:
+        """Per group, the blocks of the longest hit of at most ``limit`` blocks every
+        group serves (null pages where a window group reads nothing)."""
+        if self.cache is None or limit <= 0:
+            return [[] for _ in self.windows]
+        hashes = self.block_hashes(request)
+        length, changed = limit, True
+        while changed and length > 0:
+            changed = False
+            for g in range(len(self.windows)):
+                got = self._longest(g, hashes, length)
+                changed |= got < length
+                length = got
+        table = self.cache.table
+        out = []
+        for g in range(len(self.windows)):
+            first = self.first_live(g, length * self.block_size)
+            blocks = [self.null] * first
+            blocks += [table[self._key(g, hashes[i])] for i in range(first, length)]
+            out.append(blocks)
+        return out
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Group 0's blocks of the longest prefix every group serves (changes nothing);
+        ``allocate_slots`` finds the other groups' blocks of the same hit again."""
+        if self.cache is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        return self._hit_tables(request, (request.num_tokens - 1) // self.block_size)[0]
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: Sequence[KVCacheBlock] = (),
+        num_external_blocks: int = 0,
+    ) -> list[int] | None:
+        """Grow every group's table to cover ``num_kv_tokens + len(computed) * bs +
+        num_new_tokens`` slots, freeing window groups' blocks no row from the step's
+        first position on reads; None (nothing changed) when the pool is too small."""
+        if num_external_blocks:
+            raise ConfigError("offload tiers are not supported " + UNSUPPORTED)
+        rid = request.request_id
+        tables = self.tables.get(rid)
+        assert not (computed and tables), "hits are adopted only at admission"
+        hit = len(computed)
+        hits = self._hit_tables(request, hit) if hit else None
+        assert hits is None or len(hits[0]) == hit, "the hit changed since get_computed_blocks"
+        start = request.num_kv_tokens + hit * self.block_size  # first row of this step
+        target = cdiv(start + num_new_tokens, self.block_size)
+        current = tables if tables is not None else hits or [[] for _ in self.windows]
+        needed = released = adopted = 0
+        for g, blocks in enumerate(current):
+            first = self.first_live(g, start)
+            released += sum(1 for b in blocks[:first] if b is not self.null and b.ref_cnt == 1)
+            needed += sum(1 for i in range(len(blocks), target) if i >= first)
+        if hits is not None:
+            adopted = sum(1 for t in hits for b in t if b is not self.null and b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - adopted + released:
+            return None
+        if self.cache is not None and request.num_computed_tokens == 0 and tables is None:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += hit * self.block_size
+        if hits is not None:
+            assert self.cache is not None
+            real = [b for t in hits for b in t if b is not self.null]
+            self.pool.touch(real)
+            self.cache.on_hit(real)
+        tables = self.tables.setdefault(rid, current)
+        for g, blocks in enumerate(tables):
+            self._drop_dead(blocks, self.first_live(g, start))
+        fresh = iter(self.pool.allocate(needed))
+        for g, blocks in enumerate(tables):
+            first = self.first_live(g, start)
+            blocks.extend(
+                next(fresh) if i >= first else self.null for i in range(len(blocks), target)
+            )
+        self._cache_full_blocks(request, min(start + num_new_tokens, request.num_tokens))
+        return [b.block_id for b in tables[0]]
+
+    def _drop_dead(self, blocks: list[KVCacheBlock], first: int) -> None:
+        """Free the blocks before ``first`` (newest first), leaving null pages."""
+        dead = [i for i in range(min(first, len(blocks))) if blocks[i] is not self.null]
+        self.pool.free(blocks[i] for i in reversed(dead))
+        for i in dead:
+            blocks[i] = self.null
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register every group's live blocks completely covered by ``num_tokens`` tokens."""
+        if self.cache is None:
+            return
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self._num_inserted.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)[:num_full]
+        root = self.root_of(request)
+        for g, blocks in enumerate(self.tables[rid]):
+            if not self._tagged_group(g):  # a full group 0: no null page; events
+                self.cache.insert(request.all_token_ids, hashes, blocks, root, request.cache_salt)
+                continue
+            idx = [i for i in range(start, num_full) if blocks[i] is not self.null]
+            keys = [self._key(g, hashes[i]) for i in idx]
+            self.cache.insert((), keys, [blocks[i] for i in idx], root)
+        self._num_inserted[rid] = num_full
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        tables = self.tables.get(request_id)
+        return [b.block_id for b in tables[0]] if tables else []
+
+    def group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        """Every group's block table (page 0 where a window group freed a block)."""
+        tables = self.tables.get(request_id)
+        return [[b.block_id for b in t] for t in tables] if tables else None
+
+    def num_held_pages(self, request_id: str) -> int:
+        """Pages ``request_id`` holds now over all groups (what the hybrid layout saves)."""
+        tables = self.tables.get(request_id, [])
+        return sum(1 for t in tables for b in t if b is not self.null)
+
+    def free(self, request: Request | str) -> None:
+        rid = request if isinstance(request, str) else request.request_id
+        tables = self.tables.pop(rid, None)
+        self._num_inserted.pop(rid, None)
+        for blocks in tables or ():
+            self.pool.free(b for b in reversed(blocks) if b is not self.null)
+
+    def rollback_slots(self, request: Request) -> int:
+        """Free every group's blocks past the slot of the last real token (draft rows
+        only: never hashed, never shared); see ``KVCacheManager.rollback_slots``."""
+        tables = self.tables.get(request.request_id)
+        if not tables:
+            return 0
+        keep = cdiv(request.num_tokens - request.num_dropped, self.block_size)
+        freed = 0
+        for blocks in tables:
+            tail = blocks[keep:]
+            for b in tail:
+                assert b.block_hash is None and b.ref_cnt == 1, f"block {b.block_id} is shared"
+            del blocks[keep:]
+            self.pool.free(reversed(tail))
+            freed += len(tail)
+        return freed
+
+    def waste_slots(self, running: Iterable[Request]) -> int:
+        """Reserved page slots not yet written: each group's tail-block slack."""
+        n = len(self.windows) * self.block_size
+        return sum(
+            len(self.tables[r.request_id][0]) * n - r.num_kv_tokens * len(self.windows)
+            for r in running
+            if r.request_id in self.tables
+        )
+
+    # ------------------------------------------------------------------ not with groups
+    def check_pinnable(self, num_tokens: int) -> None:
+        raise InvalidRequestError("pinning prefixes is not supported " + UNSUPPORTED)
+
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        self.check_pinnable(len(token_ids))
+        return 0
+
+    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+        return False
+
+    def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
+        if hook is not None:
+            raise ConfigError("KV codecs are not supported " + UNSUPPORTED)
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
+
+    def replace_blocks(self, request: Request, block_ids: Sequence[int]) -> int:
+        raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
+
+    def reset_prefix_cache(self) -> None:
+        if self.cache is None:
+            return
+        self.pool.reclaim(self.cache.reset())
+        self._num_inserted.clear()
+        if self.pool.residency is not None:
+            self.pool.residency.reset()
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
+            num_pinned_blocks=0,
+            usage=self.usage,
+            num_requests=len(self.tables),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            num_evicted_blocks=self.pool.num_evicted_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants; every reference is a table entry (or the null page's own);
+        tables of one request have one length; a window group holds no block its
+        request's next row cannot read, a full group no null page."""
+        self.pool.check_integrity()
+        held: dict[int, int] = {0: 1}
+        for rid, tables in self.tables.items():
+            assert len({len(t) for t in tables}) == 1, f"{rid}: tables of different lengths"
+            for g, blocks in enumerate(tables):
+                real = [b.block_id for b in blocks if b is not self.null]
+                assert len(set(real)) == len(real), f"{rid} holds a block twice in group {g}"
+                if self.windows[g] is None:
+                    assert len(real) == len(blocks), f"{rid}: a null page in full group {g}"
+                for i in real:
+                    held[i] = held.get(i, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == held.get(block.block_id, 0), (
+                f"page {block.block_id}: ref_cnt {block.ref_cnt} != "
+                f"{held.get(block.block_id, 0)} table references"
+            )
+        assert self.null.block_hash is None, "the null page is never cached"

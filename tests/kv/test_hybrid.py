@@ -1,0 +1,247 @@
+"""The hybrid KV manager (kv/hybrid.py) and its groups (kv/groups.py), no model.
+
+Checked: the grouping of Gemma 3 / Qwen2 / Mistral layer patterns; a window group frees
+the blocks no later row reads while decoding and never allocates them for long prompts;
+prefix hits need every block of a full group and only the window's blocks of a window
+group (a fixpoint over groups); rollback, preemption-style frees, eviction of freed
+cached blocks; KV events name full-group blocks only; what is refused.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.base import cdiv
+from kvstack.kv.events import BlockStored
+from kvstack.kv.groups import KVGroups
+from kvstack.kv.hashing import hash_blocks, root_hash
+from kvstack.kv.hybrid import HybridKVManager
+from kvstack.request import Request, SamplingParams
+
+BS = 4
+W = 8
+
+
+def req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(
+        rid, list(tokens), SamplingParams(temperature=0.0, max_tokens=64), cache_salt=salt
+    )
+
+
+def manager(windows: list[int | None], pages: int = 64, chunk: int = 64) -> HybridKVManager:
+    return HybridKVManager(KVGroups.plan(windows), pages, BS, chunk)
+
+
+def admit(kv: HybridKVManager, r: Request, chunk: int | None = None) -> int:
+    """Admit ``r`` (its whole prompt, or its first ``chunk`` tokens after the hit)."""
+    computed = kv.get_computed_blocks(r)
+    cached = len(computed) * BS
+    n = r.num_tokens - cached if chunk is None else min(chunk, r.num_tokens - cached)
+    assert kv.allocate_slots(r, n, computed) is not None
+    r.num_computed_tokens = cached + n
+    kv.check_integrity()
+    return cached
+
+
+def decode(kv: HybridKVManager, r: Request, steps: int) -> None:
+    for i in range(steps):
+        r.output_token_ids.append(1000 + i)
+        assert kv.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+        kv.check_integrity()
+
+
+def test_groups_of_gemma3_qwen2_and_mistral() -> None:
+    gemma = KVGroups.plan([None if (i + 1) % 6 == 0 else 512 for i in range(18)])
+    assert gemma.layers_per_page == 3 and gemma.num_groups == 6
+    assert gemma.groups[0].window is None and gemma.groups[0].layers == (5, 11, 17)
+    assert [g.layers for g in gemma.groups[1:3]] == [(0, 1, 2), (3, 4, 6)]
+    assert gemma.locate(6) == (2, 2) and gemma.layer_slots()[6] == 2
+    assert gemma.layer_groups()[17] == 0 and gemma.hybrid
+    assert "1 x full, 5 x window 512" in gemma.describe()
+    qwen = KVGroups.plan([None] * 10 + [64] * 4)
+    assert qwen.layers_per_page == 2 and qwen.num_groups == 7
+    mistral = KVGroups.plan([4096] * 4)
+    assert mistral.num_groups == 1 and mistral.layers_per_page == 4 and mistral.hybrid
+    llama = KVGroups.plan([None] * 4)
+    assert llama.num_groups == 1 and not llama.hybrid
+    widths = KVGroups.plan([16, None, 32, 16, None, 32])
+    assert widths.windows == (None, 32, 16)  # full first, then wider windows
+
+
+def test_decoding_frees_what_no_window_reads() -> None:
+    kv = manager([None, W])
+    r = req("r", list(range(10)))
+    admit(kv, r)
+    assert kv.num_held_pages("r") == 2 * cdiv(10, BS)
+    decode(kv, r, 30)  # 40 tokens
+    full, window = kv.group_block_ids("r") or []
+    assert 0 not in full and len(full) == 10
+    # the next row (position 40) reads keys 33..40: blocks 8..10; older ones are page 0
+    first = (40 - W + 1) // BS
+    assert window[:first] == [0] * first and 0 not in window[first:]
+    assert kv.num_held_pages("r") == 10 + (10 - first)
+    kv.free(r)
+    kv.check_integrity()
+    assert kv.usage == 0.0 and kv.num_free_blocks == kv.num_blocks
+
+
+def test_long_prompts_allocate_only_what_a_chunk_reads() -> None:
+    kv = manager([W], pages=64)
+    r = req("r", list(range(100)))
+    admit(kv, r, chunk=16)  # rows 0..15: blocks 0..3
+    assert (kv.group_block_ids("r") or [[]])[0] == [1, 2, 3, 4]
+    for _ in range(5):  # further chunks of 16: each reads back W - 1 keys only
+        c = r.num_computed_tokens
+        assert kv.allocate_slots(r, 16) is not None
+        r.num_computed_tokens += 16
+        kv.check_integrity()
+        live = [b for b in (kv.group_block_ids("r") or [[]])[0] if b]
+        assert len(live) == cdiv(c + 16, BS) - (c - W + 1) // BS
+    assert kv.num_held_pages("r") <= cdiv(W - 1 + 16, BS) + 1
+    assert kv.num_blocks_for(100) == cdiv(W - 1 + 64, BS) + 1  # one table: 25
+
+
+def test_prefix_hits_need_the_window_blocks_only() -> None:
+    kv = manager([None, W], pages=200)
+    a = req("a", list(range(40)))
+    admit(kv, a)
+    kv.free(a)
+    kv.check_integrity()
+    b = req("b", [*range(40), 7, 7])
+    assert admit(kv, b) == 40  # 10 blocks of both groups cached
+    kv.free(b)
+    # Evict the window group's early blocks only: hits still reach 40 tokens.
+    cache = kv.cache
+    assert cache is not None
+    root = root_hash()
+    for h in hash_blocks(list(range(40)), BS, root)[:5]:
+        block = cache.table.pop(h + bytes((1,)))
+        cache.policy.on_remove(h + bytes((1,)))
+        block.block_hash = None
+        kv.pool.reclaim([block])
+    kv.check_integrity()
+    c = req("c", [*range(40), 9])
+    assert admit(kv, c) == 40
+    tables = kv.group_block_ids("c") or []
+    assert tables[1][: (40 - W + 1) // BS] == [0] * ((40 - W + 1) // BS)
+    kv.free(c)
+    # A hit ending at 24 tokens would need window blocks 4 and 5: block 4 is gone, so
+    # the hit falls back to where the window group has a whole window cached: none.
+    d = req("d", [*range(24), 5])
+    assert admit(kv, d) == 0
+    kv.free(d)
+    kv.check_integrity()
+
+
+def test_the_hit_is_a_fixpoint_over_window_groups() -> None:
+    kv = manager([None, 2 * BS + 1, 3 * BS + 1], pages=300)
+    toks = list(range(48))
+    admit(kv, req("a", toks))
+    kv.free("a")
+    drop = {(2, 8), (1, 9)}  # group 2 misses block 8, group 1 block 9
+    hashes = hash_blocks(toks, BS, root_hash())
+    assert kv.cache is not None
+    for g, i in drop:
+        key = hashes[i] + bytes((g,))
+        block = kv.cache.table.pop(key)
+        kv.cache.policy.on_remove(key)
+        block.block_hash = None
+        kv.pool.reclaim([block])
+    hit = admit(kv, req("b", [*toks, 1]))
+    # group 1 (window 9: needs blocks L-3..L-1) fails for L in 10..12 (block 9), group 2
+    # (window 13: blocks L-4..L-1) fails for L in 9..12: L = 8 both serve.
+    assert hit == 8 * BS
+    kv.check_integrity()
+
+
+def test_rollback_and_free_return_every_page() -> None:
+    kv = manager([None, W], pages=40)
+    r = req("r", list(range(13)))
+    admit(kv, r)
+    before = kv.num_held_pages("r")
+    assert kv.allocate_slots(r, 1 + 6) is not None  # the last token's row + 6 drafts
+    assert kv.num_held_pages("r") > before
+    assert kv.rollback_slots(r) > 0
+    kv.check_integrity()
+    # Back to 4 blocks per group, less the window group's block 0 (rows from 13 on
+    # read keys >= 6): it died when the drafts were scheduled and stays freed.
+    assert [len(t) for t in kv.group_block_ids("r") or []] == [4, 4]
+    assert kv.num_held_pages("r") == before - 1
+    kv.free(r)
+    kv.free(r)  # idempotent
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_no_room_changes_nothing_and_dead_blocks_count_as_room() -> None:
+    kv = manager([W], pages=7)  # 6 usable
+    r = req("r", list(range(20)))
+    assert kv.allocate_slots(r, 28) is None  # 7 blocks > 6
+    assert not kv.held_request_ids()
+    admit(kv, r)  # 5 blocks
+    r.num_computed_tokens = 20
+    # Rows from 20 read keys >= 13 (blocks 3..): blocks 0..2 die, so 8 more tokens fit.
+    assert kv.allocate_slots(r, 8) is not None
+    kv.check_integrity()
+
+
+def test_random_traffic_keeps_integrity() -> None:
+    rng = random.Random(5)
+    kv = manager([None, W, None, W], pages=120)
+    live: dict[str, Request] = {}
+    for step in range(300):
+        if live and rng.random() < 0.3:
+            rid = rng.choice(sorted(live))
+            kv.free(live.pop(rid))
+        elif rng.random() < 0.5 and len(live) < 6:
+            base = rng.choice([list(range(30)), list(range(5, 40)), []])
+            r = req(f"r{step}", base + [rng.randrange(500) for _ in range(rng.randrange(1, 20))])
+            computed = kv.get_computed_blocks(r)
+            cached = len(computed) * BS
+            if kv.allocate_slots(r, r.num_tokens - cached, computed) is not None:
+                r.num_computed_tokens = r.num_tokens
+                live[r.request_id] = r
+        elif live:
+            r = live[rng.choice(sorted(live))]
+            r.output_token_ids.append(rng.randrange(500))
+            if kv.allocate_slots(r, 1) is None:
+                kv.free(live.pop(r.request_id))
+            else:
+                r.num_computed_tokens += 1
+        kv.check_integrity()
+    for r in live.values():
+        kv.free(r)
+    kv.check_integrity()
+    assert kv.usage == 0.0
+
+
+def test_events_name_full_group_blocks_only() -> None:
+    kv = manager([W, None], pages=64)
+    seen: list[object] = []
+    kv.events.subscribe(seen.append)
+    admit(kv, req("a", list(range(17))))
+    stored = [e for e in seen if isinstance(e, BlockStored)]
+    assert stored and all(len(h) == len(root_hash()) for e in stored for h in e.block_hashes)
+    assert sum(len(e.block_hashes) for e in stored) == 4
+    assert stored[0].token_ids == list(range(16))
+    assert len(kv.cached_hashes()) == 4  # the window group's 4 keys are not listed
+    only_windows = manager([W, W], pages=64)
+    admit(only_windows, req("a", list(range(17))))
+    assert only_windows.cached_hashes() == []  # no full group: no events (documented)
+
+
+def test_what_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--prefix-cache radix"):
+        HybridKVManager(KVGroups.plan([None, W]), 16, BS, 16, prefix_cache="radix")
+    kv = manager([None, W])
+    with pytest.raises(InvalidRequestError, match=r"pinning.*--disable-hybrid-kv-cache-manager"):
+        kv.check_pinnable(16)
+    with pytest.raises(InvalidRequestError, match="presses"):
+        kv.allocate_blocks(1)
+    with pytest.raises(ConfigError, match="offload"):
+        kv.allocate_slots(req("r", list(range(9))), 1, (), num_external_blocks=1)
+    assert not kv.held_request_ids()
