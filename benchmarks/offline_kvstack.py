@@ -23,6 +23,7 @@ def run_kvstack(
     single_new_tokens: int = 256,
     time_budget_s: float | None = None,
     prefix_caching: bool = False,
+    model: str = "default",
 ) -> dict[str, Any]:
     """Time kvstack's offline ``LLM.generate`` on ``prompt_ids`` like the peers are timed.
 
@@ -34,7 +35,7 @@ def run_kvstack(
 
     t0 = time.perf_counter()
     llm = LLM(
-        model="default",
+        model=model,
         dtype=dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

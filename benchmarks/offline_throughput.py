@@ -156,6 +156,8 @@ def case_request(
         # leave room for loading (vLLM compiles on its first start) and the single request
         "time_budget_s": max(timeout * 0.5, 30.0),
     }
+    if args.model != "default":  # another model: kvstack by name, the peers its HF folder
+        request.update({"model": args.model} if peer == "kvstack" else {"model_dir": args.hf_dir})
     if peer == "transformers":
         request["batch_size"] = args.transformers_batch_size
     else:
@@ -201,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix reuse, each cache emptied before every timed run; transformers has none and "
         "is skipped",
     )
+    p.add_argument(
+        "--model",
+        default="default",
+        help="kvstack's model name (e.g. gemma3-270m); with --hf-dir, the same weights "
+        "dequantized for the peers (peers.py convert --gguf); use another --out",
+    )
+    p.add_argument("--hf-dir", default=None, help="the peers' HF folder of --model")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
         "--max-num-seqs",
@@ -278,6 +287,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from workload import build_prompts, describe
 
+    if (args.model == "default") != (args.hf_dir is None):
+        raise SystemExit("--model other than the default needs --hf-dir (and only then)")
+    if args.hf_dir is not None:
+        args.hf_dir = str(Path(args.hf_dir).resolve())  # the peers run in other folders
+
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.runs, args.single_new_tokens = [8], [16], 1, 32
     peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "kvstack"]
@@ -313,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         file=out.name,
         machine={**machine_info(), "calibration": calibration},
         settings={
+            "model": args.model,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_num_seqs": args.max_num_seqs or "num_prompts",
             "timing": "1 warm-up (full batch, min(new, 16) tokens), then timed runs; medians",
@@ -322,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     entries: list[dict[str, Any]] = doc.setdefault("entries", [])
 
     for num_prompts, max_new in parse_cases(args.num_prompts, args.max_new_tokens):
-        prompts = build_prompts(num_prompts)
+        prompts = build_prompts(num_prompts, tokenizer_dir=args.hf_dir)
         workload = describe(prompts)
         log(f"case {num_prompts} prompts x {max_new} new tokens: {workload}")
         seqs = args.max_num_seqs or num_prompts

@@ -48,8 +48,9 @@ def _torch_info() -> dict[str, Any]:
     return {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
-def convert_gguf_to_hf(out: str | Path = HF_MODEL_DIR) -> Path:
-    """Dequantize the default model's GGUF (Q4_1) into an HF folder at ``out``.
+def convert_gguf_to_hf(out: str | Path = HF_MODEL_DIR, gguf: str | Path | None = None) -> Path:
+    """Dequantize the default model's GGUF (Q4_1; or the file ``gguf``: Gemma 3 270M's
+    Q4_K_M) into an HF folder at ``out``.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32: the
     dequantized Q4_1 values are exact in fp32, and each engine casts to its own dtype) and the
@@ -58,7 +59,7 @@ def convert_gguf_to_hf(out: str | Path = HF_MODEL_DIR) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = find_gguf()
+    gguf = Path(gguf) if gguf is not None else find_gguf()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     log(f"loading {gguf}")
@@ -269,10 +270,11 @@ def main(argv: list[str] | None = None) -> None:
     p_run.add_argument("--out", default=None, help="result file (default: stdout)")
     p_conv = sub.add_parser("convert", help="dequantize the GGUF into an HF folder")
     p_conv.add_argument("--out", default=str(HF_MODEL_DIR))
+    p_conv.add_argument("--gguf", default=None, help="another GGUF (default: the default model's)")
     args = parser.parse_args(argv)
 
     if args.cmd == "convert":
-        convert_gguf_to_hf(args.out)
+        convert_gguf_to_hf(args.out, args.gguf)
         return
     request = json.loads(Path(args.request).read_text())
     peer = request.pop("peer")

@@ -104,13 +104,16 @@ def question(i: int) -> str:
     return f"{topic}: {form.format(t=topic.lower())}{QUESTION_TAIL}"
 
 
-@functools.lru_cache(maxsize=1)
-def load_tokenizer() -> Any:
-    """Load the transformers tokenizer from the default model's GGUF (cached)."""
+@functools.lru_cache(maxsize=2)
+def load_tokenizer(folder: str | None = None) -> Any:
+    """The transformers tokenizer of the default model's GGUF, or of the HF ``folder`` of
+    another model (``offline_throughput.py --model``); cached."""
     from transformers import AutoTokenizer
 
     from bench_common import find_gguf
 
+    if folder is not None:
+        return AutoTokenizer.from_pretrained(folder)
     gguf = find_gguf()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
@@ -119,21 +122,29 @@ def _encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def build_prompts(num_prompts: int, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[list[int]]:
-    """Return ``num_prompts`` prompts of exactly ``prompt_len`` token ids each.
+def build_prompts(
+    num_prompts: int, prompt_len: int = DEFAULT_PROMPT_LEN, tokenizer_dir: str | None = None
+) -> list[list[int]]:
+    """Return ``num_prompts`` prompts of exactly ``prompt_len`` token ids each (the default
+    model's tokenizer and chat template, or those of the HF folder ``tokenizer_dir``).
 
     Deterministic: the same arguments always give the same ids. See the module docstring for
     the layout; the shared prefix is :func:`shared_prefix_len` tokens.
     """
-    tok = load_tokenizer()
+    tok = load_tokenizer(tokenizer_dir)
     marker = "\x00QUESTION\x00"
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": marker},
     ]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if tok.chat_template is not None:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:  # a GGUF without a template (Gemma 3 270M's): BOS, system text, question
+        text = f"{SYSTEM_PROMPT}\n\n{marker}\n"
     head_text, tail_text = text.split(marker)
     head, tail = _encode(tok, head_text), _encode(tok, tail_text)
+    if tok.chat_template is None and tok.bos_token_id is not None:
+        head = [tok.bos_token_id, *head]
     budget = prompt_len - len(head) - len(tail)
     if budget < 8:
         raise ValueError(

@@ -245,3 +245,16 @@ def test_what_is_refused() -> None:
     with pytest.raises(ConfigError, match="offload"):
         kv.allocate_slots(req("r", list(range(9))), 1, (), num_external_blocks=1)
     assert not kv.held_request_ids()
+
+
+def test_the_web_views_block_map_draws_every_groups_pages() -> None:
+    from kvstack.kv.block_view import PINNED, USED, view_blocks
+
+    kv = manager([None, W], pages=32)
+    r = req("r", list(range(30)))
+    admit(kv, r)
+    decode(kv, r, 4)
+    view = view_blocks(kv)
+    assert view.num_blocks == 32 and view.state[0] == PINNED  # the null page
+    assert view.state.count(USED) == kv.num_held_pages("r")
+    assert view.request_ids == ["r"]

@@ -8,7 +8,8 @@ computed while someone watches (``serve/kv_state_stream.py``), on the engine thr
 
 States (``STATES``; a block is in exactly one, first match wins):
 
-* ``pinned``: held by a pin (``/v1/cache/pin``), whether a request also uses it or not;
+* ``pinned``: held by a pin (``/v1/cache/pin``), whether a request also uses it or not
+  (and the hybrid manager's null page, ``kv/hybrid.py``; its cells are every group's pages);
 * ``pressed``: held by a running request whose press (era 5) has run;
 * ``used``: held by a running request (``owner`` says which);
 * ``cached``: unreferenced, in the prefix cache, evictable; ``rank`` is its place in the
@@ -29,7 +30,11 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from kvstack.kv.block_pool import KVCacheBlock
+from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
+
+PagedManager = KVCacheManager | HybridKVManager
 
 STATES = ("free", "used", "cached", "pinned", "pressed")
 FREE, USED, CACHED, PINNED, PRESSED = range(len(STATES))
@@ -58,23 +63,34 @@ class BlockView:
         return d
 
 
+def _held(manager: PagedManager) -> tuple[dict[str, list[KVCacheBlock]], list[KVCacheBlock]]:
+    """Each request's blocks (every group's pages), and the pinned blocks (the hybrid
+    manager's null page: reserved, drawn as pinned)."""
+    if isinstance(manager, KVCacheManager):
+        pinned = [b for chain in manager.pins.values() for b in chain]
+        return dict(manager.req_blocks), pinned
+    null = manager.null
+    held = {rid: [b for t in ts for b in t if b is not null] for rid, ts in manager.tables.items()}
+    return held, [null]
+
+
 def _block_states(
-    manager: KVCacheManager, pressed: Collection[str]
+    manager: PagedManager, pressed: Collection[str]
 ) -> tuple[list[int], list[int], list[int], list[str]]:
     """Per block: state, owner index, eviction rank (see the module docstring)."""
-    n = manager.num_blocks
+    n = len(manager.pool.blocks)
     state = [FREE] * n
     owner = [-1] * n
     rank = [-1] * n
-    request_ids = list(manager.req_blocks)
+    held, pinned = _held(manager)
+    request_ids = list(held)
     for i, rid in enumerate(request_ids):
         s = PRESSED if rid in pressed else USED
-        for b in manager.req_blocks[rid]:
+        for b in held[rid]:
             state[b.block_id] = s
             owner[b.block_id] = i
-    for chain in manager.pins.values():
-        for b in chain:
-            state[b.block_id] = PINNED
+    for b in pinned:
+        state[b.block_id] = PINNED
     cache = manager.cache
     if cache is not None:
         order = cache.policy.candidate_order()
@@ -88,7 +104,7 @@ def _block_states(
 
 
 def view_blocks(
-    manager: KVCacheManager, max_cells: int = 4096, pressed: Collection[str] = ()
+    manager: PagedManager, max_cells: int = 4096, pressed: Collection[str] = ()
 ) -> BlockView:
     """The pool's blocks as at most ``max_cells`` cells; ``pressed``: ids of running
     requests whose press has run (the manager does not know presses)."""

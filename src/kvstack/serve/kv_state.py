@@ -29,6 +29,7 @@ from typing import Any
 
 from kvstack.engine import LLMEngine
 from kvstack.kv.block_view import view_blocks
+from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.press import PRESSES
 from kvstack.request import RequestOutput
@@ -157,7 +158,7 @@ def build_state(
         ],
         "recent": recent.last(num_recent),
     }
-    if isinstance(kv, KVCacheManager):
+    if isinstance(kv, KVCacheManager | HybridKVManager):
         state["blocks"] = view_blocks(kv, max_cells, pressed).to_dict()
     else:  # the contiguous (era 1) layouts have no blocks to draw
         state["blocks"] = None

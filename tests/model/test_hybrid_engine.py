@@ -1,0 +1,176 @@
+"""The hybrid KV manager in the engine (issue 21): tiny random Gemma 3 (5 window layers per
+global one), Qwen2 (one of two layers slides) and Mistral (every layer slides), W = 8,
+block size 4, prompts longer than the window, float32.
+
+Greedy tokens with one block table per group equal those with one table for all layers
+(``--disable-hybrid-kv-cache-manager``, itself checked against transformers in
+``test_sliding_window.py`` / ``test_gemma3.py``) batched, on prefix hits, in chunks
+shorter and longer than the window, preempted, and with n-gram speculation; the window
+groups hold fewer pages; ``check_integrity()`` after every step; what is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.hybrid import HybridKVManager
+from kvstack.kv.manager import KVCacheManager
+from kvstack.testing.families import tiny_family_config
+from kvstack.testing.gemma3 import random_gemma3_weights, tiny_gemma3_config
+from kvstack.testing.tiny_models import random_llama_weights, write_gguf
+
+W = 8
+BS = 4
+NEW = 16
+PROMPT_LENS = [5, 11, 23, 30, 30, 41]  # 30 and 30 share 24 tokens
+
+
+def _gemma(tmp: Path) -> Path:
+    cfg = tiny_gemma3_config(
+        num_layers=6, window_layers=(True,) * 5 + (False,), query_pre_attn_scalar=256.0
+    )
+    return write_gguf(tmp / "gemma3.gguf", cfg, random_gemma3_weights(cfg, seed=3))
+
+
+def _mistral(tmp: Path) -> Path:
+    cfg = tiny_family_config("mistral", sliding_window=W)
+    return write_gguf(tmp / "mistral.gguf", cfg, random_llama_weights(cfg, seed=11))
+
+
+def _qwen2(tmp: Path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    del transformers
+    from kvstack.testing.families import transformers_model, write_transformers_folder
+
+    cfg = tiny_family_config("qwen2", sliding_window=W, window_layers=(False, True))
+    hf = transformers_model(cfg, random_llama_weights(cfg, seed=11))
+    return write_transformers_folder(tmp / "qwen2", hf, cfg.vocab_size)
+
+
+MODELS = {"gemma3": _gemma, "mistral": _mistral, "qwen2": _qwen2}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return MODELS[request.param](tmp_path_factory.mktemp(f"hybrid-{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    out = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    out[4][:24] = out[3][:24]
+    out[5] = out[5][:10] * 4 + out[5][:1]  # repetitive: n-gram drafts
+    return out
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def run(model: Path, prompts: list[list[int]], **opts: Any) -> tuple[list[list[int]], LLM]:
+    """Generate step by step, checking the KV manager after every step."""
+    llm = LLM(str(model), dtype="float32", block_size=BS, **{"num_blocks": 64, **opts})
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, greedy(), prompt_token_ids=p)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        engine.kv_manager.check_integrity()
+    engine.scheduler.check_integrity()
+    return [done[f"r{i}"] for i in range(len(prompts))], llm
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    tokens, llm = run(model, prompts, disable_hybrid_kv_cache_manager=True)
+    assert isinstance(llm.engine.kv_manager, KVCacheManager)
+    return tokens
+
+
+def test_hybrid_tokens_equal_one_table(
+    model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    tokens, llm = run(model, prompts)
+    kv = llm.engine.kv_manager
+    assert isinstance(kv, HybridKVManager)
+    assert tokens == reference, "batched"
+    again, _ = run(model, prompts + prompts)  # the second copy hits the first's blocks
+    assert again == reference + reference, "prefix hits"
+    for budget in (5, 13):
+        chunked, _ = run(model, prompts, max_num_batched_tokens=budget, max_num_seqs=3)
+        assert chunked == reference, f"chunks of {budget}"
+
+
+def test_prefix_hits_are_taken(model: Path, prompts: list[list[int]]) -> None:
+    llm = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64)
+    llm.generate(prompt_token_ids=prompts, sampling_params=greedy())
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy())
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == [(n - 1) // BS * BS for n in PROMPT_LENS], cached
+    llm.engine.kv_manager.check_integrity()
+
+
+def test_window_groups_hold_fewer_pages(model: Path, prompts: list[list[int]]) -> None:
+    """One long request: pages held at the end of decoding, hybrid vs one table."""
+    long_prompt = [p for ps in prompts for p in ps][:120]
+    held = {}
+    for hybrid in (True, False):
+        llm = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64,
+                  disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+        engine = llm.engine
+        engine.add_request("r", None, greedy(), prompt_token_ids=long_prompt)
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.kv_manager.stats()
+            peak = max(peak, stats.num_blocks - stats.num_free_blocks)
+        groups = engine.kv_groups.num_groups if engine.kv_groups is not None else 1
+        held[hybrid] = peak / groups  # in blocks of every layer
+    assert held[True] < held[False], held
+    assert held[False] == -(-(120 + NEW - 1) // BS)
+
+
+def test_preemption_and_speculation(
+    model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}  # fmt: skip
+    tokens, llm = run(model, prompts, speculative_config=spec)
+    assert tokens == reference, "speculative"
+    stats = llm.engine.speculator.stats if llm.engine.speculator is not None else None
+    assert stats is not None and stats.num_draft_tokens > 0
+    # The smallest pool that holds the longest request (chunks of 8: a window group's
+    # peak is its window plus one chunk), in blocks of every layer.
+    probe = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64,
+                max_num_batched_tokens=8)  # fmt: skip
+    groups = probe.engine.kv_groups
+    assert groups is not None
+    need = probe.engine.kv_manager.num_blocks_for(max(PROMPT_LENS) + NEW) + 1  # + null page
+    tokens, llm = run(model, prompts, num_blocks=-(-need // groups.num_groups),
+                      max_num_seqs=6, max_num_batched_tokens=8)  # fmt: skip
+    assert tokens == reference, "small pool"
+    if any(g.window is None for g in groups.groups):  # a full group grows while decoding
+        assert llm.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
+
+
+def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--kv-offload is not supported"):
+        LLM(str(model), dtype="float32", num_blocks=32, kv_offload="host:1MiB")
+    with pytest.raises(ConfigError, match="--prefix-cache radix"):
+        LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
+    llm = LLM(str(model), dtype="float32", num_blocks=32)
+    with pytest.raises(InvalidRequestError, match="pinning prefixes is not supported"):
+        llm.pin_prefix(list(range(3, 40)))
+    one_table = LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix",
+                    disable_hybrid_kv_cache_manager=True)  # fmt: skip
+    assert isinstance(one_table.engine.kv_manager, KVCacheManager)
