@@ -43,8 +43,8 @@ class ModelConfig:
       ``masking_utils.sliding_window_overlay`` (``model/window.py``);
     - ``window_layers``: which layers slide (True) and which attend to every key; None =
       every layer slides when ``sliding_window`` is set (Mistral). ``layer_window(i)``
-      is what the forward reads. Every block of a sequence stays allocated (the KV of
-      keys older than the window is kept, never read): no memory is freed yet.
+      is what the forward reads; the hybrid KV manager (``kv/groups.py``) groups layers
+      by it and frees the KV older than a window.
 
     - ``rope_local_theta``: the RoPE base of the sliding layers (None: ``rope_theta``);
       ``query_pre_attn_scalar``: the attention scale is its ``-0.5`` power (None:

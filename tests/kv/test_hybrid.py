@@ -238,8 +238,12 @@ def test_what_is_refused() -> None:
     with pytest.raises(ConfigError, match="--prefix-cache radix"):
         HybridKVManager(KVGroups.plan([None, W]), 16, BS, 16, prefix_cache="radix")
     kv = manager([None, W])
-    with pytest.raises(InvalidRequestError, match=r"pinning.*--disable-hybrid-kv-cache-manager"):
-        kv.check_pinnable(16)
+    with pytest.raises(InvalidRequestError, match="at least one full block"):
+        kv.check_pinnable(BS - 1)
+    with pytest.raises(InvalidRequestError, match="pins may hold at most"):
+        kv.check_pinnable(64 * BS)
+    with pytest.raises(InvalidRequestError, match="cached in every KV group"):
+        kv.pin_prefix(list(range(16)))
     with pytest.raises(InvalidRequestError, match="presses"):
         kv.allocate_blocks(1)
     with pytest.raises(ConfigError, match="offload"):
@@ -258,3 +262,31 @@ def test_the_web_views_block_map_draws_every_groups_pages() -> None:
     assert view.num_blocks == 32 and view.state[0] == PINNED  # the null page
     assert view.state.count(USED) == kv.num_held_pages("r")
     assert view.request_ids == ["r"]
+
+
+def test_a_pin_holds_every_page_of_its_hit() -> None:
+    """A pinned 40-token prefix: every full-group block and the window group's last
+    window; a flood of other prompts evicts everything else, the hit stays whole."""
+    kv = manager([None, W], pages=60)
+    prefix = list(range(40))
+    admit(kv, req("a", [*prefix, 1]))
+    kv.free("a")
+    assert kv.pin_prefix(prefix) == 40
+    assert kv.pin_prefix(prefix) == 40  # twice: one pin
+    first = (40 - W + 1) // BS
+    assert kv.num_pinned_blocks == 10 + (10 - first)
+    kv.check_integrity()
+    for i in range(12):  # fill the rest of the pool with other prompts, evicting
+        r = req(f"f{i}", [500 + i] * 30)
+        admit(kv, r)
+        kv.free(r)
+    assert kv.pool.num_evicted_blocks > 0
+    assert admit(kv, req("b", [*prefix, 2])) == 40
+    kv.free("b")
+    assert kv.unpin_prefix(prefix) and not kv.unpin_prefix(prefix)
+    assert kv.num_pinned_blocks == 0
+    kv.check_integrity()
+    kv.pin_prefix(prefix)
+    kv.reset_prefix_cache()  # drops pins too
+    kv.check_integrity()
+    assert kv.num_pinned_blocks == 0 and kv.num_free_blocks == kv.num_blocks

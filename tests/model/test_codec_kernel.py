@@ -174,3 +174,46 @@ def test_codec_kernel_refuses_bad_input(kernels: Kernels) -> None:
         kernels.paged_attention_codec(
             q, "int4", 32, *args, torch.tensor([[0]]), None, torch.tensor([3]), 0.1
         )
+
+
+WINDOW_CODECS = [c for c in CODECS if c not in ("kivi2", "bf16")]
+
+
+@pytest.mark.parametrize("window", [8, 100, 700])
+@pytest.mark.parametrize("name,dtype,hd,heads", [c for c in KERNEL_CASES if c[0] in WINDOW_CODECS])
+def test_kernel_window_matches_the_masked_reference(
+    kernels: Kernels, name: str, dtype: torch.dtype, hd: int, heads: tuple[int, int], window: int
+) -> None:
+    """Sliding windows (issue 21): row p reads keys (p - W, p] (``model/window.py``); the
+    blocks no row of a sequence reads are replaced by a poison block of huge keys in the
+    kernel's tables (the hybrid KV manager's freed entries), so reading one would show."""
+    from kvstack.model.window import prefill_window_mask
+
+    g = torch.Generator().manual_seed(9)
+    h, kvh = heads
+    codec = _codec(name, dtype, kvh, hd)
+    tables = _fill(codec, g, dtype, kvh, hd)
+    used = {int(b) for t in tables for b in t}
+    poison = min(set(range(codec.shape.num_blocks)) - used)
+    slots = poison * BS + torch.arange(BS)
+    huge = torch.full((BS, kvh, hd), 300.0).to(dtype)
+    codec.write(0, slots, huge, huge)
+    cut = []
+    for (before, _), t in zip(SEQS, tables, strict=True):
+        first = max(0, before + 1 - window) // BS  # the first row's first key's block
+        cut.append(torch.cat([torch.full((first,), poison), t[first:]]))
+    view = codec.kernel_view(0)
+    assert view is not None
+    rows = _rows(cut)
+    q = torch.randn(rows.num_rows, h, hd, generator=g).to(dtype)
+    out = codec_attention(kernels, q, view, rows, hd**-0.5, window)
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    r = 0
+    for i, (before, n) in enumerate(SEQS):
+        mask = prefill_window_mask(n, before + n, window)
+        cache = LayerCache(0, codec, None, None)
+        keys, vals, mask = chunk_context(cache, tables[i], before, mask)
+        ref = prefill_attention(q[r : r + n], keys, vals, mask, hd**-0.5)
+        err = (out[r : r + n].float() - ref.float()).abs().max().item()
+        assert err < tol, f"{name} W={window} sequence {i} ({before}+{n}): max error {err}"
+        r += n

@@ -6,7 +6,8 @@ Greedy tokens with one block table per group equal those with one table for all 
 (``--disable-hybrid-kv-cache-manager``, itself checked against transformers in
 ``test_sliding_window.py`` / ``test_gemma3.py``) batched, on prefix hits, in chunks
 shorter and longer than the window, preempted, and with n-gram speculation; the window
-groups hold fewer pages; ``check_integrity()`` after every step; what is refused.
+groups hold fewer pages; per-token KV codecs under windows; ``check_integrity()`` after
+every step; what is refused.
 """
 
 from __future__ import annotations
@@ -163,14 +164,31 @@ def test_preemption_and_speculation(
         assert llm.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
 
 
+@pytest.mark.parametrize("codec", ["int8", "rotated4"])
+def test_per_token_codecs_with_windows(model: Path, prompts: list[list[int]], codec: str) -> None:
+    """An encoded cache under the window (the codec kernel starts each row at its window):
+    the hybrid manager gives the tokens of one table, in one batch and in chunks of 5."""
+    one, _ = run(model, prompts, kv_cache_dtype=codec, disable_hybrid_kv_cache_manager=True)
+    hybrid, llm = run(model, prompts, kv_cache_dtype=codec)
+    assert isinstance(llm.engine.kv_manager, HybridKVManager)
+    assert hybrid == one
+    chunked, _ = run(model, prompts, kv_cache_dtype=codec, max_num_batched_tokens=5)
+    assert chunked == one
+
+
 def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--kv-offload is not supported"):
         LLM(str(model), dtype="float32", num_blocks=32, kv_offload="host:1MiB")
     with pytest.raises(ConfigError, match="--prefix-cache radix"):
         LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
+    with pytest.raises(ConfigError, match="kivi2"):
+        LLM(str(model), dtype="float32", num_blocks=32, kv_cache_dtype="kivi2")
     llm = LLM(str(model), dtype="float32", num_blocks=32)
-    with pytest.raises(InvalidRequestError, match="pinning prefixes is not supported"):
-        llm.pin_prefix(list(range(3, 40)))
+    with pytest.raises(InvalidRequestError, match="at least one full block"):
+        llm.pin_prefix([3, 4, 5])
+    assert llm.pin_prefix(list(range(3, 40))) == 32  # computed first, then held
+    assert llm.engine.kv_manager.num_pinned_blocks > 0
+    llm.engine.kv_manager.check_integrity()
     one_table = LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix",
                     disable_hybrid_kv_cache_manager=True)  # fmt: skip
     assert isinstance(one_table.engine.kv_manager, KVCacheManager)

@@ -23,7 +23,7 @@ from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.ops import select_ops
 from kvstack.model.registry import load_model
-from kvstack.model.window import prefill_window_mask
+from kvstack.model.window import check_window_support, prefill_window_mask
 from kvstack.model_config import ModelConfig
 from kvstack.testing.families import (
     hf_greedy,
@@ -156,9 +156,10 @@ def test_greedy_matches_transformers(
     _check("preempted", refs, outs)
 
 
-def test_codecs_and_presses_are_refused_with_a_window(tiny: Tiny) -> None:
-    with pytest.raises(ConfigError, match=r"sliding-window attention.*--kv-cache-dtype"):
-        LLM(str(tiny.folder), dtype="float32", num_blocks=32, kv_cache_dtype="int8")
+def test_kivi2_and_presses_are_refused_with_a_window(tiny: Tiny) -> None:
+    with pytest.raises(ConfigError, match=r"sliding-window attention.*--kv-cache-dtype kivi2"):
+        check_window_support(tiny.config, "kivi2", None)  # (this model's head_dim 16: no kivi2)
+    check_window_support(tiny.config, "int8", None)  # per-token codecs read windows
     with pytest.raises(ConfigError, match=r"sliding-window attention.*--kv-press"):
         LLM(str(tiny.folder), dtype="float32", num_blocks=32, kv_press="snapkv")
     llm = LLM(str(tiny.folder), dtype="float32", num_blocks=32)

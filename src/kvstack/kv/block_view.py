@@ -71,7 +71,7 @@ def _held(manager: PagedManager) -> tuple[dict[str, list[KVCacheBlock]], list[KV
         return dict(manager.req_blocks), pinned
     null = manager.null
     held = {rid: [b for t in ts for b in t if b is not null] for rid, ts in manager.tables.items()}
-    return held, [null]
+    return held, [null, *(b for chain in manager.pins.values() for b in chain)]
 
 
 def _block_states(

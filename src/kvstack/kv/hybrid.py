@@ -17,18 +17,15 @@ blocks at all beyond what their chunk reads::
     full group:    [b0][b1][b2][b3][b4]
     window group:  [ 0][w1][w2][w3][w4]      block 0 (keys 0-3) freed: first live = 6 // 4
 
-Prefix caching per group (vLLM's ``find_longest_cache_hit``): a hit of ``L`` blocks
-needs every block of a full group below ``L``, and of a window group only the blocks
-that rows from ``L * block_size`` on read (``[first_live(L * bs), L)``); the hit is the
-longest ``L`` every group serves (a fixpoint: a window group's hits are not monotone in
-``L``). Blocks are keyed in one prefix cache with one eviction policy: group 0 (a full
-group) by the request's block hash as in the plain manager, every other group by the hash
-with its group number appended, so KV events (and the routers reading them) see the
-full-attention blocks only.
+Prefix caching per group (``kv/hybrid_cache.py``, vLLM's ``find_longest_cache_hit``): a
+hit needs every block of a full group but only the window's blocks of a window group; one
+hash cache and one eviction policy hold every group's blocks, group 0's under the plain
+hashes (KV events name them), the others' under hashes tagged with the group.
 
-Not supported yet (refused, ``kv/groups.py`` callers check): pins, offload tiers, the
-radix prefix cache, presses and KV codecs (refused with windows already); a contiguous
-layout. Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
+Pins hold every page a hit of the whole pinned prefix needs. Not supported yet (refused:
+``hybrid_support.py`` at startup, or here): offload tiers, the radix prefix cache, presses
+and kivi2 (refused with windows already); a contiguous layout. Per-token KV codecs work. Implements
+``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
 """
 
 from __future__ import annotations
@@ -41,41 +38,13 @@ from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.groups import KVGroups
 from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvstack.kv.hybrid_cache import GroupedHashCache, first_live
 from kvstack.kv.policies import make_policy
-from kvstack.kv.prefix_cache import HashPrefixCache
 from kvstack.kv.residency import BlockResidency
 from kvstack.request import Request
 
 UNSUPPORTED = "with the hybrid KV manager (a sliding-window model); pass "
 UNSUPPORTED += "--disable-hybrid-kv-cache-manager to keep one block table for all layers"
-
-
-class GroupedHashCache(HashPrefixCache):
-    """The hash cache with per-group keys: only untagged (group 0) keys reach events."""
-
-    def _stored(
-        self,
-        token_ids: Sequence[int],
-        hashes: Sequence[BlockHash],
-        first: int,
-        last: int,
-        cache_salt: str | None = None,
-    ) -> None:
-        if last > first and not _tagged(hashes[first]):  # one insert = one group
-            super()._stored(token_ids, hashes, first, last, cache_salt)
-
-    def _removed(self, hashes: list[BlockHash]) -> None:
-        super()._removed([h for h in hashes if not _tagged(h)])
-
-    def cached_hashes(self) -> list[BlockHash]:
-        return [h for h in self.table if not _tagged(h)]
-
-
-_HASH_LEN = len(root_hash())
-
-
-def _tagged(h: BlockHash) -> bool:
-    return len(h) != _HASH_LEN
 
 
 class HybridKVManager:
@@ -92,6 +61,7 @@ class HybridKVManager:
         model_id: str = "",
         events: KVEventLog | None = None,
         residency: BlockResidency | None = None,
+        max_pinned_fraction: float = 0.5,
     ) -> None:
         if prefix_cache not in ("hash", "none"):
             raise ConfigError(f"--prefix-cache {prefix_cache} is not supported " + UNSUPPORTED)
@@ -105,13 +75,15 @@ class HybridKVManager:
         self.cache: GroupedHashCache | None = None
         if prefix_cache == "hash":
             policy = make_policy(eviction_policy, num_pages)
-            self.cache = GroupedHashCache(block_size, policy, self.events)
+            self.cache = GroupedHashCache(block_size, policy, self.events, self.windows)
         self.pool = BlockPool(num_pages, self.cache, residency)
         self.null = self.pool.allocate(1)[0]  # page 0: the table entry of a freed block
         assert self.null.block_id == 0
         self.model_id = model_id
         self.tables: dict[str, list[list[KVCacheBlock]]] = {}
         self._num_inserted: dict[str, int] = {}
+        self.max_pinned_fraction = max_pinned_fraction
+        self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> every page
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -135,7 +107,7 @@ class HybridKVManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return 0
+        return len({b.block_id for chain in self.pins.values() for b in chain})
 
     def routing_info(self) -> KVRoutingInfo:
         return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)
@@ -148,8 +120,7 @@ class HybridKVManager:
 
     def first_live(self, group: int, position: int) -> int:
         """First block a row at ``position`` (or later) of ``group`` still reads."""
-        w = self.windows[group]
-        return 0 if w is None else max(0, position - w + 1) // self.block_size
+        return first_live(self.windows[group], position, self.block_size)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Pages a sequence of ``num_tokens`` holds at its peak, over all groups (a window
@@ -178,55 +149,14 @@ class HybridKVManager:
             )
         return have
 
-    def _tagged_group(self, group: int) -> bool:
-        """Group 0, when full (the model has a full-attention layer), keeps plain hashes."""
-        return group != 0 or self.windows[0] is not None
-
-    def _key(self, group: int, h: BlockHash) -> BlockHash:
-        return h + bytes((group,)) if self._tagged_group(group) else h
-
     # ------------------------------------------------------------------ prefix hits
-    def _longest(self, group: int, hashes: Sequence[BlockHash], limit: int) -> int:
-        """Longest hit ``L <= limit`` (in blocks) ``group`` serves."""
-        assert self.cache is not None
-        table = self.cache.table
-        if self.windows[group] is None:
-            n = 0
-            while n < limit and self._key(group, hashes[n]) in table:
-                n += 1
-            return n
-        length = limit
-        while length > 0:
-            j = length - 1
-            first = self.first_live(group, length * self.block_size)
-            while j >= first and self._key(group, hashes[j]) in table:
-                j -= 1
-            if j < first:
-                return length
-            length = j  # every hit ending after block j needs it
-        return 0
-
     def _hit_tables(self, request: Request, limit: int) -> list[list[KVCacheBlock]]:
         """Per group, the blocks of the longest hit of at most ``limit`` blocks every
-        group serves (null pages where a window group reads nothing)."""
+        group serves (``kv/hybrid_cache.py``; null pages where a window group reads nothing)."""
         if self.cache is None or limit <= 0:
             return [[] for _ in self.windows]
         hashes = self.block_hashes(request)
-        length, changed = limit, True
-        while changed and length > 0:
-            changed = False
-            for g in range(len(self.windows)):
-                got = self._longest(g, hashes, length)
-                changed |= got < length
-                length = got
-        table = self.cache.table
-        out = []
-        for g in range(len(self.windows)):
-            first = self.first_live(g, length * self.block_size)
-            blocks = [self.null] * first
-            blocks += [table[self._key(g, hashes[i])] for i in range(first, length)]
-            out.append(blocks)
-        return out
+        return self.cache.hit_blocks(hashes, self.cache.hit_length(hashes, limit), self.null)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Group 0's blocks of the longest prefix every group serves (changes nothing);
@@ -305,11 +235,11 @@ class HybridKVManager:
         hashes = self.block_hashes(request)[:num_full]
         root = self.root_of(request)
         for g, blocks in enumerate(self.tables[rid]):
-            if not self._tagged_group(g):  # a full group 0: no null page; events
+            if not self.cache.tagged_group(g):  # a full group 0: no null page; events
                 self.cache.insert(request.all_token_ids, hashes, blocks, root, request.cache_salt)
                 continue
             idx = [i for i in range(start, num_full) if blocks[i] is not self.null]
-            keys = [self._key(g, hashes[i]) for i in idx]
+            keys = [self.cache.key(g, hashes[i]) for i in idx]
             self.cache.insert((), keys, [blocks[i] for i in idx], root)
         self._num_inserted[rid] = num_full
 
@@ -360,20 +290,69 @@ class HybridKVManager:
             if r.request_id in self.tables
         )
 
-    # ------------------------------------------------------------------ not with groups
+    # ------------------------------------------------------------------ pins
     def check_pinnable(self, num_tokens: int) -> None:
-        raise InvalidRequestError("pinning prefixes is not supported " + UNSUPPORTED)
+        """A pin needs a prefix cache, one full block, and at most ``max_pinned_fraction``
+        of the pages (every block of a full group, a window's worth of a window group)."""
+        if self.cache is None:
+            raise InvalidRequestError("pinning needs a prefix cache (--prefix-cache hash)")
+        bs, n = self.block_size, num_tokens // self.block_size
+        if n < 1:
+            raise InvalidRequestError(
+                f"a pinned prefix needs at least one full block ({bs} tokens)"
+            )
+        need = sum(n if w is None else min(n, cdiv(w - 1, bs) + 1) for w in self.windows)
+        limit = int(self.max_pinned_fraction * self.num_blocks)
+        if need > limit:
+            raise InvalidRequestError(
+                f"a prefix of {num_tokens} tokens needs {need} pages; pins may hold at most "
+                f"{limit} (max_pinned_fraction {self.max_pinned_fraction} of {self.num_blocks})"
+            )
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Hold every page a hit of the whole prefix needs (every block of a full group,
+        the last window's blocks of a window group), so that hit always happens; shorter
+        hits of a window group are not held. ``InvalidRequestError`` as the plain
+        manager's ``pin_prefix``."""
         self.check_pinnable(len(token_ids))
-        return 0
+        assert self.cache is not None
+        hashes = hash_blocks(token_ids, self.block_size, root_hash(self.model_id, cache_salt))
+        if hashes[-1] in self.pins:
+            return len(hashes) * self.block_size
+        length = self.cache.hit_length(hashes, len(hashes))
+        if length < len(hashes):
+            raise InvalidRequestError(
+                f"only {length * self.block_size} of the prefix's "
+                f"{len(hashes) * self.block_size} block-aligned tokens are cached in every "
+                "KV group; run the prefix through the engine before pinning it"
+            )
+        tables = self.cache.hit_blocks(hashes, length, self.null)
+        blocks = [b for t in tables for b in t if b is not self.null]
+        pinned = {b.block_id for chain in self.pins.values() for b in chain}
+        after = len(pinned | {b.block_id for b in blocks})
+        if after > int(self.max_pinned_fraction * self.num_blocks):
+            raise InvalidRequestError(
+                f"pinning would hold {after} pages, over max_pinned_fraction "
+                f"{self.max_pinned_fraction} of {self.num_blocks}"
+            )
+        self.pool.touch(blocks)
+        self.pins[hashes[-1]] = blocks
+        return len(hashes) * self.block_size
 
     def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
-        return False
+        if len(token_ids) < self.block_size:
+            return False
+        hashes = hash_blocks(token_ids, self.block_size, root_hash(self.model_id, cache_salt))
+        blocks = self.pins.pop(hashes[-1], None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
 
+    # ------------------------------------------------------------------ not with groups
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
-        if hook is not None:
-            raise ConfigError("KV codecs are not supported " + UNSUPPORTED)
+        """A codec hears of pages whose contents die (kivi2, refused with windows)."""
+        self.pool.on_plain_free = hook
 
     def allocate_blocks(self, n: int) -> list[int] | None:
         raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
@@ -387,6 +366,9 @@ class HybridKVManager:
     def reset_prefix_cache(self) -> None:
         if self.cache is None:
             return
+        for blocks in self.pins.values():
+            self.pool.free(reversed(blocks))
+        self.pins.clear()
         self.pool.reclaim(self.cache.reset())
         self._num_inserted.clear()
         if self.pool.residency is not None:
@@ -398,7 +380,7 @@ class HybridKVManager:
             num_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
             num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
-            num_pinned_blocks=0,
+            num_pinned_blocks=self.num_pinned_blocks,
             usage=self.usage,
             num_requests=len(self.tables),
             prefix_query_tokens=self.prefix_query_tokens,
@@ -421,9 +403,12 @@ class HybridKVManager:
                     assert len(real) == len(blocks), f"{rid}: a null page in full group {g}"
                 for i in real:
                     held[i] = held.get(i, 0) + 1
+        for chain in self.pins.values():
+            for b in chain:
+                held[b.block_id] = held.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), (
                 f"page {block.block_id}: ref_cnt {block.ref_cnt} != "
-                f"{held.get(block.block_id, 0)} table references"
+                f"{held.get(block.block_id, 0)} table and pin references"
             )
         assert self.null.block_hash is None, "the null page is never cached"

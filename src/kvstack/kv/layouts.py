@@ -45,6 +45,7 @@ def _paged(p: KVLayoutParams) -> KVManager:
         return HybridKVManager(
             p.groups, p.num_blocks, p.block_size, p.max_chunk_tokens, p.prefix_cache,
             p.eviction_policy, p.model_id, residency=p.residency,
+            max_pinned_fraction=p.max_pinned_fraction,
         )  # fmt: skip
     return KVCacheManager(
         p.num_blocks,

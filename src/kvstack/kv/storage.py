@@ -7,6 +7,10 @@ block_size``, and attention reads the tensors in place. With a codec (era 5,
 ``kv/codecs.py``) the same slots hold codes and scales, and attention reads blocks back
 through ``gather``.
 
+With KV groups (the hybrid KV manager, ``kv/groups.py``) a block is a *page* of
+``layers_per_page`` layers: ``k`` is ``[layers_per_page, num_pages, ...]`` and layer ``i``
+reads slot ``layer_slots()[i]`` through its group's block table.
+
 This is the only place (with the model) where KV memory exists; the block pool only
 counts block ids. Whole blocks move in and out as bytes (``read_blocks`` /
 ``write_block``: each block-indexed tensor's slice of the block, in ``block_tensors``

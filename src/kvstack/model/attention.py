@@ -204,7 +204,12 @@ def prefill_attention(
 
 
 def codec_attention(
-    kernels: Kernels, q: torch.Tensor, view: KernelView, rows: KernelRows, scale: float
+    kernels: Kernels,
+    q: torch.Tensor,
+    view: KernelView,
+    rows: KernelRows,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """``rows`` over an encoded cache read in place by ``paged_attention_codec``.
 
@@ -216,7 +221,7 @@ def codec_attention(
     out: torch.Tensor = kernels.paged_attention_codec(
         q, view.layout, view.group, view.k_codes, view.v_codes, view.k_params,
         view.v_params, view.res_k, view.res_v, view.residual_of, view.rotation_signs,
-        rows.block_tables, rows.table_index, rows.context_lens, scale,
+        rows.block_tables, rows.table_index, rows.context_lens, scale, window,
     )  # fmt: skip
     return out
 
@@ -317,8 +322,7 @@ def paged_attention(
         else:  # the runner sets kernel_rows for an encoded cache only with a kernel view
             view = cache.kernel_view
             assert view is not None, "kernel rows over a cache the kernel cannot read"
-            assert not w, "codec kernels have no window (model/window.py refuses the pair)"
-            head = codec_attention(meta.kernels, rows_q, view, every, scale)
+            head = codec_attention(meta.kernels, rows_q, view, every, scale, w)
         if not meta.prefills:
             return head
         out = torch.empty_like(q)

@@ -17,10 +17,12 @@ Every path applies it: the C++ ``paged_attention`` starts each row at key ``max(
 W)`` (``csrc/paged_attention.cpp``), the PyTorch decode path adds ``-inf`` to the older
 slots (``decode_window_bias``) and prefill SDPA takes ``prefill_window_mask``. KV slots
 equal positions here: presses (which drop slots) are refused with a window
-(``check_window_support``), as are KV codecs, whose kernel has no window.
+(``check_window_support``), as is kivi2; the per-token codecs' kernel takes the window.
 
-The KV of keys older than the window stays in the cache: every block of a sequence stays
-allocated until it finishes (no memory is freed yet; that needs a per-layer KV manager).
+Memory: the hybrid KV manager (``kv/hybrid.py``, the default with a window) gives window
+layers their own block tables and frees the blocks older than every window (table entry:
+the null page, which these paths never read unmasked); ``--disable-hybrid-kv-cache-manager``
+keeps one table for all layers, every block allocated until the sequence finishes.
 """
 
 from __future__ import annotations
@@ -49,15 +51,17 @@ def decode_window_bias(bias: torch.Tensor, lens: torch.Tensor, window: int) -> t
 
 def check_window_support(config: ModelConfig, codec: str | None, press: str | None) -> None:
     """``ConfigError`` at startup when the model slides a window and the KV cache is
-    encoded (``--kv-cache-dtype``) or pressed (``--kv-press``): neither the codec kernel
-    nor the presses know which keys a window hides."""
+    kivi2-encoded (its per-block residual and own-block reads are not window-aware) or
+    pressed (``--kv-press``: presses do not know which keys a window hides). The per-token
+    codecs (int8, fp8, int4, rotated4, bf16) read windows like ``auto``: the codec kernel
+    starts each row at its window."""
     if not config.has_window:
         return
     what = f"sliding-window attention (sliding_window {config.sliding_window})"
-    if codec is not None:
+    if codec == "kivi2":
         raise ConfigError(
             f"{config.name}: {what} is not supported with --kv-cache-dtype {codec}; "
-            "use --kv-cache-dtype auto"
+            "use auto or a per-token codec (int8, fp8, int4, rotated4)"
         )
     if press is not None:
         raise ConfigError(f"{config.name}: {what} is not supported with --kv-press {press}")

@@ -3,7 +3,7 @@
 The Llama layout; what differs is ``sliding_window``: Mistral-7B v0.1 attends to the last
 4,096 keys only (every layer; ``model/window.py``), later releases set it to null (full
 attention). A null window, or one covering the whole context, is the Llama forward
-exactly. The KV of keys older than the window stays allocated (no memory is freed yet).
+exactly. The hybrid KV manager (``kv/hybrid.py``) frees the KV of keys older than the window.
 llama.cpp writes Mistral GGUFs as ``general.architecture = "llama"`` (the llama family);
 ``"mistral"`` is accepted too, permuted as llama.
 """

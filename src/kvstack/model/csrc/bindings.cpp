@@ -14,7 +14,8 @@ TORCH_LIBRARY(kvstack, m) {
         &paged_attention);
   m.def("paged_attention_codec(Tensor q, str kind, int group, Tensor k_codes, Tensor v_codes, "
         "Tensor k_params, Tensor v_params, Tensor? res_k, Tensor? res_v, Tensor? residual_of, "
-        "Tensor? rotation_signs, Tensor block_tables, Tensor? table_index, Tensor context_lens, float scale) -> Tensor",
+        "Tensor? rotation_signs, Tensor block_tables, Tensor? table_index, Tensor context_lens, float scale, "
+        "int window=0) -> Tensor",
         &paged_attention_codec);
   m.def("codec_write(str kind, int group, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_codes, "
         "Tensor(b!) v_codes, Tensor(c!) k_params, Tensor(d!) v_params, Tensor? rotation_signs) -> ()",

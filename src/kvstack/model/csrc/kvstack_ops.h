@@ -18,7 +18,8 @@ torch::Tensor paged_attention_codec(
     std::optional<torch::Tensor> res_k, std::optional<torch::Tensor> res_v,
     std::optional<torch::Tensor> residual_of, std::optional<torch::Tensor> rotation_signs,
     torch::Tensor block_tables,
-    std::optional<torch::Tensor> table_index, torch::Tensor context_lens, double scale);
+    std::optional<torch::Tensor> table_index, torch::Tensor context_lens, double scale,
+    int64_t window);
 void codec_write(std::string kind, int64_t group, torch::Tensor k, torch::Tensor v,
                  torch::Tensor slots, torch::Tensor k_codes, torch::Tensor v_codes,
                  torch::Tensor k_params, torch::Tensor v_params,

@@ -241,11 +241,14 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
 
 template <Codec C, typename T>
 void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
-                  const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
+                  const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale,
+                  int64_t W) {
   const int64_t KVH = cv.KVH, G = H / KVH;
-  std::vector<int64_t> first(R + 1, 0);  // first partition of each row
-  for (int64_t r = 0; r < R; ++r)
-    first[r + 1] = first[r] + std::max<int64_t>(1, (lens[r] + kCodecPart - 1) / kCodecPart);
+  std::vector<int64_t> first(R + 1, 0);  // first partition of each row: keys [s0, L) of it
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = lens[r] - codec_window_start(lens[r], W);
+    first[r + 1] = first[r] + std::max<int64_t>(1, (n + kCodecPart - 1) / kCodecPart);
+  }
   const int64_t P = first[R];
   std::vector<CodecPartial> parts(P * H);
   std::vector<float> qall(R * H * 64);  // float queries (rotated4: q R), once per row
@@ -259,7 +262,7 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
     for (int64_t w = begin; w < end; ++w) {
       const int64_t pi = w / KVH, kh = w % KVH;
       const int64_t r = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
-      const int64_t t0 = (pi - first[r]) * kCodecPart;
+      const int64_t t0 = codec_window_start(lens[r], W) + (pi - first[r]) * kCodecPart;
       const float* qf = qall.data() + (r * H + kh * G) * 64;
       const int64_t* table = tables + codec_table_of(tidx, r) * MB;
       const int64_t t1 = std::min(lens[r], t0 + kCodecPart), own = (lens[r] - 1) / cv.BS;
@@ -303,14 +306,15 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
 
 template <typename T>
 bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
-                const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale) {
+                const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale,
+                int64_t W) {
   const int64_t G = H / cv.KVH;
   if (cv.HD != 64 || G > kMaxG || cv.group % 16 || 64 % cv.group) return false;
   if (cv.kind == Codec::kKivi2 && cv.group != 32) return false;  // row64's value groups
   switch (cv.kind) {
 #define KVSTACK_CODEC(c)                                                    \
   case c:                                                                   \
-    codec_rows64<c, T>(cv, q, tables, tidx, lens, out, R, H, MB, scale); \
+    codec_rows64<c, T>(cv, q, tables, tidx, lens, out, R, H, MB, scale, W); \
     return true;
     KVSTACK_CODEC(Codec::kBF16)
     KVSTACK_CODEC(Codec::kInt8)
@@ -325,7 +329,7 @@ bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const in
 #else
 template <typename T>
 bool codec_fast(const CodecView&, const T*, const int64_t*, const int64_t*, const int64_t*, T*,
-                int64_t, int64_t, int64_t, float) {
+                int64_t, int64_t, int64_t, float, int64_t) {
   return false;
 }
 #endif
@@ -345,8 +349,9 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
                                     std::optional<torch::Tensor> rotation_signs,
                                     torch::Tensor block_tables,
                                     std::optional<torch::Tensor> table_index,
-                                    torch::Tensor context_lens, double scale) {
+                                    torch::Tensor context_lens, double scale, int64_t window) {
   const Codec c = codec_kind(kind);
+  TORCH_CHECK(window >= 0, "window ", window, " is negative (0: no window)");
   TORCH_CHECK(q.dim() == 3 && block_tables.dim() == 2, "bad shapes");
   for (const auto* t : {&k_codes, &v_codes, &k_params, &v_params})
     TORCH_CHECK(t->is_contiguous(), "codec tensors must be contiguous");
@@ -398,7 +403,7 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
                 " outside [1, ", MB * BS, "]");
     need[t] = std::max(need[t], lens_p[r]);
   }
-  for (int64_t t = 0; t < S; ++t)
+  for (int64_t t = 0; t < S; ++t)  // (blocks before a window are checked too: page 0 passes)
     for (int64_t b = 0; b < (need[t] + BS - 1) / BS; ++b) {
       const int64_t blk = tab_p[t * MB + b];
       TORCH_CHECK(blk >= 0 && blk < NB, "block id ", blk, " outside the cache");
@@ -410,12 +415,14 @@ torch::Tensor paged_attention_codec(torch::Tensor q, std::string kind, int64_t g
   if (q.scalar_type() == torch::kBFloat16) {
     using T = c10::BFloat16;
     const T* qp = q.data_ptr<T>();
-    if (!codec_fast<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc))
-      codec_rows_generic<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc);
+    if (!codec_fast<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc, window))
+      codec_rows_generic<T>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<T>(), R, H, MB, sc, window);
   } else if (q.scalar_type() == torch::kFloat32) {
     const float* qp = q.data_ptr<float>();
-    if (!codec_fast<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc))
-      codec_rows_generic<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc);
+    if (!codec_fast<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc,
+                           window))
+      codec_rows_generic<float>(cv, qp, tab_p, tidx, lens_p, out.data_ptr<float>(), R, H, MB, sc,
+                                window);
   } else {
     TORCH_CHECK(false, "codec attention supports bfloat16 and float32 queries");
   }

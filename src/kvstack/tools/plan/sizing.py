@@ -123,7 +123,9 @@ def make_plan(
         rate = f"the {n_full} full-attention layers" if n_full else "all layers, up to the window"
         notes.append(
             f"{n_win} of {model.num_layers} layers use a {w:,}-token sliding window and hold "
-            f"at most {w:,} tokens; the per-token figure counts {rate}"
+            f"at most {w:,} tokens; the per-token figure counts {rate} (kvstack's hybrid KV "
+            f"manager frees whole blocks: up to W - 1 + block_size tokens per window layer "
+            f"while decoding, W - 1 + one chunk during a long prefill)"
         )
     per_tok_layers = n_full or model.num_layers
     over = context > model.max_position_embeddings

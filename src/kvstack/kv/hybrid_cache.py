@@ -1,0 +1,123 @@
+"""The hybrid KV manager's prefix cache: one hash cache, keys per KV group (issue 21).
+
+Every group's blocks live in one ``HashPrefixCache`` with one eviction policy, so LRU (or
+LFU, ARC) orders all pages alike. Group 0 — a full-attention group when the model has
+one — keys its blocks by the request's block hash as the plain manager does (so KV events
+and the routers reading them see the same chain); every other group by the hash with the
+group's number appended (17 bytes: never an event, never a plain hash).
+
+A hit of ``L`` blocks (vLLM v1's ``find_longest_cache_hit`` per manager type) needs every
+block ``< L`` of a full group, and of a window group only the blocks a row at position
+``L * block_size`` or later still reads, ``[first_live(L * bs), L)``::
+
+    W = 8, bs 4, L = 5 (rows from 20 read keys >= 13):
+    full group:    [h0][h1][h2][h3][h4]     all five cached
+    window group:  [  ][  ][  ][h3][h4]     blocks 3 and 4 cached (0-2 may be evicted)
+
+A window group's hits are not monotone in ``L`` (a shorter hit needs other blocks), so the
+hit is a fixpoint: each group in turn shortens ``L`` to its own longest hit ``<= L``
+until no group shortens it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstack.kv.block_pool import KVCacheBlock
+from kvstack.kv.events import KVEventLog
+from kvstack.kv.hashing import BlockHash, root_hash
+from kvstack.kv.policies import EvictionPolicy
+from kvstack.kv.prefix_cache import HashPrefixCache
+
+_HASH_LEN = len(root_hash())
+
+
+def first_live(window: int | None, position: int, block_size: int) -> int:
+    """First block a row at ``position`` (or later) reads under ``window`` (None: 0)."""
+    return 0 if window is None else max(0, position - window + 1) // block_size
+
+
+def tagged(h: BlockHash) -> bool:
+    """True for a key of a group other than 0 (never published)."""
+    return len(h) != _HASH_LEN
+
+
+class GroupedHashCache(HashPrefixCache):
+    """The hash cache keyed per group; only group 0's plain keys reach events."""
+
+    def __init__(
+        self,
+        block_size: int,
+        policy: EvictionPolicy,
+        events: KVEventLog,
+        windows: tuple[int | None, ...],
+    ) -> None:
+        super().__init__(block_size, policy, events)
+        self.windows = windows
+
+    def tagged_group(self, group: int) -> bool:
+        return group != 0 or self.windows[0] is not None
+
+    def key(self, group: int, h: BlockHash) -> BlockHash:
+        return h + bytes((group,)) if self.tagged_group(group) else h
+
+    def _stored(
+        self,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        first: int,
+        last: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        if last > first and not tagged(hashes[first]):  # one insert = one group
+            super()._stored(token_ids, hashes, first, last, cache_salt)
+
+    def _removed(self, hashes: list[BlockHash]) -> None:
+        super()._removed([h for h in hashes if not tagged(h)])
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return [h for h in self.table if not tagged(h)]
+
+    # ------------------------------------------------------------------ hits
+    def longest(self, group: int, hashes: Sequence[BlockHash], limit: int) -> int:
+        """Longest hit ``L <= limit`` (in blocks) ``group`` serves."""
+        table, bs = self.table, self.block_size
+        if self.windows[group] is None:
+            n = 0
+            while n < limit and self.key(group, hashes[n]) in table:
+                n += 1
+            return n
+        length = limit
+        while length > 0:
+            j = length - 1
+            first = first_live(self.windows[group], length * bs, bs)
+            while j >= first and self.key(group, hashes[j]) in table:
+                j -= 1
+            if j < first:
+                return length
+            length = j  # every hit ending after block j needs it
+        return 0
+
+    def hit_length(self, hashes: Sequence[BlockHash], limit: int) -> int:
+        """The longest hit of at most ``limit`` blocks every group serves (the fixpoint)."""
+        length, changed = limit, True
+        while changed and length > 0:
+            changed = False
+            for g in range(len(self.windows)):
+                got = self.longest(g, hashes, length)
+                changed |= got < length
+                length = got
+        return length
+
+    def hit_blocks(
+        self, hashes: Sequence[BlockHash], length: int, null: KVCacheBlock
+    ) -> list[list[KVCacheBlock]]:
+        """Per group, the blocks of a hit of ``length`` (``hit_length``'s): ``null`` where a
+        window group reads nothing."""
+        out = []
+        for g, w in enumerate(self.windows):
+            first = first_live(w, length * self.block_size, self.block_size)
+            blocks = [null] * first
+            blocks += [self.table[self.key(g, hashes[i])] for i in range(first, length)]
+            out.append(blocks)
+        return out
