@@ -145,6 +145,7 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
         "max_model_len": (["1024"], 1024),
         "enable_chunked_prefill": ([], False),
         "kv_cache_metrics": ([], True),
+        "disable_hybrid_kv_cache_manager": ([], True),
         "kv_cache_metrics_sample": (["0.5"], 0.5),
         "segment_cache": (["none"], "none"),
         "segment_recompute_ratio": (["0.3"], 0.3),
