@@ -150,7 +150,8 @@ class LLMEngine:
 
     def _log_loaded(self, seconds: float) -> None:
         mc, cc, config = self.model_config, self.config.cache, self.config
-        num_blocks = self.kv_manager.num_blocks
+        groups = self.kv_groups  # hybrid: blocks of every layer, held as pages of a few
+        num_blocks = self.kv_manager.num_blocks // (groups.num_groups if groups else 1)
         plain = mc.kv_bytes_per_token(self.dtype.itemsize)
         logger.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache %s: %d blocks x %d tokens = %d tokens "
@@ -172,8 +173,11 @@ class LLMEngine:
             cc.prefix_cache if cc.kv_layout == "paged" else "none",
             cc.eviction_policy,
         )
-        if self.kv_groups is not None:  # blocks above are pages of a few layers each
-            logger.info("hybrid KV manager: %s", self.kv_groups.describe())
+        if groups is not None:
+            logger.info(
+                "hybrid KV manager: %s, %d pages; window layers free what their window left",
+                groups.describe(), self.kv_manager.num_blocks,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
