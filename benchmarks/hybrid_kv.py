@@ -10,6 +10,8 @@ at the end of decoding and at the peak (prefill chunks included: pages held x pa
 bytes), TTFT and decode tok/s (medians), and whether the greedy tokens are equal. Next
 to them the planner's per-request figure (``kvstack plan``'s formula,
 ``tools/plan/sizing.py``: full layers x context + window layers x min(context, W)).
+Then the cost in time: ``--batch-prompts`` prompts shorter than the window through both
+modes in turns (output tok/s, the ratio per run).
 
 Prints the CPU model and ISA flags; writes ``benchmarks/results/hybrid_kv-<date><tag>.json``.
 """
@@ -67,6 +69,44 @@ def one_run(llm: LLM, ids: list[int], new_tokens: int) -> dict[str, Any]:
     }
 
 
+def batch_tok_s(
+    llm: LLM, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, list[list[int]]]:
+    """Output tok/s of one ``generate`` over ``prompts`` (prefix cache emptied first)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return len(prompts) * new_tokens / seconds, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def batch_row(llms: dict[str, LLM], args: argparse.Namespace) -> dict[str, Any]:
+    """The hybrid manager's cost in time: ``--batch-prompts`` prompts of
+    ``--batch-prompt-len`` tokens (shorter than the window: nothing to free, the per-step
+    bookkeeping of more tables is all that differs), the modes in turns."""
+    ids = prompt_ids(llms["hybrid"], args.batch_prompts * args.batch_prompt_len)
+    n = args.batch_prompt_len
+    prompts = [ids[i * n : (i + 1) * n] for i in range(args.batch_prompts)]
+    runs: dict[str, list[float]] = {m: [] for m in llms}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(args.runs):
+        for m, llm in llms.items():
+            log(f"batch of {len(prompts)} x {n}, run {r + 1}/{args.runs}: {m}")
+            tok_s, tokens[m] = batch_tok_s(llm, prompts, args.new_tokens)
+            runs[m].append(tok_s)
+    ratios = [h / o for h, o in zip(runs["hybrid"], runs["one-table"], strict=True)]
+    row = {"prompts": len(prompts), "prompt_len": n, "tok_s": runs, "ratios": ratios,
+           "ratio_median": statistics.median(ratios),
+           "tokens_equal": tokens["hybrid"] == tokens["one-table"]}  # fmt: skip
+    print(
+        f"batch {len(prompts)} x {n} + {args.new_tokens}: hybrid / one table "
+        f"{row['ratio_median']:.3f}x (runs {', '.join(f'{x:.3f}' for x in ratios)}); "
+        f"tokens equal: {row['tokens_equal']}"
+    )
+    return row
+
+
 def planner_bytes(llm: LLM, context: int) -> int:
     """``kvstack plan``'s per-request KV: full layers x context + window layers x min(W, ctx)."""
     mc = llm.engine.model_config
@@ -84,6 +124,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3, help="runs per mode and context (medians)")
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--batch-prompts", type=int, default=32, help="0: skip the batch timing")
+    p.add_argument("--batch-prompt-len", type=int, default=200)
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args()
     info = machine_info()
@@ -123,6 +165,8 @@ def main() -> None:
         )
         results["contexts"][str(ctx)] = row
         print_row(ctx, row)
+    if args.batch_prompts:
+        results["batch"] = batch_row(llms, args)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     write_json(results, RESULTS_DIR / f"hybrid_kv-{stamp}{args.tag}.json")
 
