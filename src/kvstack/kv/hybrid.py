@@ -33,12 +33,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from kvstack.errors import ConfigError, InvalidRequestError
-from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
+from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.groups import KVGroups
-from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvstack.kv.hashing import BlockHash
 from kvstack.kv.hybrid_cache import GroupedHashCache, first_live
+from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.policies import make_policy
 from kvstack.kv.residency import BlockResidency
 from kvstack.request import Request
@@ -47,7 +48,7 @@ UNSUPPORTED = "with the hybrid KV manager (a sliding-window model); pass "
 UNSUPPORTED += "--disable-hybrid-kv-cache-manager to keep one block table for all layers"
 
 
-class HybridKVManager:
+class HybridKVManager(PagedCommon):
     """Paged KV bookkeeping with one block table per KV group (see the module docstring)."""
 
     def __init__(
@@ -94,29 +95,11 @@ class HybridKVManager:
         return self.pool.num_blocks - 1
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.cache is not None
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return len({b.block_id for chain in self.pins.values() for b in chain})
-
-    def routing_info(self) -> KVRoutingInfo:
-        return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)
-
     def held_request_ids(self) -> list[str]:
         return list(self.tables)
-
-    def cached_hashes(self) -> list[bytes]:
-        return self.cache.cached_hashes() if self.cache is not None else []
 
     def first_live(self, group: int, position: int) -> int:
         """First block a row at ``position`` (or later) of ``group`` still reads."""
@@ -136,18 +119,6 @@ class HybridKVManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.num_blocks_for(num_tokens) <= self.num_blocks
-
-    # ------------------------------------------------------------------ hashing
-    def root_of(self, request: Request) -> BlockHash:
-        return root_hash(self.model_id, request.cache_salt)
-
-    def block_hashes(self, request: Request) -> list[BlockHash]:
-        have = request.block_hashes
-        if len(have) < request.num_tokens // self.block_size:
-            have.extend(
-                hash_blocks(request.all_token_ids, self.block_size, self.root_of(request), have)
-            )
-        return have
 
     # ------------------------------------------------------------------ prefix hits
     def _hit_tables(self, request: Request, limit: int) -> list[list[KVCacheBlock]]:
@@ -316,7 +287,7 @@ class HybridKVManager:
         manager's ``pin_prefix``."""
         self.check_pinnable(len(token_ids))
         assert self.cache is not None
-        hashes = hash_blocks(token_ids, self.block_size, root_hash(self.model_id, cache_salt))
+        hashes = self.prefix_hashes(token_ids, cache_salt)
         if hashes[-1] in self.pins:
             return len(hashes) * self.block_size
         length = self.cache.hit_length(hashes, len(hashes))
@@ -339,16 +310,6 @@ class HybridKVManager:
         self.pins[hashes[-1]] = blocks
         return len(hashes) * self.block_size
 
-    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
-        if len(token_ids) < self.block_size:
-            return False
-        hashes = hash_blocks(token_ids, self.block_size, root_hash(self.model_id, cache_salt))
-        blocks = self.pins.pop(hashes[-1], None)
-        if blocks is None:
-            return False
-        self.pool.free(reversed(blocks))
-        return True
-
     # ------------------------------------------------------------------ not with groups
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
         """A codec hears of pages whose contents die (kivi2, refused with windows)."""
@@ -366,28 +327,13 @@ class HybridKVManager:
     def reset_prefix_cache(self) -> None:
         if self.cache is None:
             return
-        for blocks in self.pins.values():
-            self.pool.free(reversed(blocks))
-        self.pins.clear()
+        self.release_pins()
         self.pool.reclaim(self.cache.reset())
         self._num_inserted.clear()
         if self.pool.residency is not None:
             self.pool.residency.reset()
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> KVCacheStats:
-        return KVCacheStats(
-            num_blocks=self.num_blocks,
-            num_free_blocks=self.num_free_blocks,
-            num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
-            num_pinned_blocks=self.num_pinned_blocks,
-            usage=self.usage,
-            num_requests=len(self.tables),
-            prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
-            num_evicted_blocks=self.pool.num_evicted_blocks,
-        )
-
     def check_integrity(self) -> None:
         """Pool invariants; every reference is a table entry (or the null page's own);
         tables of one request have one length; a window group holds no block its

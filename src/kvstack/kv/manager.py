@@ -38,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from kvstack.errors import InvalidRequestError
-from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
+from kvstack.kv.base import KVCacheStats, cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
-from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvstack.kv.hashing import BlockHash, root_hash
+from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.policies import EvictionPolicy, make_policy
 from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
 from kvstack.kv.radix import RadixPrefixCache
@@ -59,7 +60,7 @@ PREFIX_CACHES.add("radix", RadixPrefixCache, "SGLang's token radix tree")
 PREFIX_CACHES.add("none", None, "recompute every prompt")
 
 
-class KVCacheManager:
+class KVCacheManager(PagedCommon):
     """Paged KV bookkeeping with an optional prefix cache (``hash``, ``radix``, ``none``)."""
 
     def __init__(
@@ -107,10 +108,6 @@ class KVCacheManager:
         return self.segments
 
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
     def num_free_blocks(self) -> int:
         """Free, evictable cached and idle segment blocks (both are given back on demand)."""
         idle = self.segments.evictable_blocks() if self.segments is not None else 0
@@ -120,19 +117,8 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.pool.num_blocks
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.cache is not None
-
-    def routing_info(self) -> KVRoutingInfo:
-        return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)
-
     def held_request_ids(self) -> list[str]:
         return list(self.req_blocks)
-
-    def cached_hashes(self) -> list[bytes]:
-        """Hashes of every block the prefix cache holds (KV events' snapshot)."""
-        return self.cache.cached_hashes() if self.cache is not None else []
 
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
         """Call ``hook(block_id)`` when a block's contents die (KIVI frees its residual)."""
@@ -148,20 +134,6 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` fits in the pool next to the pins."""
         return self.num_blocks_for(num_tokens) <= self.pool.num_blocks - self.num_pinned_blocks
-
-    # ------------------------------------------------------------------ hashing
-    def root_of(self, request: Request) -> BlockHash:
-        """Root of the request's hash chain (model id and cache salt)."""
-        return root_hash(self.model_id, request.cache_salt)
-
-    def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Chained hashes of every full block of the request's tokens (extended lazily)."""
-        have = request.block_hashes
-        if len(have) < request.num_tokens // self.block_size:
-            have.extend(
-                hash_blocks(request.all_token_ids, self.block_size, self.root_of(request), have)
-            )
-        return have
 
     # ------------------------------------------------------------------ allocation
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
@@ -335,10 +307,6 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------ pins & reset
-    @property
-    def num_pinned_blocks(self) -> int:
-        return len({b.block_id for chain in self.pins.values() for b in chain})
-
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Hold the cached blocks of ``token_ids`` so they are never evicted; returns tokens pinned.
 
@@ -347,7 +315,7 @@ class KVCacheManager:
         block, or would push pinned blocks past ``max_pinned_fraction`` of the pool.
         """
         self.check_pinnable(len(token_ids))
-        hashes = self._prefix_hashes(token_ids, cache_salt)
+        hashes = self.prefix_hashes(token_ids, cache_salt)
         if hashes[-1] in self.pins:
             return len(hashes) * self.block_size
         assert self.cache is not None
@@ -371,9 +339,6 @@ class KVCacheManager:
         self.pins[hashes[-1]] = blocks
         return len(hashes) * self.block_size
 
-    def _prefix_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        return hash_blocks(token_ids, self.block_size, root_hash(self.model_id, cache_salt))
-
     def check_pinnable(self, num_tokens: int) -> None:
         if self.cache is None:
             raise InvalidRequestError("pinning needs a prefix cache (--prefix-cache hash|radix)")
@@ -390,26 +355,13 @@ class KVCacheManager:
                 f"{self.max_pinned_fraction} of {self.num_blocks} blocks)"
             )
 
-    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
-        """Release a pin made by ``pin_prefix``; returns False if it was not pinned."""
-        if len(token_ids) < self.block_size:
-            return False
-        hashes = self._prefix_hashes(token_ids, cache_salt)
-        blocks = self.pins.pop(hashes[-1], None)
-        if blocks is None:
-            return False
-        self.pool.free(reversed(blocks))
-        return True
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, pin and segment (``LLM.reset_prefix_cache``)."""
         if self.segments is not None:
             self.segments.reset()
         if self.cache is None:
             return
-        for blocks in self.pins.values():
-            self.pool.free(reversed(blocks))
-        self.pins.clear()
+        self.release_pins()
         self.pool.reclaim(self.cache.reset())
         self._num_inserted.clear()
         if self.pool.residency is not None:
@@ -417,19 +369,6 @@ class KVCacheManager:
         self._external.clear()
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> KVCacheStats:
-        return KVCacheStats(
-            num_blocks=self.pool.num_blocks,
-            num_free_blocks=self.num_free_blocks,
-            num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
-            num_pinned_blocks=self.num_pinned_blocks,
-            usage=self.usage,
-            num_requests=len(self.req_blocks),
-            prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
-            num_evicted_blocks=self.pool.num_evicted_blocks,
-        )
-
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
