@@ -250,3 +250,18 @@ def test_a_100k_block_pool_is_aggregated() -> None:
     used_cells = [i for i, s in enumerate(view.state) if STATES[s] == "used"]
     assert len(used_cells) == 120 and all(view.owner[i] == 0 for i in used_cells)
     assert len(json.dumps(view.to_dict())) < 200_000
+
+
+def test_segment_blocks_are_drawn_as_segments(tiny_gguf: Path) -> None:
+    """A segment's standalone KV (issue 18) shows as its own state in the block map."""
+    from kvstack import SamplingParams
+
+    llm = LLM(str(tiny_gguf), dtype="float32", num_blocks=64, block_size=4)
+    prompt = list(range(3, 40))
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=sp, segments=[[(4, 24)]])
+    kv = llm.engine.kv_manager
+    assert isinstance(kv, KVCacheManager) and kv.segments is not None
+    held = sum(len(e.blocks) for e in kv.segments.entries.values())
+    view = view_blocks(kv)
+    assert held > 0 and view.state.count(STATES.index("segment")) == held

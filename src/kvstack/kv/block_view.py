@@ -11,6 +11,8 @@ States (``STATES``; a block is in exactly one, first match wins):
 * ``pinned``: held by a pin (``/v1/cache/pin``), whether a request also uses it or not
   (and the hybrid manager's null page, ``kv/hybrid.py``; its cells are every group's pages);
 * ``pressed``: held by a running request whose press (era 5) has run;
+* ``segment``: held by the segment cache (issue 18, ``kv/segments.py``): a segment's
+  standalone KV, ready or being computed;
 * ``used``: held by a running request (``owner`` says which);
 * ``cached``: unreferenced, in the prefix cache, evictable; ``rank`` is its place in the
   eviction policy's order scaled to 0..255 (0: the next victim), -1 when the policy
@@ -36,10 +38,10 @@ from kvstack.kv.manager import KVCacheManager
 
 PagedManager = KVCacheManager | HybridKVManager
 
-STATES = ("free", "used", "cached", "pinned", "pressed")
-FREE, USED, CACHED, PINNED, PRESSED = range(len(STATES))
+STATES = ("free", "used", "cached", "pinned", "pressed", "segment")
+FREE, USED, CACHED, PINNED, PRESSED, SEGMENT = range(len(STATES))
 # Order that decides a grouped cell's colour on ties: the rarer, more telling state first.
-_PRIORITY = (PINNED, PRESSED, USED, CACHED, FREE)
+_PRIORITY = (PINNED, PRESSED, SEGMENT, USED, CACHED, FREE)
 
 
 @dataclass
@@ -63,15 +65,19 @@ class BlockView:
         return d
 
 
-def _held(manager: PagedManager) -> tuple[dict[str, list[KVCacheBlock]], list[KVCacheBlock]]:
-    """Each request's blocks (every group's pages), and the pinned blocks (the hybrid
-    manager's null page: reserved, drawn as pinned)."""
+def _held(
+    manager: PagedManager,
+) -> tuple[dict[str, list[KVCacheBlock]], list[KVCacheBlock], list[KVCacheBlock]]:
+    """Each request's blocks (every group's pages), the pinned blocks (and the hybrid
+    manager's null page: reserved, drawn as pinned) and the segment cache's blocks (the
+    hybrid manager has none: segments are refused with windows)."""
     if isinstance(manager, KVCacheManager):
         pinned = [b for chain in manager.pins.values() for b in chain]
-        return dict(manager.req_blocks), pinned
+        entries = manager.segments.entries.values() if manager.segments is not None else ()
+        return dict(manager.req_blocks), pinned, [b for e in entries for b in e.blocks]
     null = manager.null
     held = {rid: [b for t in ts for b in t if b is not null] for rid, ts in manager.tables.items()}
-    return held, [null, *(b for chain in manager.pins.values() for b in chain)]
+    return held, [null, *(b for chain in manager.pins.values() for b in chain)], []
 
 
 def _block_states(
@@ -82,13 +88,15 @@ def _block_states(
     state = [FREE] * n
     owner = [-1] * n
     rank = [-1] * n
-    held, pinned = _held(manager)
+    held, pinned, segment = _held(manager)
     request_ids = list(held)
     for i, rid in enumerate(request_ids):
         s = PRESSED if rid in pressed else USED
         for b in held[rid]:
             state[b.block_id] = s
             owner[b.block_id] = i
+    for b in segment:
+        state[b.block_id] = SEGMENT
     for b in pinned:
         state[b.block_id] = PINNED
     cache = manager.cache

@@ -1,12 +1,14 @@
 // The block map: every device block (or, for big pools, every group of blocks the server
 // aggregated) as one coloured cell on a canvas; hovering a cell says what it holds.
 // Cell colours: free grey, used by a running request (one hue per request), cached and
-// evictable (green: dark = kept longest, light = next victim), pinned purple, pressed orange.
+// evictable (green: dark = kept longest, light = next victim), pinned purple, pressed orange,
+// segments (tools, documents reused at any offset) teal.
 
 const COLORS = {
   free: "#e4e6eb",
   pinned: "#7b3fbf",
   pressed: "#e8891c",
+  segment: "#1f9fa8",
   cachedUnknown: "#4c9a5b",
 };
 
@@ -38,6 +40,7 @@ export class BlockMap {
         ["cached: dark kept longest, light evicted next", cachedColor(128)],
         ["pinned", COLORS.pinned],
         ["pressed", COLORS.pressed],
+        ["segment (tool / document KV)", COLORS.segment],
       ].map(([label, color]) => {
         const item = document.createElement("span");
         const swatch = document.createElement("i");
