@@ -70,10 +70,10 @@ def request_marks(
     planner = engine.scheduler.segments
     if not spans or cfg.segment_cache == "none":
         return None
+    if engine.model_config.has_window:  # (the hybrid KV manager has no segment cache)
+        raise InvalidRequestError("segments are not supported with sliding-window attention yet")
     if planner is None:
         raise InvalidRequestError("segments need the paged KV layout (--kv-layout paged)")
-    if engine.model_config.has_window:
-        raise InvalidRequestError("segments are not supported with sliding-window attention yet")
     if engine.kv_storage.codec.own_block_exact:
         raise InvalidRequestError("segments are not supported with --kv-cache-dtype kivi2 yet")
     if press is not None:
