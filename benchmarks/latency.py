@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine")
     ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the result file, e.g. --tag=-spec")
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3 (medians of >= 3)")
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     date = datetime.date.today().isoformat()
     doc = {
         "date": date,
-        "file": f"latency-{date}.json",
+        "file": f"latency-{date}{args.tag}.json",
         "machine": machine_info(),
         "threads": args.threads,
         "runs": args.runs,
