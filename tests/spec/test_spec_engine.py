@@ -24,7 +24,7 @@ from kvstack.kv.events import BlockStored
 from kvstack.kv.manager import KVCacheManager
 from kvstack.request import Request, RequestOutput, SamplingParams
 from kvstack.spec.config import SpeculativeConfig
-from kvstack.spec.speculator import Speculator, no_speculation_reason
+from kvstack.spec.speculator import Speculator, next_draft_len, no_speculation_reason
 from kvstack.structured_outputs import StructuredOutputsParams
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
@@ -238,19 +238,21 @@ def test_who_speculates() -> None:
 
 def expected_counts(k: int, max_tokens: int, correct: bool) -> dict[str, object]:
     """vLLM's counters (and the engine's steps) for one greedy request whose drafts are
-    always the true continuation (``correct``) or always wrong."""
+    always the true continuation (``correct``) or always wrong; the draft length follows
+    ``next_draft_len``."""
     drafts = draft_tokens = accepted = 0
     per_pos = [0] * k
     steps = 1  # the prefill samples the first token
-    left = max_tokens - 1
+    left, length = max_tokens - 1, k
     while left > 0:
         steps += 1
-        d = min(k, left - 1)  # the scheduler leaves room for the bonus token
+        d = min(length, left - 1)  # the scheduler leaves room for the bonus token
         a = d if correct else 0
         if d > 0:
             drafts, draft_tokens, accepted = drafts + 1, draft_tokens + d, accepted + a
             for i in range(a):
                 per_pos[i] += 1
+            length = next_draft_len(d, a, k)
         left -= a + 1
     return {
         "num_drafts": drafts,

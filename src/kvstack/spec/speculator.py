@@ -4,6 +4,7 @@ Life of one draft (``k = num_speculative_tokens``)::
 
     step t     sample token x   -> Speculator.after_step: propose d1..dk from prompt +
                                    output (ends in x); kept in Request.spec_token_ids
+                                   (k per request: next_draft_len, after its last verify)
     step t+1   scheduler        -> rows [x d1 .. dk'] (k' <= k: cut to the budget and the
                                    request's room), slots for all of them allocated
                runner           -> logits of every row; model/rejection_sampler.py keeps
@@ -74,6 +75,15 @@ def no_speculation_reason(req: Request) -> str | None:
     return None
 
 
+def next_draft_len(proposed: int, accepted: int, k: int) -> int:
+    """The next draft's length after ``accepted`` of ``proposed`` drafts were kept:
+    doubled (up to ``k``) when all were, else one more than were kept. Deviation from
+    vLLM's n-gram proposer, which always asks for ``k``: a request whose drafts keep
+    failing (prompt lookup matching spurious 2-grams in new text) verifies 2 rows a step
+    instead of ``k + 1``; the tokens are the same either way."""
+    return min(k, 2 * proposed) if accepted == proposed else max(1, accepted + 1)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -135,15 +145,18 @@ class Speculator:
         request that received tokens and still runs."""
         for s in scheduled:
             if s.draft_token_ids:
-                rid = s.request.request_id
-                self.stats.observe_draft(len(s.draft_token_ids), len(accepted.get(rid, ())))
+                n, a = len(s.draft_token_ids), len(accepted.get(s.request.request_id, ()))
+                self.stats.observe_draft(n, a)
+                s.request.spec_draft_len = next_draft_len(n, a, self.k)
         t0 = time.perf_counter()
         n = 0
         for req in changed:
             if req.is_finished() or no_speculation_reason(req) is not None:
                 req.spec_token_ids = []
                 continue
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, self.k)
+            req.spec_token_ids = self.proposer.propose(
+                req.all_token_ids, req.spec_draft_len or self.k
+            )
             n += 1
         self.stats.propose_seconds += time.perf_counter() - t0
         self.stats.num_proposals += n
