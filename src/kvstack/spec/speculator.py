@@ -76,12 +76,12 @@ def no_speculation_reason(req: Request) -> str | None:
 
 
 def next_draft_len(proposed: int, accepted: int, k: int) -> int:
-    """The next draft's length after ``accepted`` of ``proposed`` drafts were kept:
-    doubled (up to ``k``) when all were, else one more than were kept. Deviation from
-    vLLM's n-gram proposer, which always asks for ``k``: a request whose drafts keep
-    failing (prompt lookup matching spurious 2-grams in new text) verifies 2 rows a step
-    instead of ``k + 1``; the tokens are the same either way."""
-    return min(k, 2 * proposed) if accepted == proposed else max(1, accepted + 1)
+    """The next draft's length after ``accepted`` of ``proposed`` drafts were kept: ``k``
+    when all were, else one more than were kept. Deviation from vLLM's n-gram proposer,
+    which always asks for ``k``: a request whose drafts keep failing (prompt lookup
+    matching spurious 2-grams in new text) verifies 2 rows a step instead of ``k + 1``;
+    the tokens are the same either way."""
+    return k if accepted == proposed else max(1, accepted + 1)
 
 
 class Speculator:
