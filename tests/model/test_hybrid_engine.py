@@ -183,6 +183,9 @@ def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
         LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
     with pytest.raises(ConfigError, match="kivi2"):
         LLM(str(model), dtype="float32", num_blocks=32, kv_cache_dtype="kivi2")
+    tiny = LLM(str(model), dtype="float32", num_blocks=2, block_size=BS)
+    with pytest.raises(InvalidRequestError, match=r"needs .* KV pages .* but the cache has only"):
+        tiny.generate(prompt_token_ids=[list(range(3, 60))], sampling_params=greedy())
     llm = LLM(str(model), dtype="float32", num_blocks=32)
     with pytest.raises(InvalidRequestError, match="at least one full block"):
         llm.pin_prefix([3, 4, 5])

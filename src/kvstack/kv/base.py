@@ -72,6 +72,7 @@ class KVManager(Protocol):
 
     block_size: int
     events: KVEventLog
+    block_unit: str  # what ``num_blocks`` counts, for messages ("KV blocks", "KV pages")
 
     @property
     def num_blocks(self) -> int: ...

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 class ContiguousKVManager:
     """``KVManager`` (``kv/base.py``) of the era-1 baseline: no prefix cache, no pins."""
 
+    block_unit = "KV blocks"
+
     enable_prefix_caching = False
     cache = None
     prefix_query_tokens = 0

@@ -51,6 +51,8 @@ UNSUPPORTED += "--disable-hybrid-kv-cache-manager to keep one block table for al
 class HybridKVManager(PagedCommon):
     """Paged KV bookkeeping with one block table per KV group (see the module docstring)."""
 
+    block_unit = "KV pages (blocks of one group of layers)"
+
     def __init__(
         self,
         groups: KVGroups,

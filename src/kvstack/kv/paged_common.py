@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class PagedCommon:
     """Mixin of the paged managers (see the module docstring)."""
 
+    block_unit = "KV blocks"
     block_size: int
     model_id: str
     pool: BlockPool

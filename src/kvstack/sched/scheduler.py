@@ -96,7 +96,7 @@ class Scheduler:
         if not self.kv.can_ever_fit(total):
             raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens needs "
-                f"{self.kv.num_blocks_for(total)} KV blocks but the cache has only "
+                f"{self.kv.num_blocks_for(total)} {self.kv.block_unit} but the cache has only "
                 f"{self.kv.num_blocks} (block size {self.kv.block_size}); "
                 "raise --kv-cache-memory/--num-blocks or lower max_tokens"
             )
