@@ -201,7 +201,14 @@ def test_a_100k_block_server_streams_a_few_thousand_cells(tmp_path: Path) -> Non
         # The snapshots' engine-thread time stays within MAX_ENGINE_SHARE of the time.
         budget = 3.0 * MAX_ENGINE_SHARE / max(state.last_cost_s, 1e-3) + 2
         assert state.num_snapshots <= max(budget, 3.0 / state.min_interval_s + 2)
-        assert state.num_snapshots * state.last_cost_s <= 3.0 * MAX_ENGINE_SHARE * 2 + 0.5
+        # Each snapshot is reused for its cost / MAX_ENGINE_SHARE, so over the 3 s the
+        # snapshots cost at most that share of the time, plus the last one's own cost (the
+        # throttle acts after it), whatever each one cost (one may stall on a busy VM).
+        total = state.total_cost_s
+        assert total <= 3.0 * MAX_ENGINE_SHARE * 2 + state.last_cost_s + 0.5, (
+            total,
+            state.num_snapshots,
+        )
     blocks = json.loads(line[6:])["blocks"]
     assert blocks["num_blocks"] == 100_000 and blocks["group"] == 25
     assert len(blocks["state"]) == len(blocks["counts"]) == 4000

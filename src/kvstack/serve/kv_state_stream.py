@@ -101,6 +101,7 @@ class KVStateStream:
         self.num_snapshots = 0  # taken on the engine thread, ever
         self.num_viewers = 0  # streams started and not ended (event loop only)
         self.last_cost_s = 0.0  # engine-thread seconds the last snapshot took
+        self.total_cost_s = 0.0  # ... and all of them
         self._latest: tuple[float, bytes] | None = None  # (monotonic time taken, frame)
         self._pending: asyncio.Future[bytes] | None = None  # the snapshot being taken
         self.closed = False  # set by ``close``: streams end within one interval
@@ -131,6 +132,7 @@ class KVStateStream:
         state = self.engine.kv_state(self.max_cells)
         state["snapshot"] = self.num_snapshots
         self.last_cost_s = time.perf_counter() - t0
+        self.total_cost_s += self.last_cost_s
         return state
 
     async def _take(self) -> bytes:
