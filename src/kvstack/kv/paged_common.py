@@ -9,6 +9,7 @@ Python, no torch; the host class holds ``block_size``, ``model_id``, ``pool``, `
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from kvstack.kv.prefix_cache import PrefixCache
 
 
-class PagedCommon:
+class PagedCommon(abc.ABC):
     """Mixin of the paged managers (see the module docstring)."""
 
     block_unit = "KV blocks"
@@ -49,8 +50,9 @@ class PagedCommon:
     def num_pinned_blocks(self) -> int:
         return len({b.block_id for chain in self.pins.values() for b in chain})
 
+    @abc.abstractmethod
     def held_request_ids(self) -> list[str]:
-        raise NotImplementedError
+        """Ids of the requests holding blocks (each manager keeps its own tables)."""
 
     def routing_info(self) -> KVRoutingInfo:
         return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)
