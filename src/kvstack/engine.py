@@ -22,7 +22,7 @@ from kvstack.hybrid_support import num_pages, plan_kv_groups, token_capacity
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.layouts import build_kv_manager
-from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
@@ -93,7 +93,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
         self.connector: TierConnector | None = None
         if cc.kv_offload:
-            assert isinstance(self.kv_manager, KVCacheManager)  # CacheConfig checked the layout
+            assert isinstance(self.kv_manager, PagedCommon)  # CacheConfig checked the layout
             self.connector = make_connector(
                 cc.kv_offload, model_fingerprint(self.model), self.kv_manager,
                 self.kv_storage, config.dtype, cc.offload_key(),

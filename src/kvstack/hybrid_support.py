@@ -20,13 +20,8 @@ def plan_kv_groups(config: EngineConfig, mc: ModelConfig) -> KVGroups | None:
     cc = config.cache
     if not mc.has_window or cc.kv_layout != "paged" or cc.disable_hybrid_kv_cache_manager:
         return None
-    refused = {
-        "--kv-offload": bool(cc.kv_offload),
-        "--prefix-cache radix": cc.prefix_cache == "radix",
-    }
-    for option, given in refused.items():
-        if given:
-            raise ConfigError(f"{option} is not supported {UNSUPPORTED}")
+    if cc.prefix_cache == "radix":
+        raise ConfigError(f"--prefix-cache radix is not supported {UNSUPPORTED}")
     return KVGroups.plan([mc.layer_window(i) for i in range(mc.num_layers)])
 
 

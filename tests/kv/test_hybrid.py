@@ -4,7 +4,8 @@ Checked: the grouping of Gemma 3 / Qwen2 / Mistral layer patterns; a window grou
 the blocks no later row reads while decoding and never allocates them for long prompts;
 prefix hits need every block of a full group and only the window's blocks of a window
 group (a fixpoint over groups); rollback, preemption-style frees, eviction of freed
-cached blocks; KV events name full-group blocks only; what is refused.
+cached blocks; KV events name group 0's blocks only (a window-only model's too); what is
+refused.
 """
 
 from __future__ import annotations
@@ -229,9 +230,16 @@ def test_events_name_full_group_blocks_only() -> None:
     assert sum(len(e.block_hashes) for e in stored) == 4
     assert stored[0].token_ids == list(range(16))
     assert len(kv.cached_hashes()) == 4  # the window group's 4 keys are not listed
-    only_windows = manager([W, W], pages=64)
-    admit(only_windows, req("a", list(range(17))))
-    assert only_windows.cached_hashes() == []  # no full group: no events (documented)
+    only_windows = manager([W, W], pages=64)  # Mistral: group 0 is a window group
+    seen.clear()
+    only_windows.events.subscribe(seen.append)
+    admit(only_windows, req("a", list(range(17))), chunk=16)
+    admit(only_windows, req("b", list(range(13)) + [99] * 8))  # 3 blocks shared, then new
+    chains = [e.block_hashes for e in seen if isinstance(e, BlockStored)]
+    assert sum(map(len, chains)) == 6 and len(only_windows.cached_hashes()) == 6
+    assert all(len(h) == len(root_hash()) for c in chains for h in c)
+    assert seen[-1].parent_block_hash == chains[0][2]  # "b" continues "a"'s chain
+    only_windows.check_integrity()
 
 
 def test_what_is_refused() -> None:
@@ -246,9 +254,33 @@ def test_what_is_refused() -> None:
         kv.pin_prefix(list(range(16)))
     with pytest.raises(InvalidRequestError, match="presses"):
         kv.allocate_blocks(1)
-    with pytest.raises(ConfigError, match="offload"):
-        kv.allocate_slots(req("r", list(range(9))), 1, (), num_external_blocks=1)
     assert not kv.held_request_ids()
+
+
+def test_external_blocks_are_logical_blocks() -> None:
+    """An offload connector's view: ``num_external_blocks`` logical blocks get a page in the
+    full group and, in the window group, only where the step's rows read; the admission
+    cost is exactly the pages taken; loaded blocks are never reported as new, computed
+    ones are, with every group's page."""
+    kv = manager([None, W], pages=64)
+    kv.track_new_cached_blocks()
+    r = req("r", list(range(30)))  # 7 loadable blocks, then 2 tokens to compute
+    cost = kv.admission_cost(r, [], 7, 2)
+    free = kv.num_free_blocks
+    assert kv.allocate_slots(r, 2, (), num_external_blocks=7) is not None
+    assert free - kv.num_free_blocks == cost == 8 + 3  # full 0-7; window: rows 28.. read 5-7
+    pages = kv.logical_pages("r", 0, 7)
+    assert all(p[0] is not None for p in pages)
+    assert [p[1] is not None for p in pages] == [False] * 5 + [True] * 2
+    r.num_computed_tokens = 30
+    kv.check_integrity()
+    assert kv.pop_new_cached_blocks() == []  # blocks 0-6 came from the tier
+    decode(kv, r, 2)  # block 7 fills
+    ((h, ids),) = kv.pop_new_cached_blocks()
+    assert h == kv.block_hashes(r)[7] and ids == [p for p in kv.logical_pages("r", 7, 8)[0]]
+    kv.free(r)
+    kv.check_integrity()
+    assert kv.usage == 0.0
 
 
 def test_the_web_views_block_map_draws_every_groups_pages() -> None:

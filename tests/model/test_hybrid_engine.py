@@ -7,7 +7,7 @@ Greedy tokens with one block table per group equal those with one table for all 
 ``test_sliding_window.py`` / ``test_gemma3.py``) batched, on prefix hits, in chunks
 shorter and longer than the window, preempted, and with n-gram speculation; the window
 groups hold fewer pages; per-token KV codecs under windows; ``check_integrity()`` after
-every step; what is refused.
+every step; offload tiers (logical blocks of every group's page); what is refused.
 """
 
 from __future__ import annotations
@@ -78,17 +78,26 @@ def greedy() -> SamplingParams:
 def run(model: Path, prompts: list[list[int]], **opts: Any) -> tuple[list[list[int]], LLM]:
     """Generate step by step, checking the KV manager after every step."""
     llm = LLM(str(model), dtype="float32", block_size=BS, **{"num_blocks": 64, **opts})
+    return [tokens for tokens, _ in steps(llm, prompts)], llm
+
+
+def steps(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], dict[str, int]]]:
+    """Each prompt's greedy tokens and cached-token split by tier, stepping the engine and
+    checking the KV manager (and an offload connector) after every step."""
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", None, greedy(), prompt_token_ids=p)
-    done: dict[str, list[int]] = {}
+    done: dict[str, tuple[list[int], dict[str, int]]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+                split = dict(out.cached_tokens_by_tier or {})
+                done[out.request_id] = (list(out.outputs[0].token_ids), split)
         engine.kv_manager.check_integrity()
+        if engine.connector is not None:
+            engine.connector.check_integrity()
     engine.scheduler.check_integrity()
-    return [done[f"r{i}"] for i in range(len(prompts))], llm
+    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +185,39 @@ def test_per_token_codecs_with_windows(model: Path, prompts: list[list[int]], co
     assert chunked == one
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offload_tiers_with_windows(
+    model: Path, prompts: list[list[int]], reference: list[list[int]], tmp_path: Path, tier: str
+) -> None:
+    """Logical blocks (every group's page) written through to a tier and loaded back (a
+    window group gets only its window's pages): the tokens of one table, in a roomy pool
+    after the device cache was emptied and in the smallest pool (evictions, reloads)."""
+    spec = "host:8MiB" if tier == "host" else f"disk:{tmp_path}:8MiB"
+    llm = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64, kv_offload=spec)
+    assert isinstance(llm.engine.kv_manager, HybridKVManager)
+    assert [t for t, _ in steps(llm, prompts)] == reference
+    connector = llm.engine.connector
+    assert connector is not None and connector.flush(30)
+    llm.reset_prefix_cache()  # the device forgets; the tier keeps every block
+    again = steps(llm, prompts)
+    assert [t for t, _ in again] == reference, "loaded from the tier"
+    for n, (_, split) in zip(PROMPT_LENS, again, strict=True):
+        assert sum(split.values()) == (n - 1) // BS * BS, split
+    assert sum(split[tier] for _, split in again) >= sum(PROMPT_LENS) // 2
+    assert connector.num_loaded_blocks > 0
+    probe = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64,
+                max_num_batched_tokens=8)  # fmt: skip
+    groups = probe.engine.kv_groups
+    assert groups is not None
+    need = probe.engine.kv_manager.num_blocks_for(max(PROMPT_LENS) + NEW) + 1
+    small = LLM(str(model), dtype="float32", block_size=BS, kv_offload=spec,
+                num_blocks=-(-need // groups.num_groups), max_num_batched_tokens=8)  # fmt: skip
+    for _ in range(2):
+        assert [t for t, _ in steps(small, prompts + prompts)] == reference + reference
+        assert small.engine.connector is not None and small.engine.connector.flush(30)
+
+
 def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--kv-offload is not supported"):
-        LLM(str(model), dtype="float32", num_blocks=32, kv_offload="host:1MiB")
     with pytest.raises(ConfigError, match="--prefix-cache radix"):
         LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
     with pytest.raises(ConfigError, match="kivi2"):

@@ -34,6 +34,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Hash of the block's tokens (full blocks only) when it holds reusable prefix KV (era 3).
     block_hash: bytes | None = None
+    is_null: bool = False  # the hybrid manager's null page: never cached (vLLM's)
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
     in_free_queue: bool = False

@@ -115,6 +115,14 @@ class KVGroups:
                 out[layer] = g
         return out
 
+    def signature(self) -> str:
+        """Each group's window and layers in slot order (what a page's bytes hold): offload
+        tiers keep logical blocks of another grouping apart."""
+        return ";".join(
+            f"{'full' if g.window is None else g.window}:{','.join(map(str, g.layers))}"
+            for g in self.groups
+        )
+
     def describe(self) -> str:
         """One line for the startup log."""
         parts = []

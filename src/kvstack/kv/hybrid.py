@@ -20,12 +20,15 @@ blocks at all beyond what their chunk reads::
 Prefix caching per group (``kv/hybrid_cache.py``, vLLM's ``find_longest_cache_hit``): a
 hit needs every block of a full group but only the window's blocks of a window group; one
 hash cache and one eviction policy hold every group's blocks, group 0's under the plain
-hashes (KV events name them), the others' under hashes tagged with the group.
+hashes (KV events name them, for a window-only model too), the others' under hashes
+tagged with the group.
 
-Pins hold every page a hit of the whole pinned prefix needs. Not supported yet (refused:
-``hybrid_support.py`` at startup, or here): offload tiers, the radix prefix cache, presses
-and kivi2 (refused with windows already); a contiguous layout. Per-token KV codecs work. Implements
-``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
+Pins hold every page a hit of the whole pinned prefix needs. Offload tiers store and load
+*logical* blocks (every group's page of one block index; ``kv/tiers/connector.py``).
+Not supported yet (refused: ``hybrid_support.py`` at startup, or here): the radix prefix
+cache, presses and kivi2 (refused with windows already); a contiguous layout. Per-token
+KV codecs work. Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks``
+counts pages.
 """
 
 from __future__ import annotations
@@ -82,9 +85,13 @@ class HybridKVManager(PagedCommon):
         self.pool = BlockPool(num_pages, self.cache, residency)
         self.null = self.pool.allocate(1)[0]  # page 0: the table entry of a freed block
         assert self.null.block_id == 0
+        self.null.is_null = True
         self.model_id = model_id
         self.tables: dict[str, list[list[KVCacheBlock]]] = {}
         self._num_inserted: dict[str, int] = {}
+        # request id -> (first, end) logical blocks an offload connector filled at
+        # admission (registered in the cache, never reported as newly computed)
+        self._external: dict[str, tuple[int, int]] = {}
         self.max_pinned_fraction = max_pinned_fraction
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> every page
         self.prefix_query_tokens = 0
@@ -146,33 +153,30 @@ class HybridKVManager(PagedCommon):
         computed: Sequence[KVCacheBlock] = (),
         num_external_blocks: int = 0,
     ) -> list[int] | None:
-        """Grow every group's table to cover ``num_kv_tokens + len(computed) * bs +
-        num_new_tokens`` slots, freeing window groups' blocks no row from the step's
-        first position on reads; None (nothing changed) when the pool is too small."""
-        if num_external_blocks:
-            raise ConfigError("offload tiers are not supported " + UNSUPPORTED)
+        """Grow every group's table to cover ``num_kv_tokens + (len(computed) + ext) * bs
+        + num_new_tokens`` slots, freeing window groups' blocks no row from the step's
+        first position on reads; None (nothing changed) when the pool is too small.
+
+        ``computed`` (admission only): group 0's blocks of a prefix hit; the other groups'
+        blocks of the same hit are found again. ``num_external_blocks`` logical blocks
+        follow it for an offload connector to fill (``logical_pages``): fresh pages in
+        every full group, and in a window group only where a row of the step reads them.
+        """
         rid = request.request_id
         tables = self.tables.get(rid)
-        assert not (computed and tables), "hits are adopted only at admission"
-        hit = len(computed)
-        hits = self._hit_tables(request, hit) if hit else None
-        assert hits is None or len(hits[0]) == hit, "the hit changed since get_computed_blocks"
+        ext = num_external_blocks
+        assert not ((computed or ext) and tables), "hits are adopted only at admission"
+        hit = len(computed) + ext
         start = request.num_kv_tokens + hit * self.block_size  # first row of this step
         target = cdiv(start + num_new_tokens, self.block_size)
+        hits = self._adoptable(request, len(computed), start) if hit else None
         current = tables if tables is not None else hits or [[] for _ in self.windows]
-        needed = released = adopted = 0
-        for g, blocks in enumerate(current):
-            first = self.first_live(g, start)
-            released += sum(1 for b in blocks[:first] if b is not self.null and b.ref_cnt == 1)
-            needed += sum(1 for i in range(len(blocks), target) if i >= first)
-        if hits is not None:
-            adopted = sum(1 for t in hits for b in t if b is not self.null and b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - adopted + released:
+        if self._pages_needed(current, start, target, hits is not None) > self.num_free_blocks:
             return None
         if self.cache is not None and request.num_computed_tokens == 0 and tables is None:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += hit * self.block_size
-        if hits is not None:
+        if hits is not None and computed:
             assert self.cache is not None
             real = [b for t in hits for b in t if b is not self.null]
             self.pool.touch(real)
@@ -180,14 +184,67 @@ class HybridKVManager(PagedCommon):
         tables = self.tables.setdefault(rid, current)
         for g, blocks in enumerate(tables):
             self._drop_dead(blocks, self.first_live(g, start))
-        fresh = iter(self.pool.allocate(needed))
+        fresh = iter(self.pool.allocate(self._pages_needed(tables, start, target, False)))
         for g, blocks in enumerate(tables):
             first = self.first_live(g, start)
             blocks.extend(
                 next(fresh) if i >= first else self.null for i in range(len(blocks), target)
             )
+        if ext:
+            self._external[rid] = (len(computed), hit)
         self._cache_full_blocks(request, min(start + num_new_tokens, request.num_tokens))
+        if ext and self.cache is not None:
+            loaded = [b for t in tables for b in t[len(computed) : hit] if b is not self.null]
+            self.cache.on_hit([b for b in loaded if b.block_hash is not None])
         return [b.block_id for b in tables[0]]
+
+    def _adoptable(self, request: Request, num_hit: int, start: int) -> list[list[KVCacheBlock]]:
+        """Per group, the hit's blocks that rows from ``start`` on still read (null pages
+        before each window group's first live block; all null pages without a hit)."""
+        hits = self._hit_tables(request, num_hit) if num_hit else [[] for _ in self.windows]
+        assert len(hits[0]) == num_hit, "the hit changed since get_computed_blocks"
+        for g, blocks in enumerate(hits):
+            for i in range(min(self.first_live(g, start), len(blocks))):
+                blocks[i] = self.null
+        return hits
+
+    def _pages_needed(
+        self, tables: list[list[KVCacheBlock]], start: int, target: int, adopting: bool
+    ) -> int:
+        """Pages the free count loses when ``tables`` grow to ``target`` blocks for rows
+        from ``start`` on: fresh pages, plus adopted evictable hit pages (``adopting``),
+        less this request's pages that fall out of a window (they become free)."""
+        needed = 0
+        for g, blocks in enumerate(tables):
+            first = self.first_live(g, start)
+            needed += sum(1 for i in range(len(blocks), target) if i >= first)
+            if adopting:
+                needed += sum(1 for b in blocks if b is not self.null and b.ref_cnt == 0)
+            else:
+                needed -= sum(1 for b in blocks[:first] if b is not self.null and b.ref_cnt == 1)
+        return needed
+
+    def admission_cost(
+        self,
+        request: Request,
+        computed: Sequence[KVCacheBlock],
+        num_external_blocks: int,
+        num_new_tokens: int,
+    ) -> int:
+        start = request.num_kv_tokens + (len(computed) + num_external_blocks) * self.block_size
+        hits = self._adoptable(request, len(computed), start)
+        return self._pages_needed(hits, start, cdiv(start + num_new_tokens, self.block_size), True)
+
+    def logical_pages(self, request_id: str, first: int, end: int) -> list[list[int | None]]:
+        tables = self.tables[request_id]
+        return [
+            [None if t[i] is self.null else t[i].block_id for t in tables]
+            for i in range(first, end)
+        ]
+
+    def page_keys(self, block_hash: BlockHash) -> list[BlockHash]:
+        assert self.cache is not None
+        return [self.cache.key(g, block_hash) for g in range(len(self.windows))]
 
     def _drop_dead(self, blocks: list[KVCacheBlock], first: int) -> None:
         """Free the blocks before ``first`` (newest first), leaving null pages."""
@@ -197,7 +254,8 @@ class HybridKVManager(PagedCommon):
             blocks[i] = self.null
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register every group's live blocks completely covered by ``num_tokens`` tokens."""
+        """Register every group's live blocks completely covered by ``num_tokens`` tokens
+        (and, for a connector, the logical blocks that became reusable with every page)."""
         if self.cache is None:
             return
         rid = request.request_id
@@ -207,14 +265,22 @@ class HybridKVManager(PagedCommon):
             return
         hashes = self.block_hashes(request)[:num_full]
         root = self.root_of(request)
-        for g, blocks in enumerate(self.tables[rid]):
-            if not self.cache.tagged_group(g):  # a full group 0: no null page; events
+        tables = self.tables[rid]
+        fresh = [i for i in range(start, num_full) if tables[0][i].block_hash is None]
+        for g, blocks in enumerate(tables):
+            if g == 0:  # plain hashes and events (a null page is skipped)
                 self.cache.insert(request.all_token_ids, hashes, blocks, root, request.cache_salt)
                 continue
             idx = [i for i in range(start, num_full) if blocks[i] is not self.null]
             keys = [self.cache.key(g, hashes[i]) for i in idx]
             self.cache.insert((), keys, [blocks[i] for i in idx], root)
         self._num_inserted[rid] = num_full
+        if self._new_cached is not None:
+            first, end = self._external.get(rid, (0, 0))
+            for i in fresh:  # a block loaded from a tier has nothing new to store
+                pages = [t[i] for t in tables]
+                if not first <= i < end and all(b is not self.null for b in pages):
+                    self._new_cached.append((hashes[i], pages))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         tables = self.tables.get(request_id)
@@ -234,6 +300,7 @@ class HybridKVManager(PagedCommon):
         rid = request if isinstance(request, str) else request.request_id
         tables = self.tables.pop(rid, None)
         self._num_inserted.pop(rid, None)
+        self._external.pop(rid, None)
         for blocks in tables or ():
             self.pool.free(b for b in reversed(blocks) if b is not self.null)
 
@@ -332,6 +399,7 @@ class HybridKVManager(PagedCommon):
         self.release_pins()
         self.pool.reclaim(self.cache.reset())
         self._num_inserted.clear()
+        self._external.clear()
         if self.pool.residency is not None:
             self.pool.residency.reset()
 
@@ -360,3 +428,5 @@ class HybridKVManager(PagedCommon):
                 f"{held.get(block.block_id, 0)} table and pin references"
             )
         assert self.null.block_hash is None, "the null page is never cached"
+        for rid, (first, end) in self._external.items():
+            assert rid in self.tables and 0 <= first <= end <= len(self.tables[rid][0]), rid

@@ -4,7 +4,11 @@ Every group's blocks live in one ``HashPrefixCache`` with one eviction policy, s
 LFU, ARC) orders all pages alike. Group 0 — a full-attention group when the model has
 one — keys its blocks by the request's block hash as the plain manager does (so KV events
 and the routers reading them see the same chain); every other group by the hash with the
-group's number appended (17 bytes: never an event, never a plain hash).
+group's number appended (17 bytes: never an event, never a plain hash). In a model
+without a full-attention layer (Mistral) group 0 is a window group: its events name the
+blocks it computed, and a block it evicted (``BlockRemoved``) may leave later blocks
+that still serve hits (a window hit needs only its window), so a router reading the
+events underestimates such hits, never overestimates them.
 
 A hit of ``L`` blocks (vLLM v1's ``find_longest_cache_hit`` per manager type) needs every
 block ``< L`` of a full group, and of a window group only the blocks a row at position
@@ -55,11 +59,8 @@ class GroupedHashCache(HashPrefixCache):
         super().__init__(block_size, policy, events)
         self.windows = windows
 
-    def tagged_group(self, group: int) -> bool:
-        return group != 0 or self.windows[0] is not None
-
     def key(self, group: int, h: BlockHash) -> BlockHash:
-        return h + bytes((group,)) if self.tagged_group(group) else h
+        return h + bytes((group,)) if group else h
 
     def _stored(
         self,

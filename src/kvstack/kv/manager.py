@@ -94,9 +94,7 @@ class KVCacheManager(PagedCommon):
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> chain
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        # When a KV offload connector tracks them (era 4, ``kv/tiers/``): the
-        # (hash, block) pairs made reusable since it last looked, for it to store.
-        self._new_cached: list[tuple[BlockHash, KVCacheBlock]] | None = None
+        self._new_cached = None  # era 4: ``PagedCommon.track_new_cached_blocks``
         # request id -> (first, end) block indices loaded by the connector at admission
         # (registered in the cache, never reported as newly computed).
         self._external: dict[str, tuple[int, int]] = {}
@@ -218,24 +216,25 @@ class KVCacheManager(PagedCommon):
             for i, was_free in enumerate(fresh, start):
                 loaded = first <= i < end  # its KV came from a tier: nothing to store
                 if was_free and not loaded and blocks[i].block_hash == hashes[i]:
-                    new.append((hashes[i], blocks[i]))
+                    new.append((hashes[i], [blocks[i]]))
 
     # ------------------------------------------------------------------ era 4 connector
-    def track_new_cached_blocks(self) -> None:
-        """Start recording blocks that become reusable (an offload connector stores them)."""
-        if self._new_cached is None:
-            self._new_cached = []
+    def admission_cost(
+        self,
+        request: Request,
+        computed: Sequence[KVCacheBlock],
+        num_external_blocks: int,
+        num_new_tokens: int,
+    ) -> int:
+        hit = len(computed) + num_external_blocks
+        total = self.num_blocks_for(request.num_kv_tokens + hit * self.block_size + num_new_tokens)
+        return total - len(computed) + sum(1 for b in computed if b.ref_cnt == 0)
 
-    def pop_new_cached_blocks(self) -> list[tuple[BlockHash, int]]:
-        """``(hash, block id)`` of blocks made reusable since the last call, still cached."""
-        new, self._new_cached = self._new_cached, []
-        assert new is not None, "track_new_cached_blocks() was not called"
-        return [(h, b.block_id) for h, b in new if b.block_hash == h]
+    def logical_pages(self, request_id: str, first: int, end: int) -> list[list[int | None]]:
+        return [[b.block_id] for b in self.req_blocks[request_id][first:end]]
 
-    def discard_new_cached_blocks(self) -> None:
-        """A failed step: its blocks may be half written, so none of them is reported."""
-        if self._new_cached is not None:
-            self._new_cached.clear()
+    def page_keys(self, block_hash: BlockHash) -> list[BlockHash]:
+        return [block_hash]
 
     # ------------------------------------------------------------------ era 5 presses
     def allocate_blocks(self, n: int) -> list[int] | None:

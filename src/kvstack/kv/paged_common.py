@@ -2,9 +2,12 @@
 ``kv/manager.py``) and ``HybridKVManager`` (one table per KV group, ``kv/hybrid.py``).
 
 Hash chains of requests (vLLM v1's block hashes, ``kv/hashing.py``), routing info, the
-prefix cache's published hashes, pins' release and the ``KVCacheStats`` snapshot. Plain
-Python, no torch; the host class holds ``block_size``, ``model_id``, ``pool``, ``cache``,
-``pins`` and the prefix counters.
+prefix cache's published hashes, pins' release, the ``KVCacheStats`` snapshot and what an
+offload connector (era 4, ``kv/tiers/connector.py``) sees of either manager: a *logical
+block* ``i`` of a request is the list of pages that hold its KV, one per KV group (one
+page for ``KVCacheManager``; ``None`` where a window group freed it). Plain Python, no
+torch; the host class holds ``block_size``, ``model_id``, ``pool``, ``cache``, ``pins``,
+the prefix counters and ``_new_cached``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvstack.kv.base import KVCacheStats, KVRoutingInfo
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
+from kvstack.kv.events import KVEventLog
 from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvstack.request import Request
 
@@ -28,11 +32,15 @@ class PagedCommon(abc.ABC):
     block_unit = "KV blocks"
     block_size: int
     model_id: str
+    events: KVEventLog
     pool: BlockPool
     cache: PrefixCache | None
     pins: dict[BlockHash, list[KVCacheBlock]]
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    # While an offload connector tracks them: (hash, pages) of logical blocks made
+    # reusable since it last looked (``track_new_cached_blocks``), for it to store.
+    _new_cached: list[tuple[BlockHash, list[KVCacheBlock]]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -53,6 +61,52 @@ class PagedCommon(abc.ABC):
     @abc.abstractmethod
     def held_request_ids(self) -> list[str]:
         """Ids of the requests holding blocks (each manager keeps its own tables)."""
+
+    @abc.abstractmethod
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Blocks of the longest cached prefix (group 0's with KV groups)."""
+
+    # ------------------------------------------------------------------ era 4 connector
+    @abc.abstractmethod
+    def admission_cost(
+        self,
+        request: Request,
+        computed: Sequence[KVCacheBlock],
+        num_external_blocks: int,
+        num_new_tokens: int,
+    ) -> int:
+        """Pages of ``num_free_blocks`` that ``allocate_slots(request, num_new_tokens,
+        computed, num_external_blocks)`` would take at admission (adopted hits included)."""
+
+    @abc.abstractmethod
+    def logical_pages(self, request_id: str, first: int, end: int) -> list[list[int | None]]:
+        """Per logical block ``first <= i < end`` of the request, its page per KV group
+        (None: not held, a window group's freed block)."""
+
+    @abc.abstractmethod
+    def page_keys(self, block_hash: BlockHash) -> list[BlockHash]:
+        """The prefix-cache key of each page of the logical block ``block_hash``."""
+
+    def track_new_cached_blocks(self) -> None:
+        """Start recording blocks that become reusable (an offload connector stores them)."""
+        if self._new_cached is None:
+            self._new_cached = []
+
+    def pop_new_cached_blocks(self) -> list[tuple[BlockHash, list[int]]]:
+        """``(hash, page ids)`` of logical blocks made reusable since the last call whose
+        every page is still cached under that hash."""
+        new, self._new_cached = self._new_cached, []
+        assert new is not None, "track_new_cached_blocks() was not called"
+        return [
+            (h, [b.block_id for b in pages])
+            for h, pages in new
+            if all(b.block_hash == k for b, k in zip(pages, self.page_keys(h), strict=True))
+        ]
+
+    def discard_new_cached_blocks(self) -> None:
+        """A failed step: its blocks may be half written, so none of them is reported."""
+        if self._new_cached is not None:
+            self._new_cached.clear()
 
     def routing_info(self) -> KVRoutingInfo:
         return KVRoutingInfo(self.model_id, self.block_size, self.cache is not None)

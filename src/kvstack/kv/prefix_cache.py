@@ -85,7 +85,8 @@ class PrefixCache(abc.ABC):
         """Make ``blocks[i]`` reusable as the KV of block ``i`` (``i < len(hashes)``).
         ``cache_salt`` (in ``root`` already) goes into the events of runs from block 0.
 
-        The blocks are held by the caller. Blocks already cached are skipped; a block
+        The blocks are held by the caller; a null page (``is_null``, the hybrid
+        manager's freed window block) is skipped and ends a run of events. Blocks already cached are skipped; a block
         whose prefix another block already serves stays uncached (a duplicate computed
         concurrently), and is simply freed later.
         """
@@ -211,7 +212,7 @@ class HashPrefixCache(PrefixCache):
         run_start = -1  # first block of the current run of newly stored blocks
         for i, h in enumerate(hashes):
             block = blocks[i]
-            fresh = block.block_hash is None and h not in self.table
+            fresh = block.block_hash is None and not block.is_null and h not in self.table
             if fresh:
                 block.block_hash = h
                 self.table[h] = block

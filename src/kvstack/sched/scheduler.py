@@ -250,7 +250,7 @@ class Scheduler:
             if block_ids is None:
                 break
             if self.connector is not None and offered:  # (num_ext may be 0 after the cap)
-                self.connector.write_external(req, block_ids[len(computed) : num_hit])
+                self.connector.write_external(req, len(computed), num_hit)
             self.waiting.popleft()
             self._start(req, num_cached, num_hit)
             out.scheduled.append(self._scheduled(req, plan, num_new, block_ids))

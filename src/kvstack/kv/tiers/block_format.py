@@ -68,6 +68,9 @@ class BlockLayout:
     itemsize: int
     codec: str = "auto"  # era 5 KV codec: payloads are its codes and scales
     codec_bytes: int = 0  # bytes of one block in the codec's tensors (0: plain K/V)
+    # KV groups (hybrid KV manager): the payload is every group's page in turn, each
+    # its layers in slot order (``KVGroups.signature``); "" = layers 0..L-1 in order.
+    kv_groups: str = ""
     # The tier secret (--kv-offload-key-file): blocks are signed and checked with it.
     auth_key: bytes | None = field(default=None, repr=False)
 
@@ -99,6 +102,7 @@ class BlockLayout:
                 self.codec,
                 self.codec_bytes,
                 *([] if self.auth_key is None else ["hmac", _key_id(self.auth_key)]),
+                *([] if not self.kv_groups else ["groups", self.kv_groups]),
             )
         )
         return blake2b(text.encode(), digest_size=8, person=b"kvstack-tier").digest()

@@ -22,6 +22,15 @@ Staged blocks that no longer follow the device prefix (the device lost a block i
 meantime) are dropped: the request recomputes. The KV is written before the step that
 first reads it runs (admission happens in ``schedule``, the runner after it).
 
+KV groups (the hybrid KV manager, ``kv/hybrid.py``): a tier block is a *logical* block,
+every group's page of one block index in group order, so its payload has every layer's
+KV as with one block table (in another order: the layout's namespace names the groups).
+A load writes only the pages the request holds (``logical_pages``: a window group holds
+only its last window's), and the room it needs is the manager's ``admission_cost``::
+
+    logical block i  = [page of group 0][page of group 1] ... [page of group G-1]
+    load of blocks 5..9, W = 2 blocks:  group 0 writes 5 6 7 8 9, a window group 8 9
+
 The connector knows the model only by its weights fingerprint (a string, part of every
 tier key), never the model itself.
 """
@@ -32,9 +41,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import KVCacheBlock
-from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.base import TierStats
 from kvstack.kv.tiers.block_format import BlockLayout
@@ -56,7 +64,7 @@ class _Match:
 
 
 class TierConnector:
-    def __init__(self, kv: KVCacheManager, storage: KVStorage, offload: OffloadManager) -> None:
+    def __init__(self, kv: PagedCommon, storage: KVStorage, offload: OffloadManager) -> None:
         assert kv.enable_prefix_caching, "KV offload needs a prefix cache"
         self.kv = kv
         self.storage = storage
@@ -115,29 +123,40 @@ class TierConnector:
         avail = staged.num_blocks - skip
         if avail <= 0:
             return 0  # the device already has all of it (another request computed it)
-        bs = self.kv.block_size
-        free = self.kv.num_free_blocks_adopting(computed)
-        rest = req.num_tokens - (n_dev + avail) * bs
-        reserve = cdiv(min(rest, token_budget), bs)
-        if avail + reserve > free and can_wait:
+        free = self.kv.num_free_blocks
+
+        def cost(n: int) -> int:  # pages to load n blocks and hold the first chunk after
+            rest = req.num_tokens - (n_dev + n) * self.kv.block_size
+            return self.kv.admission_cost(req, computed, n, min(rest, token_budget))
+
+        if cost(avail) > free and can_wait:
             self._matched[rid] = _Match(staged, skip, n_dev, 0)
             return None
-        n = min(avail, free - reserve)
-        if n <= 0:
+        lo, hi = 0, avail  # the most blocks that fit (the cost grows with n)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= free else (lo, mid - 1)
+        if lo <= 0 or cost(lo) > free:
             return 0
-        self._matched[rid] = _Match(staged, skip, n_dev, n)
-        return n
+        self._matched[rid] = _Match(staged, skip, n_dev, lo)
+        return lo
 
-    def write_external(self, req: Request, block_ids: Sequence[int]) -> None:
-        """Copy the first ``len(block_ids)`` offered blocks into the allocated blocks."""
+    def write_external(self, req: Request, first: int, end: int) -> None:
+        """Copy the offered blocks into logical blocks ``first <= i < end`` of ``req``
+        (allocated by ``allocate_slots(..., num_external_blocks=end - first)``)."""
         m = self._matched.pop(req.request_id)
-        assert len(block_ids) <= m.n, "more external blocks than were offered"
-        for i, block_id in enumerate(block_ids):
-            self.storage.write_block(block_id, m.staged.blocks[m.skip + i])
+        assert first == m.n_dev and end - first <= m.n, "other blocks than were offered"
+        pages = self.kv.logical_pages(req.request_id, first, end)
+        for i, ids in enumerate(pages):
+            raw = m.staged.blocks[m.skip + i]
+            size = len(raw) // len(ids)
+            for g, page in enumerate(ids):
+                if page is not None:  # a window group's page no row reads is not held
+                    self.storage.write_block(page, raw[g * size : (g + 1) * size])
         tiers = self._loaded_from.setdefault(req.request_id, {})
-        for i in range(len(block_ids)):
+        for i in range(len(pages)):
             tiers[m.n_dev + i] = m.staged.tiers[m.skip + i]
-        self.num_loaded_blocks += len(block_ids)
+        self.num_loaded_blocks += len(pages)
 
     def cached_tokens_by_tier(self, req: Request, num_cached_blocks: int) -> dict[str, int]:
         """Split of a request's first-admission cache hit: device vs each tier."""
@@ -152,11 +171,11 @@ class TierConnector:
     def after_step(self) -> None:
         """Copy out the blocks the finished step made reusable and queue them for storing."""
         items = [
-            (h, b) for h, b in self.kv.pop_new_cached_blocks() if not self.offload.all_contain(h)
+            (h, p) for h, p in self.kv.pop_new_cached_blocks() if not self.offload.all_contain(h)
         ]
-        if items:
-            data = self.storage.read_blocks([b for _, b in items])
-            self.offload.submit_store([h for h, _ in items], data)
+        if items:  # one row of every page, then each logical block's pages as one row
+            data = self.storage.read_blocks([page for _, pages in items for page in pages])
+            self.offload.submit_store([h for h, _ in items], data.reshape(len(items), -1))
 
     def discard_step(self) -> None:
         """A failed step: its blocks may be half written, so none of them is stored."""
@@ -195,7 +214,7 @@ class TierConnector:
 
 
 def make_connector(
-    spec: str, fingerprint: str, kv: KVCacheManager, storage: KVStorage, dtype: str,
+    spec: str, fingerprint: str, kv: PagedCommon, storage: KVStorage, dtype: str,
     auth_key: bytes | None = None,
 ) -> TierConnector:  # fmt: skip
     """Build the tiers of a ``--kv-offload`` spec and the connector over them.
@@ -204,18 +223,20 @@ def make_connector(
     keep blocks of different fingerprints, dtypes or codecs apart. ``auth_key``
     (``--kv-offload-key-file``): blocks are HMAC-signed with it (``block_format.py``).
     """
-    shape = storage.shape
+    shape, groups = storage.shape, storage.groups
+    pages = 1 if groups is None else groups.num_groups  # pages of one logical block
     layout = BlockLayout(
         model_fingerprint=fingerprint,
         dtype=dtype,
         block_size=storage.block_size,
-        num_layers=shape.num_layers,
+        num_layers=shape.num_layers * pages,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         itemsize=storage.itemsize,
         codec=storage.codec.name,
-        codec_bytes=0 if storage.codec.identity else storage.block_nbytes,
+        codec_bytes=0 if storage.codec.identity else storage.block_nbytes * pages,
         auth_key=auth_key,
+        kv_groups="" if groups is None else groups.signature(),
     )
     tiers = build_tiers(parse_offload_spec(spec), layout)
     logger.info(
