@@ -162,6 +162,7 @@ class OutputProcessor:
             finished=all(r.is_finished() for r in children),
             num_cached_tokens=cached,
             num_segment_tokens=max(r.num_segment_tokens for r in children),
+            num_pressed_tokens=max(r.num_dropped for r in children),
             segments=_spans(children[0]),
             cached_tokens_by_tier=dict(by_tier) if by_tier is not None else None,
             prompt_logprobs=prompt_logprobs,

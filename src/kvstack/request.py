@@ -416,3 +416,5 @@ class RequestOutput:
     # and the segment ranges the engine used (``[start, end)``; None without segments).
     num_segment_tokens: int = 0
     segments: list[list[int]] | None = None
+    # Era 5: tokens whose KV a press dropped (the most over ``n`` children); 0 unpressed.
+    num_pressed_tokens: int = 0

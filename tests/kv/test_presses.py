@@ -183,6 +183,7 @@ def test_reclaimed_blocks_return_to_the_pool_and_the_request_goes_on(llm: LLM) -
         outs.extend(eng.step())
         eng.check_integrity()
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40
+    assert outs[-1].num_pressed_tokens == n - kept  # the web view's timeline shows it
     # (Its budget, 60 of 241 tokens, is below SnapKV's 64-query window: the text may be
     # only whitespace, but the request decodes on.)
     assert outs[-1].outputs[0].text, "a pressed request must still produce text"

@@ -19,6 +19,7 @@ from kvstack.kv.block_view import STATES, view_blocks
 from kvstack.kv.manager import KVCacheManager
 from kvstack.serve.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.kv_state import RecentRequests
 from kvstack.serve.kv_state_stream import MAX_ENGINE_SHARE, KVStateStream
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from server_util import serve_uvicorn
@@ -272,3 +273,16 @@ def test_segment_blocks_are_drawn_as_segments(tiny_gguf: Path) -> None:
     held = sum(len(e.blocks) for e in kv.segments.entries.values())
     view = view_blocks(kv)
     assert held > 0 and view.state.count(STATES.index("segment")) == held
+    # The timeline's rows: a request that copied the segment (its tokens counted apart),
+    # and a pressed one (what the press dropped).
+    again = [5, *prompt[4:24], *range(50, 70)]  # the segment at another offset
+    (out,) = llm.generate(prompt_token_ids=[again], sampling_params=sp, segments=[[(1, 21)]])
+    pressed = SamplingParams(temperature=0.0, max_tokens=2, kv_press="knorm", kv_press_ratio=0.5)
+    (out2,) = llm.generate(prompt_token_ids=[list(range(80, 120))], sampling_params=pressed)
+    recent = RecentRequests()
+    for o in (out, out2):
+        recent.add(o, "completions", None, None, 0.0, "length")
+    row, row2 = recent.last(2)
+    assert row["segment_tokens"] == 20 and row["pressed_tokens"] == 0
+    assert row["device_hit_tokens"] + row["segment_tokens"] + row["computed_tokens"] == 41
+    assert row2["pressed_tokens"] == out2.num_pressed_tokens > 0 and row2["segment_tokens"] == 0

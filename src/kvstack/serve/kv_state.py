@@ -16,8 +16,8 @@ dicts::
 
 ``RecentRequests`` keeps the last ``capacity`` finished requests (a bounded deque,
 filled on the engine thread when a request finishes, O(1) each): where each one's
-prompt KV came from (device prefix hit, offload tier, computed), its latencies, and
-the first characters of its output. TTFT and ITL percentiles are over those requests.
+prompt KV came from (device prefix hit, offload tier, cached segment, computed), how
+many tokens a press dropped, its latencies, and the first characters of its output. TTFT and ITL percentiles are over those requests.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class RecentRequest:
     device_hit_tokens: int  # prompt tokens whose KV was in the device prefix cache
     tier_tokens: dict[str, int]  # prompt tokens loaded from each offload tier
     computed_tokens: int  # prompt tokens run through the model
+    segment_tokens: int  # prompt tokens copied from cached segments (issue 18)
+    pressed_tokens: int  # tokens whose KV a press dropped (era 5)
     output_tokens: int
     ttft_s: float | None
     itl_s: float | None  # mean inter-token latency of the request
@@ -94,7 +96,8 @@ class RecentRequests:
         self.items.append(
             RecentRequest(
                 out.request_id, endpoint, time.time(), n_prompt, device, by_tier,
-                max(0, n_prompt - out.num_cached_tokens), n_out,
+                max(0, n_prompt - out.num_cached_tokens - out.num_segment_tokens),
+                out.num_segment_tokens, out.num_pressed_tokens, n_out,
                 None if first is None else first - arrival, itl, reason, text[:OUTPUT_CHARS],
                 salted, tuple(out.prompt_token_ids[:PROMPT_HEAD_TOKENS]),
             )

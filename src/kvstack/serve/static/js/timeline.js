@@ -1,8 +1,11 @@
 // The request timeline: running requests, then the last finished ones (newest first),
 // each with a bar of where its prompt's KV came from: device prefix hit, an offload
-// tier, or computed by the model; pressed tokens where the press ran.
+// tier, a cached segment, or computed by the model; pressed tokens where a press ran.
 
-const SOURCE_COLORS = { device: "#2f8f4e", tier: "#3b6fd1", computed: "#b9bec7" };
+const SOURCE_COLORS = {
+  device: "#2f8f4e", tier: "#3b6fd1", segment: "#1a9e9e", computed: "#b9bec7",
+  pressed: "#e8891c",
+};
 
 function cell(text, cls) {
   const td = document.createElement("td");
@@ -47,7 +50,9 @@ function finishedRow(r) {
       [
         ["device hit", r.device_hit_tokens, SOURCE_COLORS.device],
         ...tiers,
+        ["segment", r.segment_tokens, SOURCE_COLORS.segment],
         ["computed", r.computed_tokens, SOURCE_COLORS.computed],
+        ["pressed away", r.pressed_tokens, SOURCE_COLORS.pressed],
       ],
       r.prompt_tokens,
     ),
@@ -68,7 +73,7 @@ function runningRow(r) {
     ["cached", r.cached_tokens, SOURCE_COLORS.device],
     ["computed", computed, SOURCE_COLORS.computed],
   ];
-  if (r.pressed_tokens) parts.push(["pressed away", r.pressed_tokens, "#e8891c"]);
+  if (r.pressed_tokens) parts.push(["pressed away", r.pressed_tokens, SOURCE_COLORS.pressed]);
   tr.append(
     cell(r.id.slice(0, 18), "mono"),
     cell("running"),
