@@ -1,9 +1,10 @@
 """The web view in a real headless Chromium (Debian's, driven by Selenium through
 /usr/bin/chromedriver; ``scripts/chromium.sh ensure`` installs both): no data without
 the key, no console errors, a chat reply streams in, the block map and the hit rate
-change after two requests sharing a prefix, pin / unpin from the prefix tree, and a
-server restart shows a reconnect notice. Screenshots go to the test's tmp dir (and to
-``$KVSTACK_WEB_SCREENSHOTS`` when set: ``docs/`` for the README's)."""
+change after two requests sharing a prefix, pin / unpin from the prefix tree, a forced
+tool call shown and kept in the chat, and a server restart shows a reconnect notice.
+Screenshots go to the test's tmp dir (and to ``$KVSTACK_WEB_SCREENSHOTS`` when set:
+``docs/`` for the README's)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ pytestmark = pytest.mark.skipif(
     not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)),
     reason="needs Debian's chromium + chromium-driver: bash scripts/chromium.sh ensure",
 )
+TOOLS = [{"type": "function", "function": {
+    "name": "opening_hours", "description": "The museum's opening hours on a day",
+    "parameters": {"type": "object", "required": ["day"],
+                   "properties": {"day": {"type": "string", "enum": ["weekday", "sunday"]}}},
+}}]  # fmt: skip
 SYSTEM = (
     "You are the assistant of a lighthouse museum. Answer in one short sentence about "
     "opening hours, tickets, the lamp room and the keeper's cottage. "
@@ -138,9 +144,12 @@ def severe_logs(driver: Any) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
-def chat(driver: Any, text: str, system: str = "", max_tokens: int = 12) -> str:
+def chat(
+    driver: Any, text: str, system: str = "", max_tokens: int = 12, streamed: bool = True
+) -> str:
     """Send one message; returns the reply once streamed, after checking it arrived in
-    more than one piece (a MutationObserver counts the bubble's updates)."""
+    more than one piece (a MutationObserver counts the bubble's updates; a reply that is
+    only tool calls is drawn once, at the end: ``streamed=False``)."""
     n_before = js(driver, "return document.querySelectorAll('.msg.assistant').length")
     js(
         driver,
@@ -172,7 +181,8 @@ def chat(driver: Any, text: str, system: str = "", max_tokens: int = 12) -> str:
     reply = js(driver, "const m = document.querySelectorAll('.msg.assistant'); "
                        "return m[m.length - 1].textContent")  # fmt: skip
     assert "[error" not in reply, reply
-    assert js(driver, "return window.__updates") >= 2, "the reply did not stream"
+    if streamed:
+        assert js(driver, "return window.__updates") >= 2, "the reply did not stream"
     return str(reply)
 
 
@@ -221,6 +231,21 @@ def test_web_view_end_to_end(
     js(driver, "document.querySelector('#prefix-tree button.unpin').click()")
     wait(lambda: totals(driver).get("pinned", 1) == 0, what="the pin to go")
     wait(lambda: not js(driver, "return !!document.querySelector('#prefix-tree button.unpin')"))
+    assert severe_logs(driver) == []
+
+    # Tools: a forced call (tool_choice required, one call: the grammar makes even the
+    # random model call it), shown in the bubble and kept in the conversation's history.
+    js(driver, f"document.getElementById('opt-tools').value = {json.dumps(json.dumps(TOOLS))};"
+               "document.getElementById('opt-tool_choice').value = 'required';"
+               "document.getElementById('opt-parallel_tool_calls').checked = false;")  # fmt: skip
+    reply = chat(driver, "Is the museum open on Sunday?", max_tokens=80, streamed=False)
+    raw = js(driver, "const m = document.querySelectorAll('.msg.assistant');"
+                     "return m[m.length - 1].dataset.toolCalls || '[]'")  # fmt: skip
+    (call,) = json.loads(raw)
+    assert call["name"] == "opening_hours" and call["id"] and "→ opening_hours(" in reply
+    assert json.loads(call["arguments"])["day"] in ("weekday", "sunday")
+    js(driver, "document.getElementById('opt-tools').value = '';")
+    chat(driver, "Thanks!")  # the next turn carries the call in its history
     assert severe_logs(driver) == []
 
     # A server restart: the page says the stream dropped, then reconnects on its own.

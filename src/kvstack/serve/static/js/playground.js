@@ -1,6 +1,8 @@
 // The chat playground: /v1/chat/completions with stream: true through fetch(), every
 // sampling option of the form, per-request kv_press / kv_press_ratio / cache_salt,
-// JSON output and tools; after each reply the cached-token split of its prompt.
+// JSON output and tools (tool_choice auto / required / none; a reply's tool calls are shown
+// and kept in the conversation as the assistant's tool_calls); after each reply the
+// cached-token split of its prompt.
 
 import { postJSON, sseData } from "./api.js";
 
@@ -34,7 +36,12 @@ export function buildBody(messages) {
     body.response_format = { type: "json_schema", json_schema: { name: "playground", schema } };
   }
   const tools = $("opt-tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);
+  if (tools) {
+    body.tools = JSON.parse(tools);
+    const choice = $("opt-tool_choice").value;
+    if (choice) body.tool_choice = choice;
+    if (!$("opt-parallel_tool_calls").checked) body.parallel_tool_calls = false;
+  }
   return body;
 }
 
@@ -115,13 +122,21 @@ export class Playground {
           out.textContent = reply;
         }
         for (const call of delta.tool_calls || []) {
-          calls[call.index] = calls[call.index] || { name: "", arguments: "" };
+          calls[call.index] = calls[call.index] || { id: "", name: "", arguments: "" };
+          if (call.id) calls[call.index].id = call.id;
           if (call.function && call.function.name) calls[call.index].name += call.function.name;
           if (call.function && call.function.arguments) calls[call.index].arguments += call.function.arguments;
         }
       }
-      if (calls.length) out.textContent = reply + calls.map((c) => `\n→ ${c.name}(${c.arguments})`).join("");
-      this.messages.push({ role: "assistant", content: reply });
+      const assistant = { role: "assistant", content: reply };
+      if (calls.length) {
+        out.textContent = reply + calls.map((c) => `\n→ ${c.name}(${c.arguments})`).join("");
+        out.dataset.toolCalls = JSON.stringify(calls);
+        assistant.tool_calls = calls.map((c) => ({
+          id: c.id, type: "function", function: { name: c.name, arguments: c.arguments },
+        }));
+      }
+      this.messages.push(assistant);
       this.showUsage(usage, started, first);
     } catch (err) {
       out.textContent = reply + (err.name === "AbortError" ? " [stopped]" : ` [error: ${err.message}]`);
