@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def test_block_format_round_trip_and_every_corruption() -> None:
         assert name
     with pytest.raises(CorruptBlockError, match="another prefix hash"):
         decode(LAYOUT, h(2), data)
-    for other in (OTHER_DTYPE, OTHER_MODEL):
+    grouped = replace(LAYOUT, kv_groups="full:1;8:0")  # the hybrid manager's page order
+    for other in (OTHER_DTYPE, OTHER_MODEL, grouped):
         assert other.namespace != LAYOUT.namespace
         with pytest.raises(CorruptBlockError, match="another model"):
             decode(other, h(1), data)
