@@ -81,3 +81,27 @@ def test_profile_bad_input_is_one_line_and_exit_2(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("kvstack: error:") and message in err[0]
+
+
+def test_profile_of_quantized_weights_counts_their_packed_bytes(
+    tiny: Path, profile_json: Path, tmp_path: Path
+) -> None:
+    """``--quantization int4``: each linear's bytes are its packed bytes (0.375x bf16's for
+    4-bit groups of 32 with a float32 scale and min, plus the same activations)."""
+    out = tmp_path / "q.json"
+    rc = main([
+        "profile", "--model", str(tiny), "--batch", "3", "--context", "40", "--steps", "3",
+        "--kv-cache-dtype", "int8", "--quantization", "int4", "--json", str(out),
+        "--png", str(tmp_path / "q.png"), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0
+    quant, dense = json.loads(out.read_text()), json.loads(profile_json.read_text())
+    assert quant["quantization"] == "int4" and "quantization" in dense
+
+    def weight_bytes(doc: dict[str, object], name: str) -> float:
+        ops = doc["phases"]["decode"]["ops"]  # type: ignore[index]
+        return next(r["bytes"] for r in ops if r["name"] == name)  # type: ignore[no-any-return]
+
+    for name in ("qkv", "gate_up", "down"):
+        ratio = weight_bytes(quant, name) / weight_bytes(dense, name)
+        assert 0.375 < ratio < 0.5, (name, ratio)

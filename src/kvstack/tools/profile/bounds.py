@@ -75,8 +75,13 @@ class MachineBounds:
 
 
 def measure_bounds(model: Any, ms: tuple[int, ...] = ()) -> MachineBounds:
-    """Bandwidth and GEMM throughput with ``model``'s ``gate_up`` (peak at M = 2048)."""
+    """Bandwidth and GEMM throughput with ``model``'s ``gate_up`` (peak at M = 2048); of a
+    dense copy in the model dtype when the weights are quantized (``--quantization``)."""
     layer = model.layers[0].gate_up
+    if getattr(layer, "packed", None) is not None:
+        from kvstack.model.layers import Linear
+
+        layer = Linear(layer.dequantize(model.dtype), model.dtype)
     peak = gemm_flops_per_s(layer, 2048, model.dtype)
     at_m = {m: gemm_flops_per_s(layer, m, model.dtype) for m in sorted(set(ms))}
     return MachineBounds(read_bandwidth(), peak, at_m)

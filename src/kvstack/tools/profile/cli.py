@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstack.config_choices import quantizations
 from kvstack.errors import ConfigError
 from kvstack.kv.codecs import KV_CACHE_DTYPES
 from kvstack.tools.command import run_tool
@@ -37,6 +38,13 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="default bfloat16"
     )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(quantizations()),
+        help="weights kept quantized (as `kvstack serve --quantization`): the linears' bytes "
+        "are their packed bytes; the compute bound stays the bf16 GEMM's (default none)",
+    )
     p.add_argument("--steps", type=int, default=8, help="decode steps measured (default 8)")
     p.add_argument(
         "--kv-cache-memory",
@@ -55,6 +63,7 @@ def _engine_options(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "max_num_seqs": max(w.batch, 1),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": args.seed,
@@ -100,6 +109,7 @@ def run_profile(args: argparse.Namespace) -> int:
     report = build_report(
         args.model, args.dtype, args.kv_cache_dtype, w, phases, bounds, per_token / kv.block_size
     )
+    report["quantization"] = args.quantization
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     plot_roofline(report, Path(args.png))
     print(format_table(report))

@@ -74,9 +74,14 @@ class TimedLinear:
 
     def __init__(self, inner: Any, name: str, rec: Recorder) -> None:
         self.inner, self.name, self.rec = inner, name, rec
-        w = inner.weight
-        self.out_f, self.in_f = int(w.shape[0]), int(w.shape[1])
-        self.weight_bytes = w.numel() * w.element_size()
+        packed = getattr(inner, "packed", None)  # a quantized linear (--quantization)
+        if packed is not None:  # its packed bytes are what a call reads
+            self.out_f, self.in_f = int(packed.out_features), int(packed.in_features)
+            self.weight_bytes = int(packed.nbytes)
+        else:
+            w = inner.weight
+            self.out_f, self.in_f = int(w.shape[0]), int(w.shape[1])
+            self.weight_bytes = w.numel() * w.element_size()
 
     def __getattr__(self, attr: str) -> Any:  # .weight, .out_features ... of the layer
         if attr == "inner":  # not yet set (copy, unpickling): no recursion

@@ -130,7 +130,8 @@ def format_table(report: dict[str, Any]) -> str:
     """Markdown tables, one per phase, plus the machine and bounds line."""
     m, b = report["machine"], report["bounds"]
     lines = [
-        f"{report['model']} {report['dtype']}, KV {report['kv_cache_dtype']}, batch "
+        f"{report['model']} {report['dtype']}, weights "
+        f"{report.get('quantization', 'none')}, KV {report['kv_cache_dtype']}, batch "
         f"{report['batch']} x {report['context']} tokens; {m.get('cpu_model')} "
         f"({m.get('threads')} threads, load {' '.join(m.get('loadavg') or [])})",
         f"bounds (measured): memory {b['bandwidth_gb_s']:.1f} GB/s, GEMM "
