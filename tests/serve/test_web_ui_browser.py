@@ -53,7 +53,7 @@ class Server:
         self.app: Any = None
 
     def start(self) -> None:
-        llm = LLM(str(self.model), dtype="float32", num_blocks=96, max_model_len=512)
+        llm = LLM(str(self.model), dtype="float32", num_blocks=96, max_model_len=1024)
         self.app = create_app(AsyncEngine(llm.engine), ServerConfig("tiny", api_key=KEY))
         self._stack = ExitStack()
         self._stack.enter_context(serve_uvicorn(self.app, port=self.port, shutdown_grace=1))
@@ -66,7 +66,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    cfg = tiny_llama_config()
+    cfg = tiny_llama_config(max_position_embeddings=1024)  # a tools prompt is ~650 tokens
     path = tmp_path_factory.mktemp("tiny") / "t.gguf"
     write_gguf(path, cfg, random_llama_weights(cfg))
     s = Server(path)
@@ -235,6 +235,7 @@ def test_web_view_end_to_end(
 
     # Tools: a forced call (tool_choice required, one call: the grammar makes even the
     # random model call it), shown in the bubble and kept in the conversation's history.
+    js(driver, "document.getElementById('clear').click();")  # a fresh conversation
     js(driver, f"document.getElementById('opt-tools').value = {json.dumps(json.dumps(TOOLS))};"
                "document.getElementById('opt-tool_choice').value = 'required';"
                "document.getElementById('opt-parallel_tool_calls').checked = false;")  # fmt: skip

@@ -86,9 +86,9 @@ class PrefixCache(abc.ABC):
         ``cache_salt`` (in ``root`` already) goes into the events of runs from block 0.
 
         The blocks are held by the caller; a null page (``is_null``, the hybrid
-        manager's freed window block) is skipped and ends a run of events. Blocks already cached are skipped; a block
-        whose prefix another block already serves stays uncached (a duplicate computed
-        concurrently), and is simply freed later.
+        manager's freed window block) is skipped and ends a run of events. Blocks already
+        cached are skipped; a block whose prefix another block already serves stays
+        uncached (a duplicate computed concurrently), and is simply freed later.
         """
 
     @abc.abstractmethod

@@ -17,7 +17,8 @@ dicts::
 ``RecentRequests`` keeps the last ``capacity`` finished requests (a bounded deque,
 filled on the engine thread when a request finishes, O(1) each): where each one's
 prompt KV came from (device prefix hit, offload tier, cached segment, computed), how
-many tokens a press dropped, its latencies, and the first characters of its output. TTFT and ITL percentiles are over those requests.
+many tokens a press dropped, its latencies, and the first characters of its output.
+TTFT and ITL percentiles are over those requests.
 """
 
 from __future__ import annotations
