@@ -286,3 +286,30 @@ def test_segment_blocks_are_drawn_as_segments(tiny_gguf: Path) -> None:
     assert row["segment_tokens"] == 20 and row["pressed_tokens"] == 0
     assert row["device_hit_tokens"] + row["segment_tokens"] + row["computed_tokens"] == 41
     assert row2["pressed_tokens"] == out2.num_pressed_tokens > 0 and row2["segment_tokens"] == 0
+
+
+def test_grouped_cells_match_the_per_cell_rule() -> None:
+    """The vectorized grouping equals the rule in its docstring, computed cell by cell:
+    most common state (ties: priority order), owner of the most blocks (ties: the first
+    block's), lowest rank; random pools with many ties and a short last cell."""
+    import random
+    from collections import Counter
+
+    from kvstack.kv.block_view import _PRIORITY, _group_cells
+
+    rng = random.Random(5)
+    for n, group in ((103, 4), (1000, 25), (7, 3), (64, 2)):
+        state = [rng.randrange(len(STATES)) for _ in range(n)]
+        owner = [rng.choice([-1, 0, 1, 2]) for _ in range(n)]
+        rank = [rng.choice([-1, 0, 7, 255]) for _ in range(n)]
+        got = _group_cells(state, owner, rank, group)
+        want: tuple[list[int], list[int], list[int], list[list[int]]] = ([], [], [], [])
+        for lo in range(0, n, group):
+            k = [state[lo : lo + group].count(s) for s in range(len(STATES))]
+            owners = Counter(o for o in owner[lo : lo + group] if o >= 0)
+            ranks = [r for r in rank[lo : lo + group] if r >= 0]
+            want[0].append(max(_PRIORITY, key=lambda s: k[s]))
+            want[1].append(owners.most_common(1)[0][0] if owners else -1)
+            want[2].append(min(ranks) if ranks else -1)
+            want[3].append(k)
+        assert got == want, (n, group)

@@ -28,9 +28,11 @@ and ``state[i]`` is the state with the most blocks there (ties: the earlier in
 
 from __future__ import annotations
 
-from collections import Counter
+from array import array
 from collections.abc import Collection
 from dataclasses import dataclass, field
+
+import torch
 
 from kvstack.kv.block_pool import KVCacheBlock
 from kvstack.kv.hybrid import HybridKVManager
@@ -111,6 +113,35 @@ def _block_states(
     return state, owner, rank, request_ids
 
 
+def _group_cells(
+    state: list[int], owner: list[int], rank: list[int], group: int
+) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """Cells of ``group`` consecutive blocks: the state with the most blocks (ties: the
+    first in ``_PRIORITY``), the owner of the most blocks (ties: the first block's), the
+    lowest rank, the per-state counts. Vectorized: a snapshot of the default model's
+    5,825-block pool spent ~20 ms in a per-cell Python loop, on the engine thread."""
+    n = len(state)
+    cells = -(-n // group)
+    pad = [-1] * (cells * group - n)
+
+    def grid(values: list[int]) -> torch.Tensor:  # via array: torch.tensor(list) is ~10x slower
+        return torch.frombuffer(array("q", values + pad), dtype=torch.int64).view(cells, group)
+
+    st, ow, rk = grid(state), grid(owner), grid(rank)
+    counts = torch.stack([(st == s).sum(1) for s in range(len(STATES))], dim=1)
+    prio = torch.tensor(_PRIORITY)
+    top = prio[counts[:, prio].argmax(1)]  # argmax: the first of equal maxima
+    valid = ow >= 0
+    same = (ow.unsqueeze(2) == ow.unsqueeze(1)) & valid.unsqueeze(1)
+    votes = torch.where(valid, same.sum(2), -1)  # per block: blocks of its owner in the cell
+    first = votes.argmax(1, keepdim=True)
+    c_owner = torch.where(votes.gather(1, first) > 0, ow.gather(1, first), -1).squeeze(1)
+    big = 1 << 30
+    low = torch.where(rk >= 0, rk, big).min(1).values
+    c_rank = torch.where(low == big, -1, low)
+    return top.tolist(), c_owner.tolist(), c_rank.tolist(), counts.tolist()
+
+
 def view_blocks(
     manager: PagedManager, max_cells: int = 4096, pressed: Collection[str] = ()
 ) -> BlockView:
@@ -123,18 +154,5 @@ def view_blocks(
     group = -(-n // max_cells)
     if group == 1:
         return BlockView(n, 1, state, owner, rank, request_ids)
-    cells = -(-n // group)
-    c_state, c_owner, c_rank, counts = [], [], [], []
-    for c in range(cells):
-        lo, hi = c * group, min(n, (c + 1) * group)
-        k = [0] * len(STATES)
-        for s in state[lo:hi]:
-            k[s] += 1
-        top = max(_PRIORITY, key=lambda s: k[s])  # max keeps the first of equal counts
-        owners = Counter(o for o in owner[lo:hi] if o >= 0)
-        ranks = [r for r in rank[lo:hi] if r >= 0]
-        c_state.append(top)
-        c_owner.append(owners.most_common(1)[0][0] if owners else -1)
-        c_rank.append(min(ranks) if ranks else -1)
-        counts.append(k)
+    c_state, c_owner, c_rank, counts = _group_cells(state, owner, rank, group)
     return BlockView(n, group, c_state, c_owner, c_rank, request_ids, counts)
