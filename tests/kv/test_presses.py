@@ -401,3 +401,34 @@ def test_press_coordinator_integrity_through_abort_and_preemption() -> None:
     coord.states["ghost"] = PressState(make_press("snapkv", 0.5), point=8)
     with pytest.raises(AssertionError, match="press states"):
         coord.check_integrity(eng.scheduler.requests)
+
+
+def test_a_pressed_request_with_a_tier_hit_loads_nothing_past_its_cap() -> None:
+    """A press caps the prefix a request may adopt (its window's queries must be
+    computed). Tier blocks loaded before the press compacts the table are forgotten with
+    the old table; when the device hit alone reaches the cap, the tier's offer is dropped
+    (nothing written). Tokens equal a run without the tier; no block leaks."""
+    kw: dict[str, Any] = {"dtype": "float32", "num_blocks": 48, "max_num_seqs": 2}
+    pressed = replace(SP, kv_press="snapkv", kv_press_ratio=0.5)
+    plain = LLM("default", **kw)
+    ids = plain.tokenizer.encode(TEXT + " Where?")
+    want = plain.generate(prompt_token_ids=[ids], sampling_params=pressed)[0].outputs[0].token_ids
+    tiered = LLM("default", kv_offload="host:64MiB", **kw)
+    connector = tiered.engine.connector
+    assert connector is not None
+
+    def tokens(prompt: list[int], sp: SamplingParams) -> list[int]:
+        out = tiered.generate(prompt_token_ids=[prompt], sampling_params=sp, check_integrity=True)
+        tiered.engine.check_integrity()
+        assert tiered.engine.num_free_blocks == tiered.engine.kv_manager.num_blocks
+        return list(out[0].outputs[0].token_ids)
+
+    tokens(ids, SP)  # every block goes to the host tier
+    assert connector.flush(30)
+    tiered.reset_prefix_cache()
+    assert tokens(ids, pressed) == want, "tier blocks loaded, then the table pressed"
+    tiered.reset_prefix_cache()
+    tokens(ids[:-20], SP)  # the device holds all but the tail; the tier has the rest
+    loaded = connector.num_loaded_blocks
+    assert tokens(ids, pressed) == want, "the device hit reaches the press cap"
+    assert connector.num_loaded_blocks == loaded  # the tier's offer was dropped

@@ -258,6 +258,7 @@ class KVCacheManager(PagedCommon):
         old = self.req_blocks[rid]
         self.req_blocks[rid] = [self.pool.blocks[i] for i in block_ids]
         self.pool.free(reversed(old))
+        self._external.pop(rid, None)  # tier-loaded indices name the old table
         return len(old) - len(block_ids)
 
     def get_block_ids(self, request_id: str) -> list[int]:

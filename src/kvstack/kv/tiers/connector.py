@@ -145,6 +145,8 @@ class TierConnector:
         """Copy the offered blocks into logical blocks ``first <= i < end`` of ``req``
         (allocated by ``allocate_slots(..., num_external_blocks=end - first)``)."""
         m = self._matched.pop(req.request_id)
+        if end <= first:  # a press capped the hit (scheduler): nothing loaded
+            return
         assert first == m.n_dev and end - first <= m.n, "other blocks than were offered"
         pages = self.kv.logical_pages(req.request_id, first, end)
         for i, ids in enumerate(pages):
