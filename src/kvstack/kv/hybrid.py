@@ -171,7 +171,8 @@ class HybridKVManager(PagedCommon):
         target = cdiv(start + num_new_tokens, self.block_size)
         hits = self._adoptable(request, len(computed), start) if hit else None
         current = tables if tables is not None else hits or [[] for _ in self.windows]
-        if self._pages_needed(current, start, target, hits is not None) > self.num_free_blocks:
+        fresh_pages, extra = self._pages_needed(current, start, target, hits is not None)
+        if fresh_pages + extra > self.num_free_blocks:
             return None
         if self.cache is not None and request.num_computed_tokens == 0 and tables is None:
             self.prefix_query_tokens += request.num_tokens
@@ -184,7 +185,7 @@ class HybridKVManager(PagedCommon):
         tables = self.tables.setdefault(rid, current)
         for g, blocks in enumerate(tables):
             self._drop_dead(blocks, self.first_live(g, start))
-        fresh = iter(self.pool.allocate(self._pages_needed(tables, start, target, False)))
+        fresh = iter(self.pool.allocate(fresh_pages))  # _drop_dead kept the tables' lengths
         for g, blocks in enumerate(tables):
             first = self.first_live(g, start)
             blocks.extend(
@@ -210,19 +211,20 @@ class HybridKVManager(PagedCommon):
 
     def _pages_needed(
         self, tables: list[list[KVCacheBlock]], start: int, target: int, adopting: bool
-    ) -> int:
-        """Pages the free count loses when ``tables`` grow to ``target`` blocks for rows
-        from ``start`` on: fresh pages, plus adopted evictable hit pages (``adopting``),
-        less this request's pages that fall out of a window (they become free)."""
-        needed = 0
+    ) -> tuple[int, int]:
+        """What the free count loses when ``tables`` grow to ``target`` blocks for rows
+        from ``start`` on: ``(fresh pages, extra)``, extra being the adopted evictable hit
+        pages (``adopting``) or minus this request's pages that fall out of a window (they
+        become free)."""
+        fresh = extra = 0
         for g, blocks in enumerate(tables):
             first = self.first_live(g, start)
-            needed += sum(1 for i in range(len(blocks), target) if i >= first)
+            fresh += sum(1 for i in range(len(blocks), target) if i >= first)
             if adopting:
-                needed += sum(1 for b in blocks if b is not self.null and b.ref_cnt == 0)
+                extra += sum(1 for b in blocks if b is not self.null and b.ref_cnt == 0)
             else:
-                needed -= sum(1 for b in blocks[:first] if b is not self.null and b.ref_cnt == 1)
-        return needed
+                extra -= sum(1 for b in blocks[:first] if b is not self.null and b.ref_cnt == 1)
+        return fresh, extra
 
     def admission_cost(
         self,
@@ -233,7 +235,9 @@ class HybridKVManager(PagedCommon):
     ) -> int:
         start = request.num_kv_tokens + (len(computed) + num_external_blocks) * self.block_size
         hits = self._adoptable(request, len(computed), start)
-        return self._pages_needed(hits, start, cdiv(start + num_new_tokens, self.block_size), True)
+        return sum(
+            self._pages_needed(hits, start, cdiv(start + num_new_tokens, self.block_size), True)
+        )
 
     def logical_pages(self, request_id: str, first: int, end: int) -> list[list[int | None]]:
         tables = self.tables[request_id]
@@ -266,7 +270,10 @@ class HybridKVManager(PagedCommon):
         hashes = self.block_hashes(request)[:num_full]
         root = self.root_of(request)
         tables = self.tables[rid]
-        fresh = [i for i in range(start, num_full) if tables[0][i].block_hash is None]
+        new = self._new_cached  # an offload connector's: which blocks are new, before insert
+        fresh = []
+        if new is not None:
+            fresh = [i for i in range(start, num_full) if tables[0][i].block_hash is None]
         for g, blocks in enumerate(tables):
             if g == 0:  # plain hashes and events (a null page is skipped)
                 self.cache.insert(request.all_token_ids, hashes, blocks, root, request.cache_salt)
@@ -275,12 +282,12 @@ class HybridKVManager(PagedCommon):
             keys = [self.cache.key(g, hashes[i]) for i in idx]
             self.cache.insert((), keys, [blocks[i] for i in idx], root)
         self._num_inserted[rid] = num_full
-        if self._new_cached is not None:
+        if new is not None:
             first, end = self._external.get(rid, (0, 0))
             for i in fresh:  # a block loaded from a tier has nothing new to store
                 pages = [t[i] for t in tables]
                 if not first <= i < end and all(b is not self.null for b in pages):
-                    self._new_cached.append((hashes[i], pages))
+                    new.append((hashes[i], pages))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         tables = self.tables.get(request_id)
