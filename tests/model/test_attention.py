@@ -125,6 +125,36 @@ def test_cpp_decode_kernel_matches_fallback(
     assert (out.float() - ref.float()).abs().max() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_decode_row_does_not_depend_on_its_batch_mates(
+    kernels: Kernels, dtype: torch.dtype
+) -> None:
+    """decode_split.h cuts a row by its own length only (a lone long row into parts that
+    occupy every thread): the row's output is bit-identical alone and next to rows of
+    other lengths, on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(3)
+    h, kvh, hd, bs, nb = 9, 3, 64, 16, 200
+    kc = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
+    lens = torch.tensor([700, 3, 1500, 129, 300])
+    mb = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(len(lens))])
+    q = torch.randn(len(lens), h, hd, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            batch = kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5)
+            for i in range(len(lens)):
+                alone = kernels.paged_decode_attention(
+                    q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], hd**-0.5
+                )
+                where = f"row {i} ({int(lens[i])} keys), {n} threads"
+                assert torch.equal(alone[0], batch[i]), where
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cpp_decode_kernel_refuses_out_of_range_lengths_and_blocks(kernels: Kernels) -> None:
     kc = torch.zeros(4, 16, 3, 64)
     q = torch.zeros(1, 9, 64)

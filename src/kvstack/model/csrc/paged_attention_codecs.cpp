@@ -29,6 +29,7 @@
 #include "codec_int4.h"
 #include "codec_int8.h"
 #include "codec_rows.h"
+#include "decode_split.h"
 #include "kvstack_ops.h"
 
 namespace {
@@ -244,12 +245,9 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
                   const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale,
                   int64_t W) {
   const int64_t KVH = cv.KVH, G = H / KVH;
-  std::vector<int64_t> first(R + 1, 0);  // first partition of each row: keys [s0, L) of it
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = lens[r] - codec_window_start(lens[r], W);
-    first[r + 1] = first[r] + std::max<int64_t>(1, (n + kCodecPart - 1) / kCodecPart);
-  }
-  const int64_t P = first[R];
+  const DecodeSplit sp = split_decode_rows(lens, R, W, KVH, kCodecPart);
+  const std::vector<int64_t>& first = sp.first;
+  const int64_t P = sp.parts();
   std::vector<CodecPartial> parts(P * H);
   std::vector<float> qall(R * H * 64);  // float queries (rotated4: q R), once per row
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
@@ -258,28 +256,23 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
       if (cv.signs) rotate(qall.data() + w * 64, cv.signs, 64, false);
     }
   });
-  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t pi = w / KVH, kh = w % KVH;
-      const int64_t r = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
-      const int64_t t0 = codec_window_start(lens[r], W) + (pi - first[r]) * kCodecPart;
-      const float* qf = qall.data() + (r * H + kh * G) * 64;
-      const int64_t* table = tables + codec_table_of(tidx, r) * MB;
-      const int64_t t1 = std::min(lens[r], t0 + kCodecPart), own = (lens[r] - 1) / cv.BS;
-      CodecPartial* pp = parts.data() + pi * H + kh * G;
-      const int g = static_cast<int>(G);
-      if (!std::is_same_v<T, c10::BFloat16>) {  // float32 queries: float32 dots
-        codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
-        continue;
-      }
-      switch (g) {  // the common GQA ratios with G in registers; others at run time
-        case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-        case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-        case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-        case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-        case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-        default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
-      }
+  run_decode_items(sp, KVH, [&](int64_t pi, int64_t kh) {
+    const int64_t r = sp.row[pi], t0 = sp.t0[pi], t1 = sp.t1[pi], own = (lens[r] - 1) / cv.BS;
+    const float* qf = qall.data() + (r * H + kh * G) * 64;
+    const int64_t* table = tables + codec_table_of(tidx, r) * MB;
+    CodecPartial* pp = parts.data() + pi * H + kh * G;
+    const int g = static_cast<int>(G);
+    if (!std::is_same_v<T, c10::BFloat16>) {  // float32 queries: float32 dots
+      codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+      return;
+    }
+    switch (g) {  // the common GQA ratios with G in registers; others at run time
+      case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+      case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+      case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+      case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+      case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
+      default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
     }
   });
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {

@@ -5,8 +5,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
+#include "decode_split.h"
 #include "simd.h"
 
 // First key a row of context L attends under window W (0: no window).
@@ -18,10 +20,9 @@ static inline int64_t table_row(const int64_t* tidx, int64_t d) { return tidx ? 
 
 #if defined(__AVX512F__)
 // ---------------------------------------------------------------- head_dim 64 fast path
-// Work is split over (request, context partition, kv head): a partition holds up to
-// kPartTokens tokens, so one long context still spreads over every thread (flash-decoding,
-// Dao et al. 2023). Each work item runs an online softmax over its tokens, 16 at a time
-// (one horizontal reduction per 16 keys), and leaves per q head the running max m, the sum
+// Work is split over (request, context partition, kv head) (decode_split.h: at most
+// kPartTokens keys a partition, a long row cut so that it occupies every thread). Each
+// work item scores its keys 16 at a time (one horizontal reduction per 16 keys), and leaves per q head the running max m, the sum
 // l and the unnormalized output; a merge pass combines partitions:
 //
 //   out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
@@ -43,6 +44,12 @@ struct Partial {  // one (request, partition, q head): m, l, acc[64]
   float m, l;
   alignas(64) float acc[64];
 };
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16DotHd64 = true;
+#else
+constexpr bool kBf16DotHd64 = false;
+#endif
 
 // Query of one q head, kept in registers: bf16 pairs for vdpbf16ps, or float32.
 template <typename T>
@@ -105,6 +112,14 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
   for (int64_t j = n; j < np; ++j) offs[j] = offs[0];  // padding rows: masked below
   QReg<T> qr[G];
   for (int g = 0; g < G; ++g) qr[g].load(q + (kh * G + g) * HD);
+  // Without VDPBF16PS, bf16 K rows are widened to float32 once per row into an L1 tile
+  // that the G q heads then read (widening per head cost G times the conversions).
+  constexpr bool kWiden = std::is_same_v<T, c10::BFloat16> && !kBf16DotHd64;
+  QReg<float> qf[G];
+  if constexpr (kWiden)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) qf[g].v[c] = load16(q + (kh * G + g) * HD + 16 * c);
+  alignas(64) float kf[kWiden ? 16 : 1][64];
   // Rows sit scattered over blocks, so the hardware prefetcher cannot follow them: K rows
   // kAhead ahead into L1 (a DRAM miss outlasts ~16 rows of scoring), V rows into L2 for
   // the second pass.
@@ -118,9 +133,18 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
       prefetch_row<T, 2>(vc + offs[j]);
     }
     const __mmask16 live = static_cast<__mmask16>(n - j0 >= 16 ? 0xFFFF : (1u << (n - j0)) - 1);
+    if constexpr (kWiden)
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < 4; ++c)
+          _mm512_store_ps(kf[j] + 16 * c, load16(kc + offs[j0 + j] + 16 * c));
     for (int g = 0; g < G; ++g) {
       __m512 d16[16];
-      for (int j = 0; j < 16; ++j) d16[j] = qr[g].dot(kc + offs[j0 + j]);
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (kWiden)
+          d16[j] = qf[g].dot(kf[j]);
+        else
+          d16[j] = qr[g].dot(kc + offs[j0 + j]);
+      }
       const __m512 s = _mm512_mul_ps(hsum16(d16), _mm512_set1_ps(scale));
       _mm512_store_ps(sc[g] + j0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
     }
@@ -163,22 +187,13 @@ static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64
                                int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t W) {
   constexpr int64_t HD = 64;
   const int64_t H = KVH * G;
-  std::vector<int64_t> first(D + 1, 0);  // first partition index of each request
-  for (int64_t d = 0; d < D; ++d) {
-    const int64_t n = lens[d] - window_start(lens[d], W);  // keys the row attends
-    first[d + 1] = first[d] + std::max<int64_t>(1, (n + kPartTokens - 1) / kPartTokens);
-  }
-  const int64_t P = first[D];
-  std::vector<Partial> parts(P * H);
-  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t pi = w / KVH, kh = w % KVH;
-      const int64_t d = std::upper_bound(first.begin(), first.end(), pi) - first.begin() - 1;
-      const int64_t t0 = window_start(lens[d], W) + (pi - first[d]) * kPartTokens;
-      decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + table_row(tidx, d) * MB, KVH, BS, kh, t0,
-                             std::min(lens[d], t0 + kPartTokens), scale,
-                             parts.data() + pi * H + kh * G);
-    }
+  const DecodeSplit sp = split_decode_rows(lens, D, W, KVH, kPartTokens);
+  const std::vector<int64_t>& first = sp.first;
+  std::vector<Partial> parts(sp.parts() * H);
+  run_decode_items(sp, KVH, [&](int64_t pi, int64_t kh) {
+    const int64_t d = sp.row[pi];
+    decode_part_hd64<T, G>(q + d * H * HD, kc, vc, tables + table_row(tidx, d) * MB, KVH, BS, kh,
+                           sp.t0[pi], sp.t1[pi], scale, parts.data() + pi * H + kh * G);
   });
   at::parallel_for(0, D * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {

@@ -1,0 +1,80 @@
+// How the decode kernels (paged_attention_hd64.h, paged_attention_codecs.cpp) cut a
+// step's rows into context partitions and hand (partition, KV head) items to threads
+// (flash-decoding's split-K, Dao et al. 2023).
+//
+// A row attending n keys [s0, L) is cut into p equal partitions (sizes differ by at most
+// one key):
+//
+//   p = max(ceil(n / max_part), min(ceil(n / kMinPartKeys), ceil(2 * threads / KVH)))
+//
+//   keys  s0 ................................................ L
+//         | part 0        | part 1        | ... | part p-1    |
+//
+// so one long row (a single user's decode: one row, few KV heads) still gives every
+// thread about two items, and no partition holds more than max_part keys (the kernels'
+// score buffers). p depends on the row's own n, the thread count and the model only, never
+// on the other rows of the step: a row's result does not depend on its batch mates.
+// Items run longest first, each thread taking the next one from a shared counter (dynamic
+// scheduling: rows of very different lengths in one step do not leave a thread idle); an
+// item's result does not depend on which thread runs it.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+// Fewest keys a partition gets when a row is split only to occupy threads.
+constexpr int64_t kMinPartKeys = 128;
+
+struct DecodeSplit {
+  std::vector<int64_t> first;  // [R + 1] first partition of each row
+  std::vector<int64_t> t0, t1;  // [P] keys [t0, t1) of partition p
+  std::vector<int64_t> row;  // [P] the row partition p belongs to
+  std::vector<int64_t> order;  // [P * KVH] items p * KVH + kh, longest first
+
+  int64_t parts() const { return static_cast<int64_t>(t0.size()); }
+};
+
+// Partitions of rows with contexts lens[0..R) under window W (0: none; keys
+// [max(0, L - W), L)), at most max_part keys each.
+static inline DecodeSplit split_decode_rows(const int64_t* lens, int64_t R, int64_t W,
+                                            int64_t KVH, int64_t max_part) {
+  DecodeSplit s;
+  s.first.assign(R + 1, 0);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t occupy = (2 * threads + KVH - 1) / KVH;  // partitions that fill the threads
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t L = lens[r], s0 = W > 0 && L > W ? L - W : 0, n = L - s0;
+    const int64_t need = std::max<int64_t>(1, (n + max_part - 1) / max_part);
+    const int64_t p = std::max(need, std::min((n + kMinPartKeys - 1) / kMinPartKeys, occupy));
+    for (int64_t i = 0; i < p; ++i) {
+      s.t0.push_back(s0 + i * n / p);
+      s.t1.push_back(s0 + (i + 1) * n / p);
+      s.row.push_back(r);
+    }
+    s.first[r + 1] = s.first[r] + p;
+  }
+  const int64_t items = s.parts() * KVH;
+  s.order.resize(items);
+  for (int64_t w = 0; w < items; ++w) s.order[w] = w;
+  std::stable_sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) {
+    return s.t1[a / KVH] - s.t0[a / KVH] > s.t1[b / KVH] - s.t0[b / KVH];
+  });
+  return s;
+}
+
+// Runs fn(partition, kv_head) for every item of s, longest first, over the thread pool.
+template <typename F>
+static inline void run_decode_items(const DecodeSplit& s, int64_t KVH, F&& fn) {
+  const int64_t items = static_cast<int64_t>(s.order.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(items, std::max<int64_t>(1, at::get_num_threads()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const int64_t w = s.order[i];
+      fn(w / KVH, w % KVH);
+    }
+  });
+}
