@@ -9,6 +9,7 @@ the pool (preemption, eviction, chunking); bad marks are refused with nothing le
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from kvstack import LLM, SamplingParams
 from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.request import RequestStatus
+from kvstack.testing.redis_server import LocalRedis
 
 DOCS = [
     "Document A: The river Lune flows through Lancaster. Its bridges date from the "
@@ -254,10 +256,21 @@ def _nothing_left(llm: LLM) -> None:
     assert RequestStatus.WAITING not in {r.status for r in eng.scheduler.requests.values()}
 
 
-def test_entries_go_to_the_offload_tier_and_come_back() -> None:
-    """Entries are stored write-through in the host tier; after a device reset a miss is
-    loaded from there instead of computed, and gives the same tokens."""
-    llm = LLM("default", dtype="float32", num_blocks=300, kv_offload="host:64MiB")
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with LocalRedis() as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("tier", ["host", "redis"])
+def test_entries_go_to_the_offload_tier_and_come_back(
+    tier: str, request: pytest.FixtureRequest
+) -> None:
+    """Entries are stored write-through in the offload tier (host memory, or Redis shared
+    by replicas); after a device reset a miss is loaded from there instead of computed,
+    and gives the same tokens."""
+    spec = "host:64MiB" if tier == "host" else request.getfixturevalue("redis_url")
+    llm = LLM("default", dtype="float32", num_blocks=300, kv_offload=spec)
     first = run(llm, ASKS[:2])
     before = llm.get_stats().segments
     assert llm.engine.flush_offload(30)

@@ -56,12 +56,16 @@ static inline DecodeSplit split_decode_rows(const int64_t* lens, int64_t R, int6
     }
     s.first[r + 1] = s.first[r] + p;
   }
-  const int64_t items = s.parts() * KVH;
-  s.order.resize(items);
-  for (int64_t w = 0; w < items; ++w) s.order[w] = w;
-  std::stable_sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) {
-    return s.t1[a / KVH] - s.t0[a / KVH] > s.t1[b / KVH] - s.t0[b / KVH];
-  });
+  // A row's partitions are of one size (+-1 key): rows sorted by it order the items.
+  std::vector<int64_t> rows(R);
+  for (int64_t r = 0; r < R; ++r) rows[r] = r;
+  auto part_keys = [&](int64_t r) { return s.t1[s.first[r]] - s.t0[s.first[r]]; };
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](int64_t a, int64_t b) { return part_keys(a) > part_keys(b); });
+  s.order.reserve(s.parts() * KVH);
+  for (const int64_t r : rows)
+    for (int64_t p = s.first[r]; p < s.first[r + 1]; ++p)
+      for (int64_t kh = 0; kh < KVH; ++kh) s.order.push_back(p * KVH + kh);
   return s;
 }
 
