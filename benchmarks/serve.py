@@ -6,7 +6,9 @@ requests = 8 conversations × 5 turns; turn k is sent only after turn k-1 of the
 conversation finished). Each server is started as a child process on a free 127.0.0.1 port
 (``kvstack serve --max-num-seqs 16 --max-model-len 2048``; with ``--peers vllm``, vLLM's
 ``vllm.entrypoints.openai.api_server`` from ``.bench-venvs/vllm`` with the same limits,
-prefix caching on and the environment ``benchmarks/offline_throughput.py`` gives vLLM), is
+prefix caching on, bf16 (``--peers vllm-fp32``: float32, vLLM's best setting on a CPU
+without AVX512-BF16 / AMX) and the environment ``benchmarks/offline_throughput.py`` gives
+vLLM), is
 ready when ``GET /health`` answers 200, and is stopped with SIGTERM at the end (its log goes
 to ``.bench-venvs/logs/serve-<server>.log``). Before the timed runs the script checks, with
 ``POST /tokenize``, that the server's chat template turns every request's ``messages`` into
@@ -225,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join((__doc__ or "").splitlines()[1:]),
     )
-    p.add_argument("--peers", default="", help="comma-separated peer servers: vllm")
+    p.add_argument(
+        "--peers", default="",
+        help="comma-separated peer servers: vllm (bf16, kvstack's dtype), vllm-fp32 (vLLM in "
+        "float32: its best setting on CPUs without AVX512-BF16 / AMX)",
+    )  # fmt: skip
     p.add_argument("--skip-kvstack", action="store_true", help="do not run kvstack's server")
     p.add_argument("--skip-offline", action="store_true", help="no offline (HTTP-overhead) run")
     p.add_argument("--rates", type=parse_rates, default=[1.0, 4.0, math.inf], help="1,4,inf")
@@ -264,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.num_prompts, args.max_tokens, args.rates, args.peers = 8, 8, [math.inf], ""
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    if unknown := set(peers) - {"vllm"}:
+    if unknown := set(peers) - {"vllm", "vllm-fp32"}:
         raise SystemExit(f"unknown peers: {sorted(unknown)}")
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     date = dt.date.today().isoformat()
@@ -312,10 +318,10 @@ def main(argv: list[str] | None = None) -> None:
         doc["offline"] = run_offline(workloads["shared-prefix"])
     servers = ([] if args.skip_kvstack else ["kvstack"]) + peers
     for name in servers:
-        if name == "vllm" and not venv_python("vllm").exists():
+        if name.startswith("vllm") and not venv_python("vllm").exists():
             note = f"skipped: {venv_python('vllm')} missing (bash benchmarks/setup_peers.sh)"
-            log(f"[vllm] {note}")
-            doc["servers"]["vllm"] = {"note": note}
+            log(f"[{name}] {note}")
+            doc["servers"][name] = {"note": note}
             continue
         try:
             info, entries = bench_server(name, workloads, args.rates, args.wait_idle)

@@ -129,7 +129,7 @@ def kvstack_command(port: int) -> tuple[list[str], dict[str, str]]:
     return cmd, dict(os.environ)
 
 
-def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
+def vllm_command(port: int, dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
     """vLLM's OpenAI server with offline_throughput's vLLM environment (VLLM_ENV, libiomp5)."""
     _, env = peer_command("vllm", Path(os.devnull), Path(os.devnull))
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache
@@ -137,15 +137,22 @@ def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
     cmd = [str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", model, "--tokenizer", model, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN)]
-    cmd += ["--max-num-batched-tokens", "2048", "--dtype", "bfloat16"]
+    cmd += ["--max-num-batched-tokens", "2048", "--dtype", dtype]
     cmd += ["--served-model-name", "smollm2", "--enable-prefix-caching"]
     cmd += ["--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens
     return cmd, env
 
 
+def vllm_fp32_command(port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's server in float32: its best setting on a CPU without AVX512-BF16 / AMX, where
+    its bf16 has no native kernels (offline it runs even with kvstack's bf16 there)."""
+    return vllm_command(port, "float32")
+
+
 SERVERS: dict[str, tuple[Callable[[int], tuple[list[str], dict[str, str]]], float]] = {
     "kvstack": (kvstack_command, 300.0),
     "vllm": (vllm_command, 600.0),  # minutes to start on this machine
+    "vllm-fp32": (vllm_fp32_command, 600.0),
 }
 
 
