@@ -22,8 +22,9 @@ static inline int64_t table_row(const int64_t* tidx, int64_t d) { return tidx ? 
 // ---------------------------------------------------------------- head_dim 64 fast path
 // Work is split over (request, context partition, kv head) (decode_split.h: at most
 // kPartTokens keys a partition, a long row cut so that it occupies every thread). Each
-// work item scores its keys 16 at a time (one horizontal reduction per 16 keys), and leaves per q head the running max m, the sum
-// l and the unnormalized output; a merge pass combines partitions:
+// work item scores its keys 16 at a time (one horizontal reduction per 16 keys) and
+// leaves per q head the running max m, the sum l and the unnormalized output; a merge
+// pass combines partitions:
 //
 //   out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
 //

