@@ -142,11 +142,11 @@ def run_eval_speed(args: argparse.Namespace) -> dict[str, Any]:
     codec, ``--reps`` interleaved rounds; the quality columns are not measured here."""
     import random
 
+    from kvstack.tools.eval.corpus import make_text_ids
     from kvstack.tools.eval.tasks import (
         DECODE_OUTPUT_TOKENS,
         DECODE_PROMPT_TOKENS,
         decode_throughput,
-        make_text_ids,
     )
 
     blocks = args.batch * (-(-(DECODE_PROMPT_TOKENS + DECODE_OUTPUT_TOKENS) // 16) + 1) + 8

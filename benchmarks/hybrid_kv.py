@@ -1,7 +1,7 @@
 """KV bytes a request holds with the hybrid KV manager vs one block table (issue 21).
 
 For each context length (``--contexts``, default 4,096 and 8,192 tokens of real English:
-the Python Language Reference's prose, ``kvstack.tools.eval.tasks``), one request on the
+the Python Language Reference's prose, ``kvstack.tools.eval.corpus``), one request on the
 model (``--model``, default ``gemma3-270m``: 15 sliding-window layers of 512 tokens, 3
 global ones) generates ``--new-tokens`` greedily, once with the hybrid manager (one table
 per KV group, ``kv/hybrid.py``) and once with ``--disable-hybrid-kv-cache-manager`` (one
@@ -26,7 +26,7 @@ from typing import Any
 
 from bench_common import RESULTS_DIR, log, write_json
 from kvstack import LLM, SamplingParams
-from kvstack.tools.eval.tasks import reference_manual_text
+from kvstack.tools.eval.corpus import reference_manual_text
 from offline_throughput import machine_info
 
 

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from kvstack.model.registry import load_tokenizer
-    from kvstack.tools.eval.tasks import real_corpus
+    from kvstack.tools.eval.corpus import real_corpus
 
     t0 = time.perf_counter()
     lengths = [int(x) for x in args.lengths.split(",")]

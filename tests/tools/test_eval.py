@@ -17,16 +17,18 @@ from kvstack.errors import ConfigError
 from kvstack.model.registry import load_tokenizer
 from kvstack.tools.eval import EvalConfig, codec_variant, run_eval
 from kvstack.tools.eval import report as rep
+from kvstack.tools.eval.corpus import (
+    essay_prompt,
+    make_corpus,
+    real_corpus,
+    reference_manual_text,
+)
 from kvstack.tools.eval.tasks import (
     INTRO,
     PHRASINGS,
     build_needle_prompt,
     check_answer,
-    essay_prompt,
-    make_corpus,
     needle_style_for,
-    real_corpus,
-    reference_manual_text,
 )
 
 

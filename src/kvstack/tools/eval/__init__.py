@@ -16,13 +16,13 @@ and is compared on:
     output tokens / wall time of ``generate`` (the ratio to the baseline), and the decode
     phase alone (tokens after the last prompt chunk / time after it).
 
-The corpus is seeded synthetic prose (TextMaker, see :mod:`.tasks`), real English shipped
+The corpus is seeded synthetic prose (TextMaker, see :mod:`.corpus`), real English shipped
 offline with Python (``--corpus real``: the Language Reference's prose from
 ``pydoc_data.topics``), or text the model wrote itself (``--corpus generated``). The
 needle task's calibration is measured in every run (the baseline's accuracy per length,
 ``needle_task.calibration`` in the JSON). The modules: ``config`` (variants and settings),
-``tasks`` (corpus, needle prompts, the speed test), ``runner`` (:func:`run_eval`),
-``report`` (statistics, table, JSON, plot), ``cli`` (the command line).
+``corpus`` (the texts), ``tasks`` (needle prompts, the speed test), ``runner``
+(:func:`run_eval`), ``report`` (statistics, table, JSON, plot), ``cli`` (the command line).
 """
 
 from kvstack.tools.eval.cli import add_eval_args, main, run_eval_cli

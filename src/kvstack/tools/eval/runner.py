@@ -21,20 +21,22 @@ from typing import TYPE_CHECKING, Any
 
 import kvstack.tools.eval.report as rep
 from kvstack.tools.eval.config import BASELINE, CORPUS_KINDS, EvalConfig, codec_variant
+from kvstack.tools.eval.corpus import (
+    EvalText,
+    generated_corpus,
+    make_corpus,
+    make_text_ids,
+    real_corpus,
+)
 from kvstack.tools.eval.tasks import (
     DECODE_OUTPUT_TOKENS,
     DECODE_PROMPT_TOKENS,
     NEEDLE_TASK,
-    EvalText,
     NeedleCase,
     decode_throughput,
-    generated_corpus,
     greedy_params,
-    make_corpus,
-    make_text_ids,
     needle_cases,
     needle_style_for,
-    real_corpus,
     run_needle,
 )
 
