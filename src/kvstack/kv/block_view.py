@@ -132,8 +132,10 @@ def _group_cells(
     prio = torch.tensor(_PRIORITY)
     top = prio[counts[:, prio].argmax(1)]  # argmax: the first of equal maxima
     valid = ow >= 0
-    same = (ow.unsqueeze(2) == ow.unsqueeze(1)) & valid.unsqueeze(1)
-    votes = torch.where(valid, same.sum(2), -1)  # per block: blocks of its owner in the cell
+    idx = torch.where(valid, ow, 0)
+    per_owner = torch.zeros(cells, max(1, int(ow.max()) + 1), dtype=torch.int64)
+    per_owner.scatter_add_(1, idx, valid.long())  # blocks of each owner in each cell
+    votes = torch.where(valid, per_owner.gather(1, idx), -1)  # per block: its owner's count
     first = votes.argmax(1, keepdim=True)
     c_owner = torch.where(votes.gather(1, first) > 0, ow.gather(1, first), -1).squeeze(1)
     big = 1 << 30
