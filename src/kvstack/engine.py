@@ -429,6 +429,11 @@ class LLMEngine:
             held |= self.connector.held_hashes()
         return held
 
+    def held_segment_keys(self) -> list[bytes]:
+        """Keys of the ready segment entries in the device pool (issue 18)."""
+        seg = getattr(self.kv_manager, "segments", None)
+        return [k for k, e in seg.entries.items() if e.ready] if seg is not None else []
+
     def flush_offload(self, timeout_s: float) -> bool:
         """Wait until queued tier stores and loads are done (True at once without tiers);
         False on timeout. The exception here: it blocks, so call it off the engine thread

@@ -301,6 +301,8 @@ class Request:
     # all_token_ids, verified next step. Never part of all_token_ids, never hashed.
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
     spec_draft_len: int = 0  # the next draft's length (0: num_speculative_tokens)
+    spec_misses: int = 0  # consecutive verifies that kept no draft
+    spec_pause: int = 0  # steps left without a proposal (``spec/speculator.pause_after``)
     # Issue 18: reusable segments of the prompt (``segment_marks.py``); once one is placed
     # (a copy of standalone KV), only blocks before ``cacheable_tokens`` are a true prefix.
     segments: SegmentMarks | None = None

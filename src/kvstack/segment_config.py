@@ -11,18 +11,25 @@ from kvstack.segment_marks import check_recompute
 KV = "KV cache"
 
 
+def _segment_caches() -> tuple[str, ...]:
+    from kvstack.config_choices import eviction_policies
+
+    return ("auto", *eviction_policies(), "none")
+
+
 @dataclass(frozen=True)
 class SegmentConfig:
     """Whether marked prompt segments (tools, documents, ``kvstack_segment`` parts,
     ``LLM.generate(segments=...)``) reuse standalone KV, and how much is recomputed."""
 
     segment_cache: str = option(
-        "lru",
+        "auto",
         "reuse the KV of marked prompt segments (each tool, each document, content parts "
-        "with \"kvstack_segment\": true) wherever they sit in a prompt: 'lru' keeps them "
-        "(computed standalone once, placed with re-rotated keys, least recently used "
-        "dropped first; default), 'none' ignores the marks",
-        group=KV, choices=lambda: ("lru", "none"),
+        "with \"kvstack_segment\": true) wherever they sit in a prompt, computed "
+        "standalone once and placed with re-rotated keys; the value is the eviction policy "
+        "of the entries: 'auto' (default) follows --eviction-policy, or one of its "
+        "policies by name (lru, lfu, adaptive); 'none' ignores the marks",
+        group=KV, choices=_segment_caches,
     )  # fmt: skip
     segment_recompute_ratio: float = option(
         0.15,

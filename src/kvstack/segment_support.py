@@ -26,14 +26,18 @@ if TYPE_CHECKING:
 
 
 def enable_segments(engine: LLMEngine) -> None:
-    """Attach the segment cache and planner (``--segment-cache lru``, paged layout)."""
+    """Attach the segment cache and planner (``--segment-cache`` not ``none``, paged
+    layout); ``auto`` evicts entries in the order of ``--eviction-policy``."""
     cfg = engine.config.segments
     kv = engine.kv_manager
     if cfg.segment_cache == "none" or not isinstance(kv, KVCacheManager):
         return
     bos = engine.tokenizer.bos_token_id
     sink = [bos] if bos is not None else []  # the attention sink every segment follows
-    cache = kv.enable_segments(sink, cfg.segment_max_fraction)
+    policy = cfg.segment_cache
+    if policy == "auto":  # the prefix cache's --eviction-policy
+        policy = engine.config.cache.eviction_policy
+    cache = kv.enable_segments(sink, cfg.segment_max_fraction, policy)
     planner = SegmentPlanner(cache, engine.model_config.name)
     if engine.connector is not None:  # era 4: entries stored in and loaded from the tiers
         planner.tiers = SegmentTiers(engine.connector.offload, engine.kv_storage)

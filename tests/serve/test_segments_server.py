@@ -4,6 +4,7 @@ reported in ``usage.prompt_tokens_details.kvstack_segment_tokens`` and ``/metric
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvstack.config import EngineConfig
+from kvstack.kv.events import SegmentStored
+from kvstack.route.policy.base import RouteRequest
+from kvstack.route.policy.kv_index import BlockHasher, EventIndex
+from kvstack.route.policy.prompt import prompt_info
+from kvstack.route.policy.vllm_index import RequestHashes
 from kvstack.serve.server import ServerOptions, build_server
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
@@ -35,9 +41,13 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         model=str(path), dtype="float32", num_blocks=256, max_model_len=2048
     )
     llm, _, app, _ = build_server(engine, ServerOptions(served_model_name="t"))
+    SERVED["llm"] = llm
     with TestClient(app) as c:
         yield c
     llm.engine.check_integrity()
+
+
+SERVED: dict[str, Any] = {}
 
 
 def chat(client: TestClient, **body: Any) -> dict[str, Any]:
@@ -99,3 +109,28 @@ def test_a_pressed_request_keeps_its_tools_unsegmented(client: TestClient) -> No
     request with one is served as before (never a 400 for something it did not ask)."""
     body = chat(client, messages=ASK, tools=TOOLS, kv_press="knorm", kv_press_ratio=0.3)
     assert segment_tokens(body) == 0
+
+
+def test_segment_entries_are_kv_events_the_router_can_match(client: TestClient) -> None:
+    """A ready entry is announced (``SegmentStored``, kvstack's SSE stream and snapshot) under
+    the key the router computes from the same request body with the replica's ``/load``
+    parameters and tokenizer; the router's index then credits the segments to the replica."""
+    llm = SERVED["llm"]
+    got: list[Any] = []
+    llm.engine.kv_events.subscribe(got.append)
+    fresh = [tool("delta", 5), tool("epsilon", 2)]  # no earlier test computed these
+    body = {"model": "t", "messages": ASK, "tools": fresh, "max_tokens": 2}
+    info = prompt_info(llm.tokenizer, "/v1/chat/completions", json.dumps(body).encode())
+    assert info is not None and len(info.segments) == 2
+    load = client.get("/load").json()
+    req = RouteRequest(info.token_ids, info.cache_salt, info.segments, info.sink)
+    keys = RequestHashes(req, BlockHasher(load["block_size"], load["model_id"]), "sha256")
+    chat(client, **body)
+    announced = {e.segment_key for e in got if isinstance(e, SegmentStored)}
+    held = set(llm.engine.held_segment_keys())
+    assert set(keys.segment_keys()) <= announced <= held
+    index = EventIndex()
+    snapshot = [{"type": "SegmentSnapshot", "segment_keys": [k.hex() for k in held]}]
+    index.apply("r", {"seq": 0, "ts": 0.0, "snapshot": True, "events": snapshot})
+    assert index.segments_held("r", keys.segment_keys()) == [True, True]
+    index.check_integrity()

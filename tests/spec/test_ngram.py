@@ -138,3 +138,25 @@ def test_the_draft_length_follows_what_was_accepted() -> None:
     spec.after_step([step], {"r": list(req.spec_token_ids)}, [req])  # all kept: k again
     assert req.spec_draft_len == 8 and len(req.spec_token_ids) == 8
     assert spec.stats.num_draft_tokens == 9 and spec.stats.num_accepted_tokens == 1
+
+
+def test_repeated_misses_pause_proposals() -> None:
+    """Two verifies in a row that keep nothing pause proposing for 1 step, then 2, 4, 8
+    (at most); one kept draft ends the pause."""
+    from kvstack.request import Request, SamplingParams
+    from kvstack.sched.output import ScheduledRequest
+    from kvstack.spec.speculator import MAX_PAUSE, Speculator, pause_after
+
+    assert [pause_after(m) for m in range(1, 8)] == [0, 1, 2, 4, 8, 8, 8] and MAX_PAUSE == 8
+    spec = Speculator(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4}))
+    req = Request("r", [1, 2, 3, 4] * 6, SamplingParams(temperature=0.0))
+    drafted = []
+    for _ in range(12):  # every draft is rejected
+        step = ScheduledRequest(req, 23, 1 + len(req.spec_token_ids), [0], req.spec_token_ids)
+        spec.after_step([step], {"r": []}, [req])
+        drafted.append(bool(req.spec_token_ids))
+    # misses 1, 2 -> pause 1; miss 3 -> pause 2; miss 4 -> pause 4
+    assert drafted == [True, True, False, True, False, False, True] + [False] * 4 + [True]
+    step = ScheduledRequest(req, 23, 2, [0], req.spec_token_ids)
+    spec.after_step([step], {"r": list(req.spec_token_ids)}, [req])  # kept: no pause
+    assert req.spec_misses == 0 and req.spec_pause == 0 and req.spec_token_ids

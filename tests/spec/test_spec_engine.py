@@ -24,7 +24,12 @@ from kvstack.kv.events import BlockStored
 from kvstack.kv.manager import KVCacheManager
 from kvstack.request import Request, RequestOutput, SamplingParams
 from kvstack.spec.config import SpeculativeConfig
-from kvstack.spec.speculator import Speculator, next_draft_len, no_speculation_reason
+from kvstack.spec.speculator import (
+    Speculator,
+    next_draft_len,
+    no_speculation_reason,
+    pause_after,
+)
 from kvstack.structured_outputs import StructuredOutputsParams
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
@@ -239,20 +244,23 @@ def test_who_speculates() -> None:
 def expected_counts(k: int, max_tokens: int, correct: bool) -> dict[str, object]:
     """vLLM's counters (and the engine's steps) for one greedy request whose drafts are
     always the true continuation (``correct``) or always wrong; the draft length follows
-    ``next_draft_len``."""
+    ``next_draft_len``, and repeated misses pause proposals (``pause_after``)."""
     drafts = draft_tokens = accepted = 0
     per_pos = [0] * k
     steps = 1  # the prefill samples the first token
-    left, length = max_tokens - 1, k
+    left, length, misses, pause = max_tokens - 1, k, 0, 0
     while left > 0:
         steps += 1
-        d = min(length, left - 1)  # the scheduler leaves room for the bonus token
+        d = 0 if pause else min(length, left - 1)  # the scheduler leaves room for the bonus
+        pause = max(0, pause - 1)
         a = d if correct else 0
         if d > 0:
             drafts, draft_tokens, accepted = drafts + 1, draft_tokens + d, accepted + a
             for i in range(a):
                 per_pos[i] += 1
             length = next_draft_len(d, a, k)
+            misses = 0 if a else misses + 1
+            pause = pause_after(misses)
         left -= a + 1
     return {
         "num_drafts": drafts,

@@ -15,6 +15,11 @@ engine holds by consuming this stream instead of polling. The shapes follow vLLM
   salt in the first block's extra keys); ``to_dict`` (the SSE stream) leaves it out.
 * ``BlockRemoved``: these hashes are no longer served by ``medium`` (evicted or dropped).
 * ``AllBlocksCleared``: the medium's cache was reset.
+* ``SegmentStored`` / ``SegmentRemoved`` (kvstack's own, issue 18): a segment entry
+  (``kv/segments.py``: a tool schema's or a document's standalone KV, reusable at any
+  offset) became ready / was evicted. ``segment_key`` is the hash of the segment's tokens
+  under the model/salt/sink namespace, not a chain hash; ``token_ids`` are the segment's
+  tokens. vLLM has no such events: the vLLM-wire ZMQ publisher leaves them out.
 
 ``KVEventLog`` buffers events (bounded: the oldest are dropped and counted when nobody
 drains them) and calls subscribers synchronously.
@@ -72,7 +77,39 @@ class AllBlocksCleared:
         return {"type": "AllBlocksCleared", "medium": self.medium}
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True)
+class SegmentStored:
+    segment_key: bytes
+    num_tokens: int
+    token_ids: list[int]
+    block_size: int
+    medium: str = "device"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "SegmentStored",
+            "segment_key": self.segment_key.hex(),
+            "num_tokens": self.num_tokens,
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "medium": self.medium,
+        }
+
+
+@dataclass(frozen=True)
+class SegmentRemoved:
+    segment_keys: list[bytes]
+    medium: str = "device"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "SegmentRemoved",
+            "segment_keys": [k.hex() for k in self.segment_keys],
+            "medium": self.medium,
+        }
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | SegmentStored | SegmentRemoved
 
 
 def event_weight(event: KVEvent) -> int:
@@ -80,7 +117,12 @@ def event_weight(event: KVEvent) -> int:
     by weight, since one long prompt's ``BlockStored`` carries all its token ids."""
     if isinstance(event, AllBlocksCleared):
         return 1
-    return 1 + len(event.block_hashes) + len(getattr(event, "token_ids", ()))
+    if isinstance(event, SegmentStored):
+        return 2 + len(event.token_ids)
+    if isinstance(event, SegmentRemoved):
+        return 1 + len(event.segment_keys)
+    ids = event.token_ids if isinstance(event, BlockStored) else ()
+    return 1 + len(event.block_hashes) + len(ids)
 
 
 @dataclass(frozen=True)

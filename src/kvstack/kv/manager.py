@@ -100,9 +100,14 @@ class KVCacheManager(PagedCommon):
         self._external: dict[str, tuple[int, int]] = {}
         self.segments: SegmentCache | None = None  # issue 18: ``enable_segments``
 
-    def enable_segments(self, sink: Sequence[int], max_fraction: float = 0.5) -> SegmentCache:
-        """Keep standalone segment KV (``kv/segments.py``) in this pool."""
-        self.segments = SegmentCache(self.pool, self.block_size, tuple(sink), max_fraction)
+    def enable_segments(
+        self, sink: Sequence[int], max_fraction: float = 0.5, policy: str = "lru"
+    ) -> SegmentCache:
+        """Keep standalone segment KV (``kv/segments.py``) in this pool, evicted in the
+        order of eviction policy ``policy``, announced on this manager's KV events."""
+        self.segments = SegmentCache(
+            self.pool, self.block_size, tuple(sink), max_fraction, policy, self.events
+        )
         return self.segments
 
     @property

@@ -17,26 +17,33 @@ requests never share an entry's blocks; they copy from them::
     request:            [p0 p1 p2 x0][x1 x2 x3 x4][q0 ...]   x at 3 .. 7: rotate by +2
 
 Blocks: an entry holds one reference on each of its ``ceil((s + L) / bs)`` blocks; they
-are never in the prefix cache. Entries are evicted least recently used when the pool
-needs blocks (``release``) or the entries would hold more than ``max_fraction`` of it;
-an entry that is still being computed (pending) or that an admitted request has not
-copied yet (``users > 0``) is never evicted, so a request's result never depends on
-what the pool did between its admission and its copy.
+are never in the prefix cache. Entries are evicted whole when the pool needs blocks
+(``release``) or the entries would hold more than ``max_fraction`` of it, in the order of
+an eviction policy of ``kv/policies.py`` (the prefix cache's ``--eviction-policy`` unless
+``--segment-cache`` names another) whose keys are segment keys: ``reserve`` inserts
+(held), a request finding an entry is a hit, and an entry is a *candidate* exactly while
+it is ready and no admitted request still has to copy it (``users == 0``). An entry that
+is still being computed (pending) or that an admitted request has not copied yet is never
+evicted, so a request's result never depends on what the pool did between its admission
+and its copy. With an ``events`` log, a ready entry is announced as ``SegmentStored`` and
+its eviction as ``SegmentRemoved`` (``kv/events.py``).
 
 Invariants (``check_integrity``): each entry holds exactly its blocks, each with
 ``ref_cnt >= 1`` and no prefix hash; ``users >= 0``; the entries' blocks are distinct
-and number ``num_blocks``.
+and number ``num_blocks``; the policy's candidates are exactly the ready entries without
+users.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
+from kvstack.kv.events import KVEventLog, SegmentRemoved, SegmentStored
 from kvstack.kv.hashing import DIGEST_SIZE, hash_block
+from kvstack.kv.policies import EvictionPolicy, make_policy
 
 SegmentKey = bytes
 LOADING = "loading"  # an offload-tier lookup of a segment is still running (kv/tiers/)
@@ -64,6 +71,7 @@ class SegmentEntry:
     blocks: list[KVCacheBlock]
     ready: bool = False  # False until the step that computes it has run
     users: int = 0  # admitted requests that have not copied it yet
+    token_ids: tuple[int, ...] = ()  # the segment's tokens (for SegmentStored)
 
 
 @dataclass
@@ -85,8 +93,14 @@ class SegmentCache:
     block_size: int
     sink: tuple[int, ...]
     max_fraction: float = 0.5
-    entries: OrderedDict[SegmentKey, SegmentEntry] = field(default_factory=OrderedDict)
+    policy_name: str = "lru"
+    events: KVEventLog | None = None
+    entries: dict[SegmentKey, SegmentEntry] = field(default_factory=dict)
     counters: SegmentCounters = field(default_factory=SegmentCounters)
+    policy: EvictionPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.policy_name, max(1, self.pool.num_blocks))
 
     @property
     def num_blocks(self) -> int:
@@ -96,12 +110,15 @@ class SegmentCache:
         return -(-(len(self.sink) + num_tokens) // self.block_size)
 
     def get(self, key: SegmentKey) -> SegmentEntry | None:
+        """The entry under ``key``, counted as a hit of the policy."""
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            self.policy.on_hit(key)
         return entry
 
-    def reserve(self, key: SegmentKey, num_tokens: int) -> SegmentEntry | None:
+    def reserve(
+        self, key: SegmentKey, num_tokens: int, token_ids: Sequence[int] = ()
+    ) -> SegmentEntry | None:
         """A new pending entry with its blocks, evicting idle entries for room; None when
         the pool cannot give the blocks now (nothing changes then)."""
         need = self.blocks_for(num_tokens)
@@ -114,15 +131,44 @@ class SegmentCache:
         short = need - self.pool.num_free_blocks
         if short > 0 and self.release(short) < short:
             return None
-        entry = SegmentEntry(key, num_tokens, self.pool.allocate(need))
+        entry = SegmentEntry(key, num_tokens, self.pool.allocate(need), token_ids=tuple(token_ids))
         self.entries[key] = entry
+        self.policy.on_insert(key)
         return entry
+
+    def hold(self, entry: SegmentEntry) -> None:
+        """An admitted request will copy ``entry``: it stops being a candidate."""
+        entry.users += 1
+        self._sync(entry)
+
+    def unhold(self, entry: SegmentEntry) -> None:
+        """A request copied ``entry`` or let go of it."""
+        entry.users -= 1
+        if self.entries.get(entry.key) is entry:
+            self._sync(entry)
+
+    def set_ready(self, entry: SegmentEntry) -> None:
+        """``entry``'s KV is in its blocks (computed, or loaded from a tier)."""
+        entry.ready = True
+        self._sync(entry)
+        if self.events is not None:
+            self.events.publish(
+                SegmentStored(entry.key, entry.num_tokens, list(entry.token_ids), self.block_size)
+            )
+
+    def _sync(self, entry: SegmentEntry) -> None:
+        """Make the policy's view match: a candidate iff ready and without users."""
+        idle = entry.ready and entry.users == 0
+        if idle and entry.key not in self.policy:
+            self.policy.on_release(entry.key)
+        elif not idle and entry.key in self.policy:
+            self.policy.on_acquire(entry.key)
 
     def mark_ready(self) -> list[SegmentEntry]:
         """The step that computed the pending entries has run; returns them."""
         done = [e for e in self.entries.values() if not e.ready]
         for entry in done:
-            entry.ready = True
+            self.set_ready(entry)
         return done
 
     def drop_pending(self) -> None:
@@ -134,28 +180,30 @@ class SegmentCache:
         return sum(len(e.blocks) for e in self.entries.values() if e.ready and not e.users)
 
     def release(self, num_blocks: int) -> int:
-        """Evict idle entries, least recently used first, until ``num_blocks`` blocks
-        went back to the pool or none is left; returns how many went back."""
+        """Evict idle entries in the policy's order until ``num_blocks`` blocks went back
+        to the pool or none is left; returns how many went back."""
         freed = 0
-        for key in list(self.entries):
-            if freed >= num_blocks:
-                break
-            entry = self.entries[key]
-            if entry.ready and not entry.users:
-                freed += len(entry.blocks)
-                self._drop(key)
-                self.counters.evicted += 1
+        while freed < num_blocks and len(self.policy):
+            key = self.policy.victim()
+            assert isinstance(key, bytes)
+            freed += len(self.entries[key].blocks)
+            self._drop(key)
+            self.counters.evicted += 1
         return freed
 
     def _drop(self, key: SegmentKey) -> None:
         entry = self.entries.pop(key)
+        self.policy.on_remove(key)
         self.pool.free(reversed(entry.blocks))
+        if entry.ready and self.events is not None:
+            self.events.publish(SegmentRemoved([key]))
 
     def reset(self) -> None:
         """Forget every entry (``/reset_prefix_cache``); requests that still meant to copy
         one compute that segment in place instead."""
         for key in list(self.entries):
             self._drop(key)
+        self.policy.clear()
 
     def check_integrity(self) -> None:
         seen: set[int] = set()
@@ -163,7 +211,13 @@ class SegmentCache:
             assert entry.key == key, "entry filed under another key"
             assert entry.users >= 0, f"segment entry with {entry.users} users"
             assert len(entry.blocks) == self.blocks_for(entry.num_tokens), "entry block count"
+            idle = entry.ready and entry.users == 0
+            assert (key in self.policy) == idle, "policy candidate != idle entry"
             for b in entry.blocks:
                 assert b.block_id not in seen, f"block {b.block_id} in two segment entries"
                 assert b.ref_cnt >= 1 and b.block_hash is None, f"segment block {b.block_id}"
                 seen.add(b.block_id)
+        assert len(self.policy) == sum(
+            1 for e in self.entries.values() if e.ready and not e.users
+        ), "policy holds candidates that are not entries"
+        self.policy.check_integrity()

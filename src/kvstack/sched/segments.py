@@ -123,7 +123,7 @@ class SegmentPlanner:
                 entry, tokens = self._obtain(req, span, key, out, budget - used)
                 used += tokens
             if entry is not None:
-                entry.users += 1
+                self.cache.hold(entry)
             held[i] = entry
         complete = all(e is not None for e in held)
         if not complete:
@@ -151,13 +151,13 @@ class SegmentPlanner:
                 return None, 0
         if staged is None and budget < len(self.cache.sink) + n:
             return None, 0
-        entry = self.cache.reserve(key, n)
+        entry = self.cache.reserve(key, n, req.prompt_token_ids[span[0] : span[1]])
         if entry is None:
             return None, 0
         if staged is not None:
             assert self.tiers is not None
             self.tiers.write(entry, staged)
-            entry.ready = True
+            self.cache.set_ready(entry)
             self.cache.counters.loaded_tokens += n
             return entry, 0
         return entry, self._fill(req, span, entry, out)
@@ -192,7 +192,7 @@ class SegmentPlanner:
             self.reserver = None
         for entry in self.held.pop(req.request_id, ()):
             if entry is not None:
-                entry.users -= 1
+                self.cache.unhold(entry)
 
     # ------------------------------------------------------------------ placement
     def _usable(self, rid: str, i: int) -> SegmentEntry | None:
@@ -238,7 +238,7 @@ class SegmentPlanner:
             assert held is not None
             entry = held[i]
             if entry is not None:
-                entry.users -= 1
+                self.cache.unhold(entry)
                 held[i] = None
         if plan.imports:
             first = plan.imports[0].dst_start

@@ -298,6 +298,11 @@ class AsyncEngine:
         assert threading.current_thread() is self._loop_thread, "engine thread only"
         return self._llm_engine.held_block_hashes()
 
+    def held_segment_keys(self) -> list[bytes]:
+        """Ready segment entries' keys (``LLMEngine.held_segment_keys``). Engine thread."""
+        assert threading.current_thread() is self._loop_thread, "engine thread only"
+        return self._llm_engine.held_segment_keys()
+
     def kv_state(self, max_cells: int) -> dict[str, Any]:
         """The web view's snapshot (``serve/kv_state.py``). Engine thread only."""
         assert threading.current_thread() is self._loop_thread, "engine thread only"

@@ -8,7 +8,8 @@ second socket and passes any HTTP proxy.
 Wire format (one ``data: <json>`` line and a blank line per batch)::
 
     {"seq": 0, "ts": ..., "snapshot": true,
-     "events": [{"type": "BlockSnapshot", "block_hashes": [...], "medium": "device"}]}
+     "events": [{"type": "BlockSnapshot", "block_hashes": [...], "medium": "device"},
+                {"type": "SegmentSnapshot", "segment_keys": [...], "medium": "device"}]}
     {"seq": 1, "ts": ..., "snapshot": false, "events": [{"type": "BlockStored", ...}, ...]}
     {"seq": 2, ...}
 
@@ -16,8 +17,10 @@ Invariants:
 
 * ``seq`` grows by exactly one per batch on a connection; the first batch is always a
   snapshot of every hash the device cache (and each host or disk tier) serves at that
-  instant, and the batches after it carry exactly the events published after that
-  instant (no loss; a tier event racing the snapshot may repeat, harmlessly).
+  instant, and of the device's ready segment entries (issue 18: ``SegmentStored`` /
+  ``SegmentRemoved`` follow them), and the batches after it carry exactly the events
+  published after that instant (no loss; a tier event racing the snapshot may repeat,
+  harmlessly).
 * Consistency comes from the engine thread: events are published there, and the
   snapshot is taken there (``AsyncEngine.run``), under the same lock that numbers
   events, so the snapshot and the event cursor describe the same moment.
@@ -91,7 +94,8 @@ class KVEventBroadcaster:
     def _snapshot(self, conn: int) -> tuple[int, list[dict[str, Any]]]:  # engine thread
         """Register ``conn`` and return its cursor and one ``BlockSnapshot`` per medium
         that can list its blocks: the device cache, and the host and disk tiers (Redis is
-        shared and cannot). Runs between engine steps, under the lock that numbers events.
+        shared and cannot), then the device's ``SegmentSnapshot``. Runs between engine
+        steps, under the lock that numbers events.
         """
         with self._lock:
             # Tier events come from the I/O thread: one that lands between this read and
@@ -102,6 +106,8 @@ class KVEventBroadcaster:
                 {"type": "BlockSnapshot", "block_hashes": [h.hex() for h in hs], "medium": m}
                 for m, hs in held.items()
             ]
+            keys = [k.hex() for k in self.engine.held_segment_keys()]
+            snaps.append({"type": "SegmentSnapshot", "segment_keys": keys, "medium": "device"})
             return self._next, snaps
 
     def _since(self, conn: int, cursor: int) -> tuple[list[KVEvent], int] | None:

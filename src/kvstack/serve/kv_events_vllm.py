@@ -40,7 +40,14 @@ import os
 from typing import Any
 
 from kvstack.errors import ConfigError
-from kvstack.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstack.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    SegmentRemoved,
+    SegmentStored,
+)
 from kvstack.kv.vllm_hashing import hash_block_tokens, hash_function, none_hash, salt_extra_keys
 
 INT_HASH_MASK = (1 << 64) - 1
@@ -71,6 +78,8 @@ class VllmEventTranslator:
         return out
 
     def _translate(self, ev: KVEvent) -> dict[str, Any] | None:
+        if isinstance(ev, SegmentStored | SegmentRemoved):
+            return None  # kvstack's own (issue 18): vLLM's wire has no segments
         medium = MEDIUMS.get(ev.medium, ev.medium.upper())
         if isinstance(ev, AllBlocksCleared):
             return self._cleared(ev.medium, medium)

@@ -4,7 +4,8 @@ Life of one draft (``k = num_speculative_tokens``)::
 
     step t     sample token x   -> Speculator.after_step: propose d1..dk from prompt +
                                    output (ends in x); kept in Request.spec_token_ids
-                                   (k per request: next_draft_len, after its last verify)
+                                   (k per request: next_draft_len, after its last verify;
+                                   none for a while after repeated misses: pause_after)
     step t+1   scheduler        -> rows [x d1 .. dk'] (k' <= k: cut to the budget and the
                                    request's room), slots for all of them allocated
                runner           -> logits of every row; model/rejection_sampler.py keeps
@@ -84,6 +85,19 @@ def next_draft_len(proposed: int, accepted: int, k: int) -> int:
     return k if accepted == proposed else max(1, accepted + 1)
 
 
+MAX_PAUSE = 8
+
+
+def pause_after(misses: int) -> int:
+    """Steps a request decodes without proposing after ``misses`` consecutive verifies
+    that kept no draft: none after the first, then 1, 2, 4, 8 (``MAX_PAUSE``) steps; one
+    kept draft ends it. Deviation from vLLM (which proposes every step): on new text a
+    prompt-lookup proposer keeps matching spurious n-grams, and each miss costs a
+    proposal scan plus a verify row; the tokens are the same either way, and sampling
+    stays exact (whether a step drafts depends only on earlier steps)."""
+    return 0 if misses < 2 else min(MAX_PAUSE, 2 ** (misses - 2))
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -147,11 +161,18 @@ class Speculator:
             if s.draft_token_ids:
                 n, a = len(s.draft_token_ids), len(accepted.get(s.request.request_id, ()))
                 self.stats.observe_draft(n, a)
-                s.request.spec_draft_len = next_draft_len(n, a, self.k)
+                req = s.request
+                req.spec_draft_len = next_draft_len(n, a, self.k)
+                req.spec_misses = 0 if a else req.spec_misses + 1
+                req.spec_pause = pause_after(req.spec_misses)
         t0 = time.perf_counter()
         n = 0
         for req in changed:
             if req.is_finished() or no_speculation_reason(req) is not None:
+                req.spec_token_ids = []
+                continue
+            if req.spec_pause > 0:  # drafts kept failing: decode plainly for a while
+                req.spec_pause -= 1
                 req.spec_token_ids = []
                 continue
             req.spec_token_ids = self.proposer.propose(

@@ -40,8 +40,14 @@ class Replica:
 
 @dataclass(frozen=True)
 class RouteRequest:
+    """What a policy sees of a request: its token ids, salt and, for a chat whose tools,
+    documents or marked parts are segments (issue 18), their ``[start, end)`` token ranges
+    and the sink every segment entry is computed after (the tokenizer's BOS)."""
+
     token_ids: Sequence[int]
     cache_salt: str | None = None
+    segments: tuple[tuple[int, int], ...] = ()
+    sink: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

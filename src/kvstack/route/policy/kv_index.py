@@ -146,9 +146,22 @@ def _hash_list(event: Mapping[str, Any]) -> list[bytes]:
     return [_hash(h) for h in hashes]
 
 
-# One parsed event: (type, medium, hashes); hashes are empty for AllBlocksCleared.
+# One parsed event: (type, medium, hashes); hashes are empty for AllBlocksCleared, and
+# are segment keys for the segment events (issue 18: ``kv/segments.py``).
 _Op = tuple[str, str, list[bytes]]
 _TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockSnapshot")
+_SEGMENT_TYPES = {"SegmentStored": "segment_key", "SegmentRemoved": "segment_keys",
+                  "SegmentSnapshot": "segment_keys"}  # fmt: skip
+
+
+def _event_keys(kind: str, event: Mapping[str, Any]) -> list[bytes]:
+    if kind == "AllBlocksCleared":
+        return []
+    field = _SEGMENT_TYPES.get(kind)
+    if field is None:
+        return _hash_list(event)
+    keys = event[field]
+    return [_hash(keys)] if kind == "SegmentStored" else _hash_list({"block_hashes": keys})
 
 
 def _parse_batch(batch: Any) -> tuple[int, bool, list[_Op]]:
@@ -172,11 +185,11 @@ def _parse_batch(batch: Any) -> tuple[int, bool, list[_Op]]:
             if not isinstance(event, Mapping):
                 raise MalformedBatchError(f"event {event!r} is not an object")
             kind, medium = event["type"], event.get("medium", "device")
-            if kind not in _TYPES:
+            if kind not in _TYPES and kind not in _SEGMENT_TYPES:
                 raise MalformedBatchError(f"unknown event type {kind!r}")
             if not isinstance(medium, str):
                 raise MalformedBatchError(f"medium {medium!r} is not a string")
-            ops.append((kind, medium, [] if kind == "AllBlocksCleared" else _hash_list(event)))
+            ops.append((kind, medium, _event_keys(kind, event)))
     except KeyError as e:
         raise MalformedBatchError(f"missing key {e}") from e
     return seq, snapshot, ops
@@ -184,18 +197,31 @@ def _parse_batch(batch: Any) -> tuple[int, bool, list[_Op]]:
 
 @dataclass
 class _ReplicaView:
-    """One replica's cached blocks per medium; meaningful only while ``fresh``."""
+    """One replica's cached blocks and segment entries per medium; meaningful only while
+    ``fresh``. A medium's ``AllBlocksCleared`` clears its segments too (the engine resets
+    both together: ``/reset_prefix_cache``)."""
 
     fresh: bool = False
     last_seq: int | None = None
     mediums: dict[str, set[bytes]] = field(default_factory=dict)
+    segments: dict[str, set[bytes]] = field(default_factory=dict)
 
     def make_stale(self) -> None:
         self.fresh, self.last_seq = False, None
         self.mediums.clear()
+        self.segments.clear()
 
     def apply(self, ops: list[_Op]) -> None:
         for kind, medium, hashes in ops:
+            if kind in _SEGMENT_TYPES:
+                keys = self.segments.setdefault(medium, set())
+                if kind == "SegmentStored":
+                    keys.update(hashes)
+                elif kind == "SegmentRemoved":
+                    keys.difference_update(hashes)
+                else:  # SegmentSnapshot
+                    self.segments[medium] = set(hashes)
+                continue
             blocks = self.mediums.setdefault(medium, set())
             if kind == "BlockStored":
                 blocks.update(hashes)
@@ -203,6 +229,7 @@ class _ReplicaView:
                 blocks.difference_update(hashes)
             elif kind == "AllBlocksCleared":
                 blocks.clear()
+                self.segments.pop(medium, None)
             else:  # BlockSnapshot
                 self.mediums[medium] = set(hashes)
 
@@ -274,6 +301,19 @@ class EventIndex:
             n += 1
         return n
 
+    def segments_held(self, replica_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Which segment ``keys`` the replica holds (any medium but the shared one)."""
+        view = self._views.get(replica_id)
+        if view is None or not view.fresh:
+            return [False] * len(keys)
+        local = [s for m, s in view.segments.items() if m != SHARED_MEDIUM and s]
+        return [any(k in s for s in local) for k in keys]
+
+    def num_segments(self, replica_id: str, medium: str = "device") -> int:
+        """How many segment entries the replica's ``medium`` holds (0 while stale)."""
+        view = self._views.get(replica_id)
+        return 0 if view is None else len(view.segments.get(medium, ()))
+
     def num_blocks(self, replica_id: str, medium: str = "device") -> int:
         """How many blocks the replica's ``medium`` holds (0 while stale)."""
         view = self._views.get(replica_id)
@@ -290,7 +330,8 @@ class EventIndex:
             else:
                 assert view.last_seq is None, f"stale replica {rid} expects a seq"
                 assert not view.mediums, f"stale replica {rid} still holds blocks"
-            for medium, blocks in view.mediums.items():
+                assert not view.segments, f"stale replica {rid} still holds segments"
+            for medium, blocks in [*view.mediums.items(), *view.segments.items()]:
                 assert isinstance(medium, str), f"replica {rid}: medium {medium!r}"
                 for h in blocks:
                     assert isinstance(h, bytes) and len(h) == DIGEST_SIZE, f"bad hash {h!r}"

@@ -38,7 +38,10 @@ Where the matches come from:
   recomputed per request by ``RequestHashes``); a replica whose stream is stale falls
   back to the approximate index, which keeps being recorded, so degrading is seamless.
   Matches are counted in the router's blocks (``BlockHasher.block_size``): a ZMQ
-  replica's match in its own block size is converted by tokens.
+  replica's match in its own block size is converted by tokens. On kvstack's SSE stream a
+  replica also announces its segment entries (tool schemas, documents: issue 18), so a
+  request whose segments a replica holds after its matched prefix gets those tokens
+  credited as blocks (``KVEventsPolicy.segment_blocks``).
 """
 
 from __future__ import annotations
@@ -157,7 +160,23 @@ class KVEventsPolicy(PrefixPolicy):
             exact = self.index.match(replica_id, hashes)  # (a fresh ZMQ view with no block: 0)
         else:
             return self.approx.match(replica_id, hashes)
-        return max(exact, self.recent.match(replica_id, hashes))
+        n = max(exact, self.recent.match(replica_id, hashes))
+        return min(len(hashes), n + self.segment_blocks(replica_id, keys, n))
+
+    def segment_blocks(self, replica_id: str, keys: RequestHashes, matched: int) -> int:
+        """The request's segments after its ``matched`` leading blocks that the replica's
+        event stream says it holds as segment entries (issue 18), in whole blocks: a held
+        segment is copied instead of computed, so it counts like cached blocks (its repair
+        rows, ~15 % of it, are not subtracted). 0 without segments or a fresh SSE view
+        (vLLM's ZMQ wire has no segment events)."""
+        req = keys.req
+        if not req.segments or not self.index.is_fresh(replica_id):
+            return 0
+        start = matched * self.hasher.block_size
+        held = self.index.segments_held(replica_id, keys.segment_keys())
+        spans = zip(req.segments, held, strict=True)
+        tokens = sum(b - max(a, start) for (a, b), h in spans if h and b > start)
+        return tokens // self.hasher.block_size
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
         super().on_routed(req, decision)

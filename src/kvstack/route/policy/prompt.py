@@ -3,9 +3,12 @@
 A KV-aware router must hash exactly the tokens the engine will hash, so it tokenizes
 the same way ``serve/routes_openai.py`` does: a completion's (first) prompt with
 ``tokenizer.encode`` or as given ids, a chat with ``ChatCompletionRequest.prompt_ids``
-(the model's chat template, as the replica renders it). A body the router cannot parse
-is not its business: it returns None and the request is routed by load; the replica
-answers the 400.
+(the model's chat template, as the replica renders it) or, when its tools, documents or
+marked parts are segments, ``ChatCompletionRequest.segments`` (each segment tokenized on
+its own, as a replica with segment reuse on, the default, tokenizes it; a replica with
+``--segment-cache none`` tokenizes the whole text, which can differ at a segment's edge).
+A body the router cannot parse is not its business: it returns None and the request is
+routed by load; the replica answers the 400.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class PromptInfo:
     token_ids: list[int]
     cache_salt: str | None
     stream: bool
+    segments: tuple[tuple[int, int], ...] = ()
+    sink: tuple[int, ...] = ()
 
 
 def prompt_info(tokenizer: Any, path: str, body: bytes) -> PromptInfo | None:
@@ -36,7 +41,12 @@ def prompt_info(tokenizer: Any, path: str, body: bytes) -> PromptInfo | None:
         if path.endswith("/chat/completions"):
             chat = ChatCompletionRequest.model_validate(data)
             chat.tool_plan()  # tools are rendered as the replica renders them (hermes)
-            return PromptInfo(chat.prompt_ids(tokenizer), chat.cache_salt, chat.stream)
+            seg = chat.segments(tokenizer)
+            if seg is None:
+                return PromptInfo(chat.prompt_ids(tokenizer), chat.cache_salt, chat.stream)
+            bos = getattr(tokenizer, "bos_token_id", None)
+            sink = (bos,) if bos is not None else ()
+            return PromptInfo(seg[0], chat.cache_salt, chat.stream, tuple(seg[1]), sink)
         comp = CompletionRequest.model_validate(data)
         first = comp.prompts()[0]
         ids = tokenizer.encode(first) if isinstance(first, str) else list(first)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstack.kv.segments import segment_key, segment_namespace
 from kvstack.kv.vllm_hashing import hash_prompt
 from kvstack.route.policy.base import RouteRequest
 from kvstack.route.policy.kv_index import BlockHasher
@@ -147,6 +148,16 @@ class RequestHashes:
         self.algo = algo
         self.kvstack: tuple[bytes, ...] = tuple(hasher.hashes(req.token_ids, req.cache_salt))
         self._vllm: dict[tuple[int, bool], tuple[bytes, ...]] = {}
+        self._segments: tuple[bytes, ...] | None = None
+
+    def segment_keys(self) -> tuple[bytes, ...]:
+        """The engine's key of each of the request's segments (``kv/segments.py``)."""
+        if self._segments is None:
+            req = self.req
+            ns = segment_namespace(self.hasher.model_id, req.cache_salt, req.sink)
+            ids = req.token_ids
+            self._segments = tuple(segment_key(ns, ids[a:b]) for a, b in req.segments)
+        return self._segments
 
     def vllm(self, block_size: int, int_hashes: bool) -> tuple[bytes, ...]:
         key = (block_size, int_hashes)

@@ -206,7 +206,9 @@ class Router:
                 info = prompt_info(self.tokenizer, path, body)
             except Exception as e:  # e.g. a chat template error: the backend will say it
                 logger.debug("cannot tokenize a request for routing: %s", e)
-        return RouteRequest(info.token_ids, info.cache_salt) if info else RouteRequest(())
+        if info is None:
+            return RouteRequest(())
+        return RouteRequest(info.token_ids, info.cache_salt, info.segments, info.sink)
 
     async def handle(
         self,
