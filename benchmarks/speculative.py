@@ -57,6 +57,13 @@ VARIANTS: dict[str, dict[str, int] | None] = {
     "plain": None,
     "ngram k4 n2-5": {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram k8 n2-5": {"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    # The same without pausing after repeated misses (``spec/speculator.pause_after``).
+    "ngram k8 n2-5 no pause": {
+        "num_speculative_tokens": 8,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+        "max_pause": 0,
+    },
 }
 
 
@@ -192,8 +199,12 @@ def main() -> None:
     engines: dict[str, LLM] = {}
     for name, spec in VARIANTS.items():
         cfg = None if spec is None else {"method": "ngram", **spec}
+        max_pause = None if cfg is None else cfg.pop("max_pause", None)
         engines[name] = LLM("default", dtype=args.dtype, max_model_len=1024,
                             speculative_config=cfg)  # fmt: skip
+        if max_pause is not None:
+            assert engines[name].engine.speculator is not None
+            engines[name].engine.speculator.max_pause = max_pause
     prompts = build_prompts(engines["plain"])
     log(f"prompts: {', '.join(f'{k} {len(v)} tokens' for k, v in prompts.items())}")
     for llm in engines.values():  # warm-up: kernels, allocator, first-call costs

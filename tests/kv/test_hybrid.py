@@ -85,6 +85,7 @@ def test_decoding_frees_what_no_window_reads() -> None:
     first = (40 - W + 1) // BS
     assert window[:first] == [0] * first and 0 not in window[first:]
     assert kv.num_held_pages("r") == 10 + (10 - first)
+    assert kv.num_held_pages("r") == KVGroups.plan([None, W]).pages_held(40, BS)
     kv.free(r)
     kv.check_integrity()
     assert kv.usage == 0.0 and kv.num_free_blocks == kv.num_blocks

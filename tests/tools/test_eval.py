@@ -297,3 +297,31 @@ def test_python_m_help() -> None:
     ).stdout
     assert out.startswith("usage: python -m kvstack.tools.eval")
     assert "--kv-cache-dtype" in out
+
+
+def test_a_window_model_reports_what_a_sequence_holds(tmp_path: Path) -> None:
+    """With sliding-window layers (tiny Gemma 3: 5 window layers of W, 1 global) the
+    B/token column adds what one sequence of the longest context holds under the hybrid
+    KV manager, and the tokens of such sequences that fit."""
+    from kvstack import LLM
+    from kvstack.testing.gemma3 import random_gemma3_weights, tiny_gemma3_config
+    from kvstack.testing.tiny_models import write_gguf
+    from kvstack.tools.eval.runner import _kv_numbers
+
+    cfg = tiny_gemma3_config(num_layers=6, window_layers=(True,) * 5 + (False,))
+    path = write_gguf(tmp_path / "g.gguf", cfg, random_gemma3_weights(cfg, seed=3))
+    llm = LLM(str(path), dtype="float32", block_size=4, num_blocks=64)
+    w = cfg.sliding_window
+    assert w is not None
+    ctx = 4 * w
+    kv = _kv_numbers(llm, 1 << 20, 8, ctx)
+    held = kv["held"]
+    pages = 6 * (ctx // 4) - 5 * ((ctx - w + 1) // 4)  # one page per layer here
+    assert held["context"] == ctx
+    assert held["bytes_per_token"] == pytest.approx(kv["bytes_per_token"] * pages / (6 * ctx // 4))
+    assert kv["tokens_in_memory"] < held["tokens_in_memory"] < 6 * kv["tokens_in_memory"]
+    row = rep.summary_rows({"results": [{**kv, "label": "auto", "quality": {"kl_mean": 0,
+        "top1_agreement": 1}, "greedy": {"identical_fraction": 1, "identical_prefix_mean": 1},
+        "needle": {"accuracy": 1, "correct": 1, "total": 1}, "speed": {"output_tok_s": 1,
+        "ratio_to_baseline": 1, "decode_tok_s": 1}}]})[0]  # fmt: skip
+    assert f"held at {ctx:,}" in row[1] and f"held at {ctx:,}" in row[2]

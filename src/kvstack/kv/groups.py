@@ -92,6 +92,14 @@ class KVGroups:
     def windows(self) -> tuple[int | None, ...]:
         return tuple(g.window for g in self.groups)
 
+    def pages_held(self, num_tokens: int, block_size: int) -> int:
+        """Pages a sequence of ``num_tokens`` tokens holds while decoding (``kv/hybrid.py``
+        frees what its next row, at position ``num_tokens``, cannot read): every block of
+        a full group; of a window group, the blocks from ``first_live`` on."""
+        n = -(-num_tokens // block_size)
+        dead = [0 if w is None else max(0, num_tokens - w + 1) // block_size for w in self.windows]
+        return sum(n - d for d in dead)
+
     def locate(self, layer: int) -> tuple[int, int]:
         """``(group, slot)`` of ``layer``."""
         for g, group in enumerate(self.groups):

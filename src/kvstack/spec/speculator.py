@@ -88,14 +88,14 @@ def next_draft_len(proposed: int, accepted: int, k: int) -> int:
 MAX_PAUSE = 8
 
 
-def pause_after(misses: int) -> int:
+def pause_after(misses: int, cap: int = MAX_PAUSE) -> int:
     """Steps a request decodes without proposing after ``misses`` consecutive verifies
     that kept no draft: none after the first, then 1, 2, 4, 8 (``MAX_PAUSE``) steps; one
     kept draft ends it. Deviation from vLLM (which proposes every step): on new text a
     prompt-lookup proposer keeps matching spurious n-grams, and each miss costs a
     proposal scan plus a verify row; the tokens are the same either way, and sampling
     stays exact (whether a step drafts depends only on earlier steps)."""
-    return 0 if misses < 2 else min(MAX_PAUSE, 2 ** (misses - 2))
+    return 0 if misses < 2 or cap <= 0 else min(cap, 2 ** (misses - 2))
 
 
 class Speculator:
@@ -104,6 +104,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer = build_proposer(config)
         self.stats = SpecDecodeStats(self.k)
+        self.max_pause = MAX_PAUSE  # 0: propose every step, as vLLM (benchmarks/speculative.py)
 
     @staticmethod
     def check_engine(
@@ -164,7 +165,7 @@ class Speculator:
                 req = s.request
                 req.spec_draft_len = next_draft_len(n, a, self.k)
                 req.spec_misses = 0 if a else req.spec_misses + 1
-                req.spec_pause = pause_after(req.spec_misses)
+                req.spec_pause = pause_after(req.spec_misses, self.max_pause)
         t0 = time.perf_counter()
         n = 0
         for req in changed:

@@ -258,8 +258,9 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 r["label"],
-                f"{r['bytes_per_token']:,.0f}",
-                f"{r['tokens_in_memory']:,} ({r['capacity_ratio']:.2f}×)",
+                f"{r['bytes_per_token']:,.0f}" + _held(r, "bytes_per_token"),
+                f"{r['tokens_in_memory']:,} ({r['capacity_ratio']:.2f}×)"
+                + _held(r, "tokens_in_memory"),
                 _removed(r),
                 f"{q['kl_mean']:.4f}",
                 f"{q['top1_agreement']:.3f}",
@@ -270,6 +271,13 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _held(r: dict[str, Any], key: str) -> str:
+    """With sliding-window layers (hybrid KV manager): what sequences of the longest
+    context hold, next to the one-table figure."""
+    held = r.get("held")
+    return "" if held is None else f"; {held[key]:,.0f} held at {held['context']:,}"
 
 
 def _removed(r: dict[str, Any]) -> str:

@@ -44,7 +44,11 @@ if TYPE_CHECKING:
     from kvstack.llm import LLM
 
 
-def _kv_numbers(llm: LLM, memory: int, max_seqs: int) -> dict[str, Any]:
+def _kv_numbers(llm: LLM, memory: int, max_seqs: int, context: int) -> dict[str, Any]:
+    """Bytes per token of one table (every layer keeps every token) and what ``memory``
+    holds; with the hybrid KV manager (sliding-window layers) also what one sequence of
+    ``context`` tokens holds per token (``KVGroups.pages_held``) and the tokens of such
+    sequences that fit."""
     import torch
 
     from kvstack.kv.storage import KVStorage
@@ -53,11 +57,21 @@ def _kv_numbers(llm: LLM, memory: int, max_seqs: int) -> dict[str, Any]:
     mc, bs, codec = eng.model_config, eng.config.cache.block_size, eng.config.cache.kv_cache_dtype
     blocks = KVStorage.num_blocks_for_memory(mc, bs, eng.dtype, memory, codec, max_seqs)
     bf16 = KVStorage.num_blocks_for_memory(mc, bs, torch.bfloat16, memory, "auto", max_seqs)
-    return {
+    out: dict[str, Any] = {
         "bytes_per_token": eng.kv_bytes_per_token,
         "tokens_in_memory": blocks * bs,
         "capacity_ratio": blocks / bf16,
     }
+    groups = eng.kv_groups
+    if groups is not None and groups.hybrid:
+        pages = groups.pages_held(context, bs)
+        share = pages * groups.layers_per_page / (groups.num_layers * -(-context // bs))
+        out["held"] = {
+            "context": context,
+            "bytes_per_token": eng.kv_bytes_per_token * share,
+            "tokens_in_memory": int(blocks * groups.num_groups * context / pages),
+        }
+    return out
 
 
 def _quality(
@@ -156,7 +170,7 @@ def _measure(
     ``baseline`` / ``base_greedy`` are the baseline's results and greedy tokens, None while
     measuring the baseline itself (which then saves its distributions into ``tmp``).
     """
-    res: dict[str, Any] = _kv_numbers(llm, config.memory, inp.max_seqs)
+    res: dict[str, Any] = _kv_numbers(llm, config.memory, inp.max_seqs, max(config.contexts))
     res["speed"] = sp = decode_throughput(llm, inp.decode_prompts, DECODE_OUTPUT_TOKENS)
     base_sp = baseline["speed"] if baseline is not None else sp
     sp["ratio_to_baseline"] = sp["output_tok_s"] / base_sp["output_tok_s"]
