@@ -107,11 +107,12 @@ def test_rope_and_cache_refuses_bad_slots_and_positions(kops: KernelOps) -> None
     assert torch.equal(qkv, before) and not kv.k.any()  # nothing written
 
 
-@pytest.mark.parametrize("codec,counted", [("int8", False), ("kivi2", True)])
+@pytest.mark.parametrize("codec,counted", [("int8", False), ("kivi2", False), ("bf16", True)])
 def test_encoded_cache_write(kops: KernelOps, codec: str, counted: bool) -> None:
     """An encoded cache is written after the fused RoPE with the same result as the
-    reference ops: a per-token codec (int8) by the C++ ``codec_write``, not counted; kivi2
-    through its PyTorch ``write``, counted as the ``kv_cache_write`` fallback."""
+    reference ops: a per-token codec (int8) by the C++ ``codec_write``, kivi2 by
+    ``kivi2_write``, neither counted; a cast cache (bf16 under a float32 model) through
+    its PyTorch ``write``, counted as the ``kv_cache_write`` fallback."""
     heads = HeadShape(4, 2, 64)
     rot = Rotary(64, 16, 10000.0, None)
     before = kernels_mod.fallback_counts().get(("kv_cache_write", "encoded_cache"), 0)

@@ -59,9 +59,12 @@ class LayerCache:
         codec's ``write`` / ``gather``)."""
         return None if self.k is not None else self.codec.per_token_view(self.slot)
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``."""
-        self.codec.write(self.slot, slots, k, v)
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+    ) -> bool:
+        """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``;
+        whether ``kernels`` did it (``KVCodec.write``)."""
+        return self.codec.write(self.slot, slots, k, v, kernels)
 
     def gather(
         self, block_ids: torch.Tensor, kernels: Any = None

@@ -48,6 +48,7 @@ SOURCES = (
     "paged_attention_codecs.cpp",
     "codec_write.cpp",
     "codec_gather.cpp",
+    "kivi2_write.cpp",
     "fused_ops.cpp",
     "token_mask.cpp",
     "argmax.cpp",

@@ -193,9 +193,8 @@ class KernelOps:
                     view.k_params, view.v_params, view.rotation_signs,
                 )  # fmt: skip
                 return q, k, v
-            if cache.layer == 0:
+            if not cache.write(slots, k, v, self.k) and cache.layer == 0:
                 note_fallback("kv_cache_write", "encoded_cache")
-            cache.write(slots, k, v)
         return q, k, v
 
 

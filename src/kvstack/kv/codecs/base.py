@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -89,8 +89,11 @@ class KVCodec(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store rows ``k, v`` ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+    ) -> bool:
+        """Store rows ``k, v`` ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``; returns
+        whether the C++ ``kernels`` (when given) did it (kivi2) rather than PyTorch."""
 
     @abc.abstractmethod
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +117,8 @@ class KVCodec(abc.ABC):
         """``layer``'s storage when each token's rows are encoded alone (int8, fp8, int4,
         rotated4): the C++ KV write (``csrc/codec_write.cpp``) encodes new rows into it and
         ``csrc/codec_gather.cpp`` dequantizes whole blocks from it, each bit-identical to
-        ``write`` / ``gather``. None: ``write`` and ``gather`` (PyTorch) do it, the write
-        counted as the ``kv_cache_write`` fallback."""
+        ``write`` / ``gather``. None: the codec's ``write`` and ``gather`` do it, the write
+        counted as the ``kv_cache_write`` fallback unless ``write`` ran in C++ (kivi2)."""
         return None
 
     def gather_view(self, layer: int) -> KernelView | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvstack import hugepages
@@ -34,9 +36,12 @@ class IdentityCodec(KVCodec):
     def bytes_per_token_head(cls, head_dim: int, block_size: int, act_itemsize: int) -> float:
         return 2 * head_dim * (cls.store_dtype.itemsize if cls.store_dtype else act_itemsize)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+    ) -> bool:
         self.k_slots[layer].index_copy_(0, slots, k.to(self.k.dtype))
         self.v_slots[layer].index_copy_(0, slots, v.to(self.v.dtype))
+        return False
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][block_ids].to(self.dtype), self.v[layer][block_ids].to(self.dtype)

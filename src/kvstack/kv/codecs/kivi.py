@@ -34,6 +34,7 @@ the kernel reads it as its residual pool through ``step_index``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -126,7 +127,7 @@ class Kivi2Codec(KVCodec):
         bs = self.shape.block_size
         block_of = slots // bs
         blocks, inverse, counts = torch.unique(block_of, return_inverse=True, return_counts=True)
-        rows = inverse * bs + slots % bs
+        rows = (inverse * bs + slots % bs).to(torch.long)
         old_res, new_res, complete = [], [], []
         for b, n in zip(blocks.tolist(), counts.tolist(), strict=True):
             if self.filled[b] >= bs:  # a full block written again: it was reallocated
@@ -168,7 +169,12 @@ class Kivi2Codec(KVCodec):
             idx([new_res[i] for i in live]),
         )
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+    ) -> bool:
+        """This step's rows into their blocks: a block the step fills is quantized, one
+        still filling keeps its rows in a residual slot. With the C++ ``kernels``, each of
+        K and V in one pass (``csrc/kivi2_write.cpp``, the same bits); else PyTorch."""
         s = self.shape
         if layer == 0:
             if self._plan is not None:  # the previous step's blocks
@@ -179,11 +185,21 @@ class Kivi2Codec(KVCodec):
         assert plan is not None
         n = plan.blocks.numel()
         steps = []
+        native = kernels is not None
         for x, res, codes, params, per_channel in (
             (k, self.res_k, self.k_codes, self.k_params, True),
             (v, self.res_v, self.v_codes, self.v_params, False),
         ):
             tmp = torch.zeros((n, s.block_size, s.num_kv_heads, s.head_dim), dtype=self.dtype)
+            if native and x.dtype == self.dtype and x.stride(-1) == 1:
+                kernels.kivi2_write(
+                    x, plan.rows, tmp, res[layer], plan.old_pos, plan.old_slots, plan.done_pos,
+                    plan.done_blocks, plan.live_pos, plan.live_slots, codes[layer], params[layer],
+                    per_channel,
+                )  # fmt: skip
+                steps.append(tmp)
+                continue
+            native = False
             if plan.old_pos.numel():
                 tmp.index_copy_(0, plan.old_pos, res[layer].index_select(0, plan.old_slots))
             tmp.view(-1, s.num_kv_heads, s.head_dim)[plan.rows] = x.to(self.dtype)
@@ -206,6 +222,7 @@ class Kivi2Codec(KVCodec):
         if layer == s.num_layers - 1:
             self.free_res.extend(self._release)
             self._release = []
+        return native
 
     # ------------------------------------------------------------------ read
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,7 +55,10 @@ class PerTokenCodec(KVCodec):
     def decode(self, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """Back to float32 rows ``[..., head_dim]``."""
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+    ) -> bool:
+        """The PyTorch reference (the engine's C++ ``codec_write`` stores the same bits)."""
         for x, codes, params in (
             (k, self.k_codes, self.k_params),
             (v, self.v_codes, self.v_params),
@@ -63,6 +66,7 @@ class PerTokenCodec(KVCodec):
             c, p = self.encode(x)
             codes[layer].view(-1, *codes.shape[3:]).index_copy_(0, slots, c)
             params[layer].view(-1, *params.shape[3:]).index_copy_(0, slots, p)
+        return False
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.decode(self.k_codes[layer][block_ids], self.k_params[layer][block_ids])

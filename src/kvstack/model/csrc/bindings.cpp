@@ -20,6 +20,10 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("codec_write(str kind, int group, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_codes, "
         "Tensor(b!) v_codes, Tensor(c!) k_params, Tensor(d!) v_params, Tensor? rotation_signs) -> ()",
         &codec_write);
+  m.def("kivi2_write(Tensor x, Tensor rows, Tensor(a!) tmp, Tensor(b!) res, Tensor old_pos, "
+        "Tensor old_slots, Tensor done_pos, Tensor done_blocks, Tensor live_pos, Tensor live_slots, "
+        "Tensor(c!) codes, Tensor(d!) params, bool per_channel) -> ()",
+        &kivi2_write);
   m.def("codec_gather(str kind, int group, Tensor k_codes, Tensor v_codes, Tensor k_params, "
         "Tensor v_params, Tensor? rotation_signs, Tensor block_ids, int head_dim, ScalarType dtype, "
         "Tensor? res_k=None, Tensor? res_v=None, Tensor? residual_of=None) -> Tensor[]",

@@ -24,6 +24,10 @@ void codec_write(std::string kind, int64_t group, torch::Tensor k, torch::Tensor
                  torch::Tensor slots, torch::Tensor k_codes, torch::Tensor v_codes,
                  torch::Tensor k_params, torch::Tensor v_params,
                  std::optional<torch::Tensor> rotation_signs);
+void kivi2_write(torch::Tensor x, torch::Tensor rows, torch::Tensor tmp, torch::Tensor res,
+                 torch::Tensor old_pos, torch::Tensor old_slots, torch::Tensor done_pos,
+                 torch::Tensor done_blocks, torch::Tensor live_pos, torch::Tensor live_slots,
+                 torch::Tensor codes, torch::Tensor params, bool per_channel);
 std::vector<torch::Tensor> codec_gather(std::string kind, int64_t group, torch::Tensor k_codes,
                                         torch::Tensor v_codes, torch::Tensor k_params,
                                         torch::Tensor v_params,
