@@ -139,10 +139,10 @@ def _hash(value: Any) -> bytes:
     return h
 
 
-def _hash_list(event: Mapping[str, Any]) -> list[bytes]:
-    hashes = event["block_hashes"]
+def _hash_list(event: Mapping[str, Any], key: str = "block_hashes") -> list[bytes]:
+    hashes = event[key]
     if not isinstance(hashes, list):
-        raise MalformedBatchError(f"block_hashes {hashes!r} is not a list")
+        raise MalformedBatchError(f"{key} {hashes!r} is not a list")
     return [_hash(h) for h in hashes]
 
 
@@ -157,11 +157,8 @@ _SEGMENT_TYPES = {"SegmentStored": "segment_key", "SegmentRemoved": "segment_key
 def _event_keys(kind: str, event: Mapping[str, Any]) -> list[bytes]:
     if kind == "AllBlocksCleared":
         return []
-    field = _SEGMENT_TYPES.get(kind)
-    if field is None:
-        return _hash_list(event)
-    keys = event[field]
-    return [_hash(keys)] if kind == "SegmentStored" else _hash_list({"block_hashes": keys})
+    key = _SEGMENT_TYPES.get(kind, "block_hashes")
+    return [_hash(event[key])] if kind == "SegmentStored" else _hash_list(event, key)
 
 
 def _parse_batch(batch: Any) -> tuple[int, bool, list[_Op]]:
