@@ -4,7 +4,8 @@
 // from the paged cache [num_blocks, block_size, kv_heads, head_dim] through the
 // request's block table: no gather, no copy (vLLM PagedAttention's idea, on CPU).
 // The head_dim-64 AVX-512 path (paged_attention_hd64.h) splits long contexts into
-// partitions and runs an online softmax; other shapes take the generic kernel, split over
+// partitions and runs an online softmax; on AVX2 CPUs without AVX-512 decode_avx2.h does
+// the same for head_dim 64 / 128 / 256; other shapes take the generic kernel, split over
 // (request, kv head).
 // The q heads of one GQA group share each K/V row.
 //
@@ -25,6 +26,7 @@
 #include "kvstack_ops.h"
 #include "simd.h"
 
+#include "decode_avx2.h"
 #include "paged_attention_hd64.h"
 
 // Converts one K/V row of HD elements to float.
@@ -218,6 +220,20 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty_like(q);
   if (R == 0) return out;
   const float sc = static_cast<float>(scale);
+#if defined(KVSTACK_DECODE_AVX2)
+  if (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32) {
+    const bool b16 = q.scalar_type() == torch::kBFloat16;
+    const CodecView cv{Codec::kBF16, static_cast<const uint8_t*>(k_cache.data_ptr()),
+                       static_cast<const uint8_t*>(v_cache.data_ptr()), nullptr, nullptr,
+                       HD * static_cast<int64_t>(k_cache.element_size()), 0, 0, HD, nullptr,
+                       nullptr, false, nullptr, nullptr, KVH, BS, HD};
+    const bool done = b16 ? decode_avx2<c10::BFloat16>(Rd::kBF16, cv, q.data_ptr<c10::BFloat16>(), tab_p, tidx,
+                                                       lens_p, out.data_ptr<c10::BFloat16>(), R, H, MB, sc, window)
+                          : decode_avx2<float>(Rd::kF32, cv, q.data_ptr<float>(), tab_p, tidx, lens_p,
+                                               out.data_ptr<float>(), R, H, MB, sc, window);
+    if (done) return out;
+  }
+#endif
   if (q.scalar_type() == torch::kBFloat16) {
     using T = c10::BFloat16;
     const T *qp = q.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();

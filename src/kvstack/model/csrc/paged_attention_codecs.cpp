@@ -15,8 +15,9 @@
 // maxima and sums (flash-decoding), as the bf16 kernel. With bf16 queries the scoring
 // pass uses each codec's cheapest reader (codec_int8.h, codec_int4.h: integer dot products;
 // codec_fp8.h: fp8 bits as bf16) and prefetches K rows ahead into L1 and their V rows into
-// L2 for the P.V pass. Other shapes or ISAs: one task per (row, KV head) with the scalar
-// reader (codec_generic.h). Both compute in float32.
+// L2 for the P.V pass. AVX2 without AVX-512 (AMD EPYC Zen 2/3): decode_avx2.h, head_dim
+// 64 / 128 / 256, the same split. Other shapes or ISAs: one task per (row, KV head) with the
+// scalar reader (codec_generic.h). All compute in float32.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,6 +30,7 @@
 #include "codec_int4.h"
 #include "codec_int8.h"
 #include "codec_rows.h"
+#include "decode_avx2.h"
 #include "decode_split.h"
 #include "kvstack_ops.h"
 
@@ -318,6 +320,13 @@ bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const in
 #undef KVSTACK_CODEC
   }
   return false;
+}
+#elif defined(KVSTACK_DECODE_AVX2)
+template <typename T>
+bool codec_fast(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
+                const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale,
+                int64_t W) {
+  return decode_avx2<T>(reader_of(cv.kind), cv, q, tables, tidx, lens, out, R, H, MB, scale, W);
 }
 #else
 template <typename T>
