@@ -45,21 +45,28 @@ static inline __m256 hsum8x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// Where token t of a row's table sits: its row r, and its residual row offset (kivi2, the
-// row's own block only) or -1.
+// Rows of keys [t0, t0 + n) of KV head kh through a row's table, walked block by block:
+// row index r[j], and res[j], the residual row's element offset (kivi2, the row's own block
+// only) or -1.
 static inline void locate8(const CodecView& cv, const int64_t* table, int64_t kh, int64_t own,
-                           int64_t t, int64_t* r, int64_t* res) {
-  const int64_t bi = t / cv.BS, i = t % cv.BS, blk = table[bi];
-  *r = (blk * cv.BS + i) * cv.KVH + kh;
-  const int64_t rs = bi == own ? cv.residual(blk) : -1;
-  *res = rs >= 0 ? ((rs * cv.BS + i) * cv.KVH + kh) * cv.HD : -1;
+                           int64_t t0, int64_t n, int64_t* r, int64_t* res) {
+  int64_t bi = t0 / cv.BS, i = t0 % cv.BS;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t blk = table[bi];
+    r[j] = (blk * cv.BS + i) * cv.KVH + kh;
+    const int64_t rs = bi == own ? cv.residual(blk) : -1;
+    res[j] = rs >= 0 ? ((rs * cv.BS + i) * cv.KVH + kh) * cv.HD : -1;
+    if (++i == cv.BS) {
+      i = 0;
+      ++bi;
+    }
+  }
 }
 
 // Both lines of a K row (codes and parameters) into L1, the V row's into L2.
 static inline void prefetch_row8(const CodecView& cv, int64_t r) {
   for (int64_t b = 0; b < cv.code_bytes; b += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(cv.kc + r * cv.code_bytes + b), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cv.vc + r * cv.code_bytes + b), _MM_HINT_T1);
   }
   if (cv.k_cols) _mm_prefetch(reinterpret_cast<const char*>(cv.kp + r * cv.k_cols), _MM_HINT_T0);
   if (cv.v_cols) _mm_prefetch(reinterpret_cast<const char*>(cv.vp + r * cv.v_cols), _MM_HINT_T1);
@@ -75,12 +82,9 @@ static void scores8(const CodecView& cv, const float* q, int G, const int64_t* t
   alignas(32) float kf[8][256];
   alignas(32) float fac[8];
   KeyParams8 kk;
-  int64_t kk_block = -1;
-  for (int64_t t = t0; t < std::min(t0 + kAhead8, t1); ++t) {
-    int64_t r, res;
-    locate8(cv, table, kh, own, t, &r, &res);
-    prefetch_row8(cv, r);
-  }
+  int64_t kk_block = -1, rows[kPart8], res[kPart8];
+  locate8(cv, table, kh, own, t0, n, rows, res);
+  for (int64_t j = 0; j < std::min(kAhead8, n); ++j) prefetch_row8(cv, rows[j]);
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int live = static_cast<int>(std::min<int64_t>(8, n - j0));
     for (int j = 0; j < 8; ++j) {
@@ -89,21 +93,15 @@ static void scores8(const CodecView& cv, const float* q, int G, const int64_t* t
         for (int64_t v = 0; v < NV; ++v) _mm256_store_ps(kf[j] + 8 * v, _mm256_setzero_ps());
         continue;
       }
-      const int64_t t = t0 + j0 + j;
-      if (t + kAhead8 < t1) {
-        int64_t r, res;
-        locate8(cv, table, kh, own, t + kAhead8, &r, &res);
-        prefetch_row8(cv, r);
-      }
-      int64_t r, res;
-      locate8(cv, table, kh, own, t, &r, &res);
+      const int64_t jj = j0 + j, t = t0 + jj;
+      if (jj + kAhead8 < n) prefetch_row8(cv, rows[jj + kAhead8]);
       if constexpr (R == Rd::kKivi2)
-        if (res < 0 && t / cv.BS != kk_block) {
+        if (res[jj] < 0 && t / cv.BS != kk_block) {
           kk_block = t / cv.BS;
           kk.load(cv, table[kk_block], kh);
         }
-      const Row8 kr = make_row8<R>(cv, true, r, res, &kk);
-      vrows[j0 + j] = make_row8<R>(cv, false, r, res, nullptr);
+      const Row8 kr = make_row8<R>(cv, true, rows[jj], res[jj], &kk);
+      vrows[jj] = make_row8<R>(cv, false, rows[jj], res[jj], nullptr);
       fac[j] = kr.f;
       for (int64_t v = 0; v < NV; ++v) _mm256_store_ps(kf[j] + 8 * v, chunk8<R>(cv, kr, v));
     }
@@ -155,6 +153,10 @@ static void pv8(const CodecView& cv, const Row8* vrows, int64_t n, float (*sc)[k
       for (int k = 0; k < NV; ++k) a[g][k] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const Row8& row = vrows[j];
+      if (v0 == 0 && j + 16 < n && vrows[j + 16].code) {
+        _mm_prefetch(reinterpret_cast<const char*>(vrows[j + 16].code), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vrows[j + 16].code) + 64, _MM_HINT_T0);
+      }
       __m256 p[GB];
       for (int g = 0; g < GB; ++g) p[g] = _mm256_set1_ps(sc[g0 + g][j] * row.f);
       for (int k = 0; k < NV; ++k) {
