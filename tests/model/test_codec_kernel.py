@@ -2,7 +2,9 @@
 in place from each codec's storage) against the PyTorch reference path (``gather`` and
 SDPA), per codec: decodes and short prefill chunks in one call, odd lengths, block
 boundaries, KIVI's residual blocks, contexts past a 512-token partition; head_dim 64
-(the AVX-512 path) and 32 (the portable path); bfloat16 and float32."""
+(the AVX-512 path, and the AVX2 one on CPUs without AVX-512), 256 with 4 q heads on one KV
+head (Gemma 3 270M's shape: the AVX2 path, or the portable one under AVX-512) and 32 (the
+portable path); bfloat16 and float32."""
 
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ CASES = [
     (torch.bfloat16, 64, (9, 3)),
     (torch.float32, 32, (4, 2)),
     (torch.bfloat16, 32, (4, 2)),
+    (torch.bfloat16, 256, (4, 1)),
 ]
 
 
