@@ -24,7 +24,9 @@
 //
 // Decode (M = 1..32) is memory-bound: each thread takes rows n of W, reads the row's
 // packed bytes once per tile of up to 8 rows of x (kept in 8 zmm accumulators), so the
-// bytes are read from memory once and from L1 for the further tiles.
+// bytes are read from memory once and from L1 for the further tiles. Without AVX-512 (AMD
+// Zen 2 / 3: AVX2 + FMA) the same loops run 8 lanes wide (tile_dot_avx2, dequant32_avx2);
+// other CPUs take the scalar loop (weight_at).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -36,7 +38,11 @@
 
 namespace {
 
+#if defined(__AVX512F__) || !defined(__AVX2__)
 constexpr int kTile = 8;  // rows of x per register tile
+#else
+constexpr int kTile = 4;  // AVX2: 16 ymm registers (tile_dot_avx2)
+#endif
 
 struct Packed {
   const uint8_t* q;
@@ -145,6 +151,75 @@ void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
 }
 #endif
 
+#if defined(KVSTACK_AVX2) && !defined(KVSTACK_AVX512)
+#define KVSTACK_QUANT_AVX2 1
+// AVX2 (no AVX-512: AMD Zen 2 / 3 ...): the same arithmetic 8 lanes at a time, for groups of
+// whole 32-chunks (G % 32 == 0, every format kvstack packs; others take the scalar path).
+// w[i] = weights k0 + 8i .. k0 + 8i + 7 of row `qrow`, as float32.
+template <int BITS>
+inline void dequant32_avx2(const uint8_t* qrow, int64_t k0, __m256 s, __m256 mn, __m256* w) {
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k0 / 2));
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), s, mn);
+  } else {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qrow + k0 + 8 * i));
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+    }
+  }
+}
+
+// Rounds each lane to the nearest bf16 (ties to even), kept as float32 (finite lanes).
+inline __m256 round_bf16_avx2(__m256 v) {
+  const __m256i i = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(i, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(-65536)));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // round to nearest even, as .to(bfloat16)
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_avx2(v)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// As tile_dot (AVX-512), 8 lanes, tiles of up to 4 rows of x (kTile): two accumulators per
+// row (the 8-lane quarters 0, 2 and 1, 3 of each 32-chunk) so that a row's consecutive FMAs
+// do not wait on each other, the same two at every MT (a row's sums never depend on MT).
+template <int MT, int BITS, typename T>
+void tile_dot_avx2(const Packed& w, int64_t n, const T* x, float* out) {
+  constexpr int P = 2;
+  __m256 acc[MT][P];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < P; ++p) acc[m][p] = _mm256_setzero_ps();
+  const uint8_t* qrow = w.q + n * w.row_bytes();
+  const int64_t ng = w.groups(), K = w.K;
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m256 s = _mm256_set1_ps(w.scale[n * ng + g]);
+    const __m256 mn = BITS == 4 ? _mm256_set1_ps(w.mn[n * ng + g]) : _mm256_setzero_ps();
+    for (int64_t k0 = g * w.G; k0 < (g + 1) * w.G; k0 += 32) {
+      __m256 wv[4];
+      dequant32_avx2<BITS>(qrow, k0, s, mn, wv);
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (!std::is_same_v<T, float>) wv[i] = round_bf16_avx2(wv[i]);
+        for (int m = 0; m < MT; ++m)
+          acc[m][i % P] = _mm256_fmadd_ps(load8(x + m * K + k0 + 8 * i), wv[i], acc[m][i % P]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m256 t = acc[m][0];
+    for (int p = 1; p < P; ++p) t = _mm256_add_ps(t, acc[m][p]);
+    out[m] = hsum8(t);
+  }
+}
+#endif
+
 // Weight (n, k) as float32, rounded to T's precision (the scalar path and tails).
 template <typename T>
 inline float weight_at(const Packed& w, int64_t n, int64_t k) {
@@ -183,6 +258,16 @@ void run_tile(const Packed& w, int64_t n, const T* x, int mt, float* out) {
     case 7: return tile_dot<7, BITS>(w, n, x, out);
     default: return tile_dot<8, BITS>(w, n, x, out);
   }
+#elif defined(KVSTACK_QUANT_AVX2)
+  if (w.G % 32 == 0) {
+    switch (mt) {
+      case 1: return tile_dot_avx2<1, BITS>(w, n, x, out);
+      case 2: return tile_dot_avx2<2, BITS>(w, n, x, out);
+      case 3: return tile_dot_avx2<3, BITS>(w, n, x, out);
+      default: return tile_dot_avx2<4, BITS>(w, n, x, out);
+    }
+  }
+  tile_dot_scalar(w, n, x, mt, out);
 #else
   tile_dot_scalar(w, n, x, mt, out);
 #endif
@@ -219,6 +304,20 @@ void dequant_impl(const Packed& w, T* out) {
                        0xFFFFFFFFu, lo, hi);
           store16(row + k, lo);
           store16(row + k + 16, hi);
+        }
+      }
+#elif defined(KVSTACK_QUANT_AVX2)
+      if (w.G % 32 == 0) {
+        const uint8_t* qrow = w.q + n * w.row_bytes();
+        for (; k < w.K; k += 32) {
+          const int64_t gi = n * w.groups() + k / w.G;
+          const __m256 s = _mm256_set1_ps(w.scale[gi]);
+          __m256 wv[4];
+          if (w.bits == 4)
+            dequant32_avx2<4>(qrow, k, s, _mm256_set1_ps(w.mn[gi]), wv);
+          else
+            dequant32_avx2<8>(qrow, k, s, _mm256_setzero_ps(), wv);
+          for (int i = 0; i < 4; ++i) store8(row + k + 8 * i, wv[i]);
         }
       }
 #endif

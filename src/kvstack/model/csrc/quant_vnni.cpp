@@ -1,5 +1,7 @@
-// Weight-only quantized linears with int8 activations and AVX512-VNNI dot products
-// (kvstack): the decode path for bf16 activations when the CPU has vpdpbusd.
+// Weight-only quantized linears with int8 activations and integer dot products (kvstack):
+// the decode path for bf16 activations when the CPU has AVX512-VNNI (vpdpbusd, 64 bytes at
+// a time) or, without AVX-512, AVX2 (vpmaddubsw + vpmaddwd, 32 bytes: llama.cpp's AVX2
+// arithmetic, as on AMD Zen 2 / 3).
 //
 // Weights are the packed layout of quant_linear.cpp (PackedWeight). Activations are
 // quantized per row and 32-value chunk c, as llama.cpp quantizes them for its Q4_0 / Q4_1 /
@@ -29,6 +31,12 @@ namespace {
 
 constexpr int kTileV = 4;  // rows of x per register tile
 
+#if defined(KVSTACK_AVX512) && defined(__AVX512VNNI__)
+#define KVSTACK_INT8_DOT_AVX512 1  // vpdpbusd
+#elif defined(KVSTACK_AVX2) && !defined(KVSTACK_AVX512)
+#define KVSTACK_INT8_DOT_AVX2 1  // vpmaddubsw + vpmaddwd
+#endif
+
 struct QuantAct {  // one call's quantized activations
   std::vector<int8_t> xq;  // [M, K]
   std::vector<float> dx;   // [M, K/32]: chunk scales
@@ -50,6 +58,30 @@ inline std::pair<float, int> quantize_chunk(const T* src, int8_t* q) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
   return {d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))};
+#elif defined(KVSTACK_AVX2)
+  __m256 v[4];
+  __m256 mag = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(src + 8 * i);
+    mag = _mm256_max_ps(mag, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  __m256i qi[4];  // cvtps_epi32 rounds to nearest even, as nearbyint below
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  // int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back
+  const __m256i w01 = _mm256_packs_epi32(qi[0], qi[1]), w23 = _mm256_packs_epi32(qi[2], qi[3]);
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  return {d, _mm_cvtsi128_si32(s4)};
 #else
   float amax = 0.f;
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(src[j])));
@@ -79,7 +111,7 @@ QuantAct quantize_rows(const T* x, int64_t M, int64_t K) {
   return a;
 }
 
-#if defined(KVSTACK_AVX512) && defined(__AVX512VNNI__)
+#if defined(KVSTACK_INT8_DOT_AVX512)
 // 64 weight codes k0..k0+63 of a row as unsigned bytes in k order.
 template <int BITS>
 inline __m512i codes64(const uint8_t* qrow, int64_t k0) {
@@ -128,6 +160,78 @@ void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const fl
   for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
+#elif defined(KVSTACK_INT8_DOT_AVX2)
+// 32 weight codes k0..k0+31 of a row as bytes in k order: 4-bit codes 0..15 (block_q4_x
+// nibble order: the low nibbles are k0..k0+15), 8-bit codes as stored (signed).
+template <int BITS>
+inline __m256i codes32(const uint8_t* qrow, int64_t k0) {
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k0 / 2));
+    const __m128i m4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0));
+  }
+}
+
+// sum_j w_j x_j of a 32-chunk in 8 int32 lanes, as float. vpmaddubsw multiplies unsigned by
+// signed bytes and adds pairs in int16 (saturating): 4-bit codes are unsigned already; for
+// 8 bits the sign moves to x (llama.cpp's AVX2 trick): |w| * sign(x, w), where |w| <= 128
+// as an unsigned byte and |x| <= 127, so a pair is <= 2 * 128 * 127 < 2^15: never saturates.
+template <int BITS>
+inline __m256 dot32(__m256i w_abs, __m256i w, __m256i x) {
+  const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(w, x)
+                              : _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+// sum_c mn[g(c)] * xs[c] of one row (4 bits: the min term; gathers the chunks' mins).
+inline float min_term(int64_t nc, const int32_t* cg, const float* mrow, const float* xs) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= nc; c += 8) {
+    const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + c));
+    acc = _mm256_fmadd_ps(_mm256_i32gather_ps(mrow, idx, 4), _mm256_loadu_ps(xs + c), acc);
+  }
+  float sum = hsum8(acc);
+  for (; c < nc; ++c) sum += mrow[cg[c]] * xs[c];
+  return sum;
+}
+
+// As tile_vnni with AVX2 (K % 64 == 0: chunks in pairs, even / odd chunks in separate
+// accumulators so that a row's FMAs do not wait on each other). 8-bit codes are signed
+// here: no +128 offset, no min term.
+template <int MT, int BITS>
+void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const float* srow,
+               const float* mrow, const QuantAct& a, int64_t m0, float* out) {
+  __m256 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  const int64_t nc = K / 32;
+  const int8_t* xq = a.xq.data() + m0 * K;
+  const float* dx = a.dx.data() + m0 * nc;
+  for (int64_t k0 = 0, c = 0; k0 < K; k0 += 64, c += 2) {
+    const __m256i w0 = codes32<BITS>(qrow, k0), w1 = codes32<BITS>(qrow, k0 + 32);
+    const __m256i a0 = BITS == 8 ? _mm256_abs_epi8(w0) : w0;
+    const __m256i a1 = BITS == 8 ? _mm256_abs_epi8(w1) : w1;
+    const float s0 = srow[cg[c]], s1 = srow[cg[c + 1]];
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xr = xq + m * K + k0;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+      acc0[m] = _mm256_fmadd_ps(dot32<BITS>(a0, w0, x0), _mm256_set1_ps(s0 * dx[m * nc + c]),
+                                acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(dot32<BITS>(a1, w1, x1),
+                                _mm256_set1_ps(s1 * dx[m * nc + c + 1]), acc1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m]));
+    if constexpr (BITS == 4) out[m] += min_term(nc, cg, mrow, a.xs.data() + (m0 + m) * nc);
+  }
+}
+#endif
+
+#if defined(KVSTACK_INT8_DOT_AVX512) || defined(KVSTACK_INT8_DOT_AVX2)
 template <int BITS>
 void run_vnni(const int64_t mt, const int64_t K, const int32_t* cg, const uint8_t* qrow,
               const float* srow, const float* mrow, const QuantAct& a, int64_t m0, float* out) {
@@ -164,7 +268,7 @@ void vnni_impl(const T* x, T* out, int64_t M, const torch::Tensor& q, const floa
 }  // namespace
 
 bool quant_linear_vnni_ok(int64_t in_features, int64_t group, int64_t bits) {
-#if defined(KVSTACK_AVX512) && defined(__AVX512VNNI__)
+#if defined(KVSTACK_INT8_DOT_AVX512) || defined(KVSTACK_INT8_DOT_AVX2)
   return in_features % 64 == 0 && group % 32 == 0 && (bits == 4 || bits == 8);
 #else
   (void)in_features, (void)group, (void)bits;
@@ -178,7 +282,8 @@ torch::Tensor quant_linear_vnni(torch::Tensor x, torch::Tensor q, torch::Tensor 
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous matrix");
   const int64_t N = q.size(0), K = bits == 8 ? q.size(1) : 2 * q.size(1);
   TORCH_CHECK(quant_linear_vnni_ok(K, group, bits),
-              "quant_linear_vnni needs AVX512-VNNI, in_features % 64 == 0, group % 32 == 0");
+              "quant_linear_vnni needs AVX512-VNNI or AVX2 (without AVX-512), in_features % 64 == 0, "
+              "group % 32 == 0");
   TORCH_CHECK(K % group == 0 && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
                   scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / group,
               "scale must be float32 [N, K / group]");
@@ -190,7 +295,7 @@ torch::Tensor quant_linear_vnni(torch::Tensor x, torch::Tensor q, torch::Tensor 
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, in_features]");
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-#if defined(KVSTACK_AVX512) && defined(__AVX512VNNI__)
+#if defined(KVSTACK_INT8_DOT_AVX512) || defined(KVSTACK_INT8_DOT_AVX2)
   const float* sp = scale.data_ptr<float>();
   const float* mp = min.has_value() ? min->data_ptr<float>() : nullptr;
   const int64_t M = x.size(0);

@@ -14,6 +14,12 @@ thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels.json):
   CPU time on one thread (AMD EPYC, 2026-12-02, shared machine): Q8_0 2.7 ms vs 4.6 ms
   for ``quant_linear``; int8 per channel 2.2 ms vs 5.0 ms for ``_weight_int8pack_mm``
   (the layers' shapes: equal within 10 %);
+- on a CPU without AVX-512 (PyTorch's capability ``AVX2``, e.g. AMD Zen 3),
+  ``quant_linear_vnni`` is the AVX2 kernel (vpmaddubsw, llama.cpp's AVX2 arithmetic) and
+  every bf16 decode row takes it, 4-bit groups included (``int8_dot_is_avx2``): one
+  layer's decode, 2 threads (AMD EPYC Zen 3, 2026-12-03, ``benchmarks/quant_kernels.py``):
+  Q4_1 1536x576 at M = 1 0.052 ms vs 0.063 for ``_weight_int4pack_mm_for_cpu``, int8
+  49152x576 1.01 vs 3.18 ms for ``_weight_int8pack_mm``, ahead at every M = 1..16;
 - everything else (and every float32 model): ``torch.ops.kvstack.quant_linear``
   (``csrc/quant_linear.cpp``): the packed bytes read once, 32 weights at a time
   dequantized in registers, bit-identical to gguf-py's dequantization; float32 sums (so
@@ -44,6 +50,12 @@ from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpac
 PREFILL_ROWS = 16
 INT8_ACTIVATIONS = False
 Q8_VNNI = True  # bf16 8-bit groups without a PyTorch op: quant_linear_vnni
+
+
+def int8_dot_is_avx2() -> bool:
+    """True where ``quant_linear_vnni`` is built as the AVX2 kernel: PyTorch dispatches
+    at ``AVX2`` exactly when the CPU lacks the AVX-512 subset, as kvstack's build does."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 class TorchWeightOp:
@@ -93,8 +105,10 @@ class QuantLinear:
         dtype: torch.dtype,
         kernels: Kernels | None,
         prefill_rows: int = PREFILL_ROWS,
-        int8_activations: bool = INT8_ACTIVATIONS,
+        int8_activations: bool | None = None,
     ) -> None:
+        if int8_activations is None:  # default: where the int8 dot product wins
+            int8_activations = INT8_ACTIVATIONS or int8_dot_is_avx2()
         self.packed = weight
         self.dtype = dtype
         self.out_features = weight.out_features
