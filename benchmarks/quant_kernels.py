@@ -6,16 +6,18 @@ lm_head 49152x576) and M = 1, 4, 16, 32, 64, 256, 512 bf16 rows, times per call 
 - ``bf16_onednn``: the dense bf16 weight prepacked for oneDNN (kvstack's ``Linear``);
 - ``kvstack_Q4_1`` / ``kvstack_Q8_0`` / ``kvstack_int8``: ``torch.ops.kvstack.quant_linear``
   (float activations, weights dequantized in registers);
-- ``kvstack_vnni_*``: ``quant_linear_vnni`` (int8 activations, AVX512-VNNI dot products);
+- ``kvstack_vnni_*``: ``quant_linear_vnni`` (int8 activations; AVX512-VNNI dot products,
+  or vpmaddubsw on a CPU without AVX-512);
 - ``dequant_onednn_Q4_1``: ``quant_dequant`` to bf16 + ``F.linear`` (kvstack's prefill path);
 - ``torch_int4pack``: PyTorch's ``_weight_int4pack_mm_for_cpu`` (gpt-fast's int4, group 32);
 - ``torch_int8pack``: PyTorch's ``_weight_int8pack_mm`` (gpt-fast's int8 per channel).
 
 One thread (``torch.set_num_threads(1)``) and the minimum over repetitions, so other
 tenants of a shared machine disturb the comparison least; all candidates run in this one
-process, interleaved per shape. JSON to ``benchmarks/results/quant_kernels.json``.
+process, interleaved per shape. Prints the CPU and its ISA flags; JSON (with the machine)
+to ``benchmarks/results/quant_kernels<tag>.json``.
 
-    PYTHONPATH=src python benchmarks/quant_kernels.py [--reps 30] [--threads 1]
+    PYTHONPATH=src python benchmarks/quant_kernels.py [--reps 30] [--threads 1] [--tag -epyc]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import RESULTS_DIR, best_ms
+from offline_throughput import machine_info
 from kvstack.model.kernels import load_kernels
 from kvstack.model.layers import Linear
 from kvstack.model.quant.gguf_blocks import pack_gguf
@@ -61,7 +64,7 @@ def torch_int4(w: torch.Tensor, x: torch.Tensor) -> Callable[[], object] | None:
 def candidates(w: torch.Tensor, x: torch.Tensor, k: Any) -> dict[str, Callable[[], object]]:
     dense = Linear(w, torch.bfloat16)
     out: dict[str, Callable[[], object]] = {"bf16_onednn": lambda: dense(x)}
-    packs: dict[str, PackedWeight] = {"int8": quantize_int8(w)}
+    packs: dict[str, PackedWeight] = {"int8": quantize_int8(w), "int4": quantize_int4(w)}
     for name in ("Q4_1", "Q8_0"):
         qt = gguf.GGMLQuantizationType[name]
         raw = np.asarray(gguf.quants.quantize(w.float().numpy(), qt))
@@ -98,8 +101,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name, e.g. -epyc")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    info = machine_info()
+    flags = " ".join(info.get("cpu_flags", []))
+    print(f"CPU {info.get('cpu_model')} ({flags}), commit {info.get('git_commit')}, "
+          f"{args.threads} thread(s), min of {args.reps}")  # fmt: skip
     k = load_kernels()
     if k is None:
         raise SystemExit("the C++ kernels did not build")
@@ -116,8 +124,8 @@ def main() -> None:
             cells = " ".join(f"{c}={t:.3f}" for c, t in times.items())
             print(f"{shape:8s} M={m:4d} fastest {win:20s} {cells}", flush=True)
     doc = {"threads": args.threads, "reps": args.reps, "statistic": "min", "rows": rows,
-           "torch": torch.__version__}  # fmt: skip
-    path = RESULTS_DIR / "quant_kernels.json"
+           "torch": torch.__version__, "machine": info}  # fmt: skip
+    path = RESULTS_DIR / f"quant_kernels{args.tag}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
 
