@@ -73,6 +73,8 @@ def random_packed(kind: str, n: int, k: int, seed: int) -> PackedWeight:
         return quantize_int8(w)
     if kind == "int4":
         return quantize_int4(w)
+    if kind == "int4g96":  # groups that are not chunk pairs: a pair may straddle two groups
+        return quantize_int4(w, group=96)
     qtype = Q[kind]
     packed = pack_gguf(gguf_bytes(qtype, n, k, seed), int(qtype))
     assert packed is not None
@@ -174,7 +176,8 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 31, 576), ("Q4_0", 7, 128),
                                               ("Q8_0", 9, 192), ("Q4_K", 5, 512),
-                                              ("int8", 17, 320), ("int4", 3, 64)])  # fmt: skip
+                                              ("int8", 17, 320), ("int4", 3, 64),
+                                              ("int4g96", 5, 576)])  # fmt: skip
 def test_vnni_kernel_matches_its_int8_activation_reference(
     kernels: Kernels, kind: str, n: int, k: int
 ) -> None:

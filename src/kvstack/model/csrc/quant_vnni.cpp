@@ -43,6 +43,7 @@ struct QuantAct {  // one call's quantized activations
   std::vector<float> xs;   // [M, K/32]: dx * sum(xq) of each chunk
   std::vector<float> dxv;  // [M, K/64, 16]: dx of chunk 2p in lanes 0-7, of 2p+1 in 8-15
   std::vector<float> xsv;  // [M, K/64, 16]: xs / 8 laid out as dxv (8 lanes sum to xs)
+  std::vector<float> dxq;  // [M, K/32, 4]: dx of each chunk in 4 lanes (AVX2, 4 bits)
 };
 
 // One chunk of 32 activations: codes to q, returns (scale d, sum of the codes).
@@ -100,13 +101,15 @@ template <typename T>
 QuantAct quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t chunks = M * K / 32;  // rows are whole chunks: K % 64 == 0
   QuantAct a{std::vector<int8_t>(M * K), std::vector<float>(chunks), std::vector<float>(chunks),
-             std::vector<float>(8 * chunks), std::vector<float>(8 * chunks)};
+             std::vector<float>(8 * chunks), std::vector<float>(8 * chunks),
+             std::vector<float>(4 * chunks)};
   for (int64_t i = 0; i < chunks; ++i) {
     const auto [d, sum] = quantize_chunk(x + 32 * i, a.xq.data() + 32 * i);
     a.dx[i] = d;
     a.xs[i] = d * static_cast<float>(sum);
     std::fill_n(a.dxv.begin() + 8 * i, 8, d);  // chunk i -> 8 lanes of its pair's vector
     std::fill_n(a.xsv.begin() + 8 * i, 8, a.xs[i] * 0.125f);  // exact: a power of two
+    std::fill_n(a.dxq.begin() + 4 * i, 4, d);
   }
   return a;
 }
@@ -161,72 +164,106 @@ void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const fl
 }
 
 #elif defined(KVSTACK_INT8_DOT_AVX2)
-// 32 weight codes k0..k0+31 of a row as bytes in k order: 4-bit codes 0..15 (block_q4_x
-// nibble order: the low nibbles are k0..k0+15), 8-bit codes as stored (signed).
-template <int BITS>
-inline __m256i codes32(const uint8_t* qrow, int64_t k0) {
-  if constexpr (BITS == 4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k0 / 2));
-    const __m128i m4 = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0));
-  }
-}
-
-// sum_j w_j x_j of a 32-chunk in 8 int32 lanes, as float. vpmaddubsw multiplies unsigned by
-// signed bytes and adds pairs in int16 (saturating): 4-bit codes are unsigned already; for
-// 8 bits the sign moves to x (llama.cpp's AVX2 trick): |w| * sign(x, w), where |w| <= 128
-// as an unsigned byte and |x| <= 127, so a pair is <= 2 * 128 * 127 < 2^15: never saturates.
-template <int BITS>
-inline __m256 dot32(__m256i w_abs, __m256i w, __m256i x) {
-  const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(w, x)
-                              : _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+// sum_j w_j x_j of a 32-chunk of signed 8-bit codes in 8 int32 lanes, as float. vpmaddubsw
+// multiplies unsigned by signed bytes and adds pairs in int16 (saturating), so the sign
+// moves to x (llama.cpp's AVX2 trick): |w| * sign(x, w), where |w| <= 128 as an unsigned
+// byte and |x| <= 127, so a pair is <= 2 * 128 * 127 < 2^15: never saturates.
+inline __m256 dot32_s8(__m256i w_abs, __m256i w, __m256i x) {
+  const __m256i p = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-// sum_c mn[g(c)] * xs[c] of one row (4 bits: the min term; gathers the chunks' mins).
-inline float min_term(int64_t nc, const int32_t* cg, const float* mrow, const float* xs) {
+// sum_c mn[g(c)] * xs[c] of one row (4 bits: the min term; gathers the chunks' mins
+// unless the groups are the chunks, G == 32).
+inline float min_term(int64_t nc, const int32_t* cg, bool g32, const float* mrow,
+                      const float* xs) {
   __m256 acc = _mm256_setzero_ps();
   int64_t c = 0;
   for (; c + 8 <= nc; c += 8) {
-    const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + c));
-    acc = _mm256_fmadd_ps(_mm256_i32gather_ps(mrow, idx, 4), _mm256_loadu_ps(xs + c), acc);
+    const __m256 mv = g32 ? _mm256_loadu_ps(mrow + c)
+                          : _mm256_i32gather_ps(mrow, _mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(cg + c)), 4);
+    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + c), acc);
   }
   float sum = hsum8(acc);
   for (; c < nc; ++c) sum += mrow[cg[c]] * xs[c];
   return sum;
 }
 
-// As tile_vnni with AVX2 (K % 64 == 0: chunks in pairs, even / odd chunks in separate
-// accumulators so that a row's FMAs do not wait on each other). 8-bit codes are signed
-// here: no +128 offset, no min term.
+// 4 bits: llama.cpp's nibble order lets one 32-byte load feed two chunks. Bytes 0-15 are
+// chunk c (low nibbles its values 0..15, high nibbles 16..31), bytes 16-31 chunk c+1, so
+//   lo = [c: 0..15 | c+1: 0..15]    hi = [c: 16..31 | c+1: 16..31]    (128-bit lanes)
+// and the activations are stored in the same order (to_nibble_order). The two products'
+// int16 pairs add without saturating (|pair| <= 2 * 15 * 127, two of them < 2^15); after
+// vpmaddwd, lanes 0-3 hold chunk c and 4-7 chunk c+1, scaled by [s_c dx_c x4, s_c+1 dx_c+1 x4].
+template <int MT>
+void tile_nibbles(const int64_t K, const int32_t* cg, const uint8_t* qrow, const float* srow,
+                  const float* mrow, const QuantAct& a, int64_t m0, float* out) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t nc = K / 32;
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t k0 = 0, c = 0; k0 < K; k0 += 64, c += 2) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0 / 2));
+    const __m256i lo = _mm256_and_si256(v, m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m256 sp = _mm256_blend_ps(_mm256_broadcast_ss(srow + cg[c]),
+                                      _mm256_broadcast_ss(srow + cg[c + 1]), 0xF0);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xr = a.xq.data() + (m0 + m) * K + k0;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+      const __m256 d = _mm256_mul_ps(sp, _mm256_loadu_ps(a.dxq.data() + ((m0 + m) * nc + c) * 4));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), d, acc[m]);
+    }
+  }
+  const bool g32 = cg[nc - 1] == nc - 1;
+  for (int m = 0; m < MT; ++m)
+    out[m] = hsum8(acc[m]) + min_term(nc, cg, g32, mrow, a.xs.data() + (m0 + m) * nc);
+}
+
+// Activations of each 64-value chunk pair reordered [c: 0..15, c+1: 0..15, c: 16..31,
+// c+1: 16..31] to match tile_nibbles' weight bytes (integer sums: the order is free).
+inline void to_nibble_order(QuantAct& a) {
+  for (size_t i = 0; i + 64 <= a.xq.size(); i += 64) {
+    auto* p = reinterpret_cast<__m256i*>(a.xq.data() + i);
+    const __m256i c0 = _mm256_loadu_si256(p), c1 = _mm256_loadu_si256(p + 1);
+    _mm256_storeu_si256(p, _mm256_permute2x128_si256(c0, c1, 0x20));
+    _mm256_storeu_si256(p + 1, _mm256_permute2x128_si256(c0, c1, 0x31));
+  }
+}
+
+// 8 bits with AVX2 (K % 64 == 0: chunks in pairs, even / odd chunks in separate
+// accumulators so that a row's FMAs do not wait on each other). The codes are signed
+// here: no +128 offset, no min term; 4 bits go to tile_nibbles.
 template <int MT, int BITS>
 void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const float* srow,
                const float* mrow, const QuantAct& a, int64_t m0, float* out) {
-  __m256 acc0[MT], acc1[MT];
-  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
-  const int64_t nc = K / 32;
-  const int8_t* xq = a.xq.data() + m0 * K;
-  const float* dx = a.dx.data() + m0 * nc;
-  for (int64_t k0 = 0, c = 0; k0 < K; k0 += 64, c += 2) {
-    const __m256i w0 = codes32<BITS>(qrow, k0), w1 = codes32<BITS>(qrow, k0 + 32);
-    const __m256i a0 = BITS == 8 ? _mm256_abs_epi8(w0) : w0;
-    const __m256i a1 = BITS == 8 ? _mm256_abs_epi8(w1) : w1;
-    const float s0 = srow[cg[c]], s1 = srow[cg[c + 1]];
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xr = xq + m * K + k0;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-      acc0[m] = _mm256_fmadd_ps(dot32<BITS>(a0, w0, x0), _mm256_set1_ps(s0 * dx[m * nc + c]),
-                                acc0[m]);
-      acc1[m] = _mm256_fmadd_ps(dot32<BITS>(a1, w1, x1),
-                                _mm256_set1_ps(s1 * dx[m * nc + c + 1]), acc1[m]);
+  if constexpr (BITS == 4) {
+    return tile_nibbles<MT>(K, cg, qrow, srow, mrow, a, m0, out);
+  } else {
+    __m256 acc0[MT], acc1[MT];
+    for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    const int64_t nc = K / 32;
+    const int8_t* xq = a.xq.data() + m0 * K;
+    const float* dx = a.dx.data() + m0 * nc;
+    for (int64_t k0 = 0, c = 0; k0 < K; k0 += 64, c += 2) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0 + 32));
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      const float s0 = srow[cg[c]], s1 = srow[cg[c + 1]];
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xr = xq + m * K + k0;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+        acc0[m] = _mm256_fmadd_ps(dot32_s8(a0, w0, x0), _mm256_set1_ps(s0 * dx[m * nc + c]),
+                                  acc0[m]);
+        acc1[m] = _mm256_fmadd_ps(dot32_s8(a1, w1, x1),
+                                  _mm256_set1_ps(s1 * dx[m * nc + c + 1]), acc1[m]);
+      }
     }
-  }
-  for (int m = 0; m < MT; ++m) {
-    out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m]));
-    if constexpr (BITS == 4) out[m] += min_term(nc, cg, mrow, a.xs.data() + (m0 + m) * nc);
+    for (int m = 0; m < MT; ++m) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m]));
   }
 }
 #endif
@@ -246,7 +283,10 @@ void run_vnni(const int64_t mt, const int64_t K, const int32_t* cg, const uint8_
 template <int BITS, typename T>
 void vnni_impl(const T* x, T* out, int64_t M, const torch::Tensor& q, const float* scale,
                const float* mn, int64_t N, int64_t K, int64_t G) {
-  const QuantAct a = quantize_rows(x, M, K);
+  QuantAct a = quantize_rows(x, M, K);
+#if defined(KVSTACK_INT8_DOT_AVX2)
+  if constexpr (BITS == 4) to_nibble_order(a);
+#endif
   const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const int64_t row_bytes = BITS == 8 ? K : K / 2, ng = K / G;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(M * K, 1));
