@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import RESULTS_DIR, best_ms
-from offline_throughput import machine_info
 from kvstack.model.kernels import load_kernels
 from kvstack.model.layers import Linear
 from kvstack.model.quant.gguf_blocks import pack_gguf
 from kvstack.model.quant.packed import PackedWeight, unpack_u4
 from kvstack.model.quant.quantize import quantize_int4, quantize_int8
+from offline_throughput import machine_info
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}  # fmt: skip

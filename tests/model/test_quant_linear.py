@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kvstack.model.kernels import Kernels
 from kvstack.model.quant.gguf_blocks import PACKED_GGUF_TYPES, pack_gguf
-from kvstack.model.quant.linear import QuantLinear, torch_weight_op
+from kvstack.model.quant.linear import QuantLinear, int8_dot_is_avx2, torch_weight_op
 from kvstack.model.quant.packed import (
     PackedWeight,
     concat_rows,
@@ -131,8 +131,8 @@ def test_prefill_path_multiplies_the_same_weights(kernels: Kernels, dtype: torch
     assert lin.kernel == ("quant_linear" if dtype == torch.float32 else "torch_int4pack")
     fast = QuantLinear(w, dtype, kernels, int8_activations=True)
     bf16 = dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(256, 32, 4)
-    # never for fp32; in bf16 without VNNI (AVX2-only CPUs) PyTorch's int4 op, as without
-    # int8_activations
+    # never for fp32; in bf16 on a CPU with AVX-512 but no VNNI PyTorch's int4 op, as
+    # without int8_activations (AVX2-only CPUs have the AVX2 build of the int8 kernel)
     plain = "torch_int4pack" if dtype == torch.bfloat16 else "quant_linear"
     assert fast.kernel == ("quant_linear_vnni" if bf16 else plain)
 
@@ -240,3 +240,17 @@ def test_int8_per_channel_decodes_on_the_vnni_kernel_in_bf16(kernels: Kernels) -
     vnni = kernels.quant_linear_vnni_ok(192, w.group, 8)
     lin = QuantLinear(w, torch.bfloat16, kernels)
     assert lin.kernel == ("quant_linear_vnni" if vnni else "torch_int8pack")
+
+
+def test_4bit_bf16_decode_takes_the_int8_dot_only_on_avx2(kernels: Kernels) -> None:
+    """Without AVX-512 (PyTorch's capability AVX2) the AVX2 int8 kernel beat PyTorch's
+    int4 op at every decode M, so it is the default there; elsewhere PyTorch's op stays."""
+    w = random_packed("Q4_1", 64, 256, seed=7)
+    lin = QuantLinear(w, torch.bfloat16, kernels)
+    avx2 = int8_dot_is_avx2() and kernels.quant_linear_vnni_ok(256, 32, 4)
+    assert lin.kernel == ("quant_linear_vnni" if avx2 else "torch_int4pack")
+    assert QuantLinear(w, torch.float32, kernels).kernel == "quant_linear"
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ref = F.linear(x.float(), dequantize_reference(w))
+    bound = (x.float().abs() @ dequantize_reference(w).abs().T) * 2**-6 + ref.abs() * 2**-7
+    assert bool(((lin(x).float() - ref).abs() <= bound).all())
