@@ -53,8 +53,10 @@ Q8_VNNI = True  # bf16 8-bit groups without a PyTorch op: quant_linear_vnni
 
 
 def int8_dot_is_avx2() -> bool:
-    """True where ``quant_linear_vnni`` is built as the AVX2 kernel: PyTorch dispatches
-    at ``AVX2`` exactly when the CPU lacks the AVX-512 subset, as kvstack's build does."""
+    """True where ``quant_linear_vnni`` is built as the AVX2 kernel. PyTorch's capability
+    is ``AVX2`` on a CPU without AVX-512 F/BW/VL/DQ, kvstack's build takes its AVX2 paths
+    without AVX512F: the same CPUs in practice (elsewhere either choice is correct: the
+    caller still asks ``quant_linear_vnni_ok``)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
