@@ -17,9 +17,10 @@ thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels.json):
 - on a CPU without AVX-512 (PyTorch's capability ``AVX2``, e.g. AMD Zen 3),
   ``quant_linear_vnni`` is the AVX2 kernel (vpmaddubsw, llama.cpp's AVX2 arithmetic) and
   every bf16 decode row takes it, 4-bit groups included (``int8_dot_is_avx2``): one
-  layer's decode, 2 threads (AMD EPYC Zen 3, 2026-12-03, ``benchmarks/quant_kernels.py``):
-  Q4_1 1536x576 at M = 1 0.052 ms vs 0.063 for ``_weight_int4pack_mm_for_cpu``, int8
-  49152x576 1.01 vs 3.18 ms for ``_weight_int8pack_mm``, ahead at every M = 1..16;
+  layer at M = 1, one thread (AMD EPYC Zen 3, 2026-12-03, ``benchmarks/quant_kernels.py``,
+  results/quant_kernels-2026-12-03-epyc-avx2.json): Q4_1 960x576 0.024 ms vs 0.071 for
+  ``_weight_int4pack_mm_for_cpu``, int8 49152x576 1.34 vs 5.72 ms for
+  ``_weight_int8pack_mm``; ahead of both at every M = 1..16;
 - everything else (and every float32 model): ``torch.ops.kvstack.quant_linear``
   (``csrc/quant_linear.cpp``): the packed bytes read once, 32 weights at a time
   dequantized in registers, bit-identical to gguf-py's dequantization; float32 sums (so
