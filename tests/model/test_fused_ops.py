@@ -61,6 +61,10 @@ def test_silu_and_mul_matches_reference(kops: KernelOps, dtype: torch.dtype, wid
     got, want = kops.silu_and_mul(gu), TorchOps().silu_and_mul(gu)
     assert got.dtype == dtype and got.shape == (3, width)
     assert ulps(got, want) <= 2
+    nan = gu.clone()
+    nan[1, 0] = nan[2, width] = float("nan")  # a NaN gate, a NaN up: NaN out, as PyTorch
+    got, want = kops.silu_and_mul(nan), TorchOps().silu_and_mul(nan)
+    assert torch.equal(got.isnan(), want.isnan()) and got[1, 0].isnan() and got[2, 0].isnan()
 
 
 def _storage(dtype: torch.dtype, heads: HeadShape, codec: str = "auto") -> KVStorage:

@@ -12,6 +12,8 @@
 // Rounding follows the PyTorch path of model/ops.py (TorchOps): rope and silu_and_mul
 // round to the activation dtype wherever PyTorch's separate ops do, so rope is bit-exact
 // in bf16 and fp32; the norms accumulate in float32 and round once (as F.rms_norm).
+// Vectorized with AVX-512 (16 lanes) or, on CPUs without it, AVX2 + FMA (8 lanes); the
+// scalar loop takes the tails.
 #include <ATen/Parallel.h>
 
 #include <type_traits>
@@ -58,6 +60,10 @@ void scale_row(const T* x, const T* w, T* out, int64_t n, float inv) {
   const __m512 iv = _mm512_set1_ps(inv);
   for (; i + 16 <= n; i += 16)
     store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), iv), load16(w + i)));
+#elif defined(KVSTACK_AVX2)
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    store8(out + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), iv), load8(w + i)));
 #endif
   for (; i < n; ++i) out[i] = static_cast<T>((to_f(x[i]) * inv) * to_f(w[i]));
 }
@@ -68,6 +74,8 @@ void add_row(T* r, const T* x, int64_t n) {
   int64_t i = 0;
 #if defined(KVSTACK_AVX512)
   for (; i + 16 <= n; i += 16) store16(r + i, _mm512_add_ps(load16(r + i), load16(x + i)));
+#elif defined(KVSTACK_AVX2)
+  for (; i + 8 <= n; i += 8) store8(r + i, _mm256_add_ps(load8(r + i), load8(x + i)));
 #endif
   for (; i < n; ++i) r[i] = static_cast<T>(to_f(r[i]) + to_f(x[i]));
 }
@@ -119,6 +127,14 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n) {
         const __m512 s = round_to<T>(_mm512_mul_ps(gv, recip<T>(den)));
         store16(o + i, _mm512_mul_ps(s, load16(u + i)));
       }
+#elif defined(KVSTACK_AVX2)
+      const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gv = load8(g + i);
+        const __m256 den = _mm256_add_ps(one, exp256(_mm256_xor_ps(gv, neg)));
+        const __m256 s = round_to8<T>(_mm256_div_ps(gv, den));
+        store8(o + i, _mm256_mul_ps(s, load8(u + i)));
+      }
 #endif
       for (; i < n; ++i) {
         const float gv = to_f(g[i]);
@@ -145,6 +161,19 @@ void rope_head(T* x, const float* cos, const float* sin, int64_t half) {
                                     round_to<T>(_mm512_mul_ps(x1, s)));
     store16(x + i, a);
     store16(x + half + i, b2);
+  }
+#elif defined(KVSTACK_AVX2)
+  const __m256 neg = _mm256_set1_ps(-0.f);  // -x2 flips the sign, as PyTorch's neg
+  for (; i + 8 <= half; i += 8) {
+    const __m256 c = round_to8<T>(_mm256_loadu_ps(cos + i));
+    const __m256 s = round_to8<T>(_mm256_loadu_ps(sin + i));
+    const __m256 x1 = load8(x + i), x2 = load8(x + half + i);
+    const __m256 a = _mm256_add_ps(round_to8<T>(_mm256_mul_ps(x1, c)),
+                                   round_to8<T>(_mm256_mul_ps(_mm256_xor_ps(x2, neg), s)));
+    const __m256 b2 = _mm256_add_ps(round_to8<T>(_mm256_mul_ps(x2, c)),
+                                    round_to8<T>(_mm256_mul_ps(x1, s)));
+    store8(x + i, a);
+    store8(x + half + i, b2);
   }
 #endif
   for (; i < half; ++i) {

@@ -173,21 +173,6 @@ inline void dequant32_avx2(const uint8_t* qrow, int64_t k0, __m256 s, __m256 mn,
   }
 }
 
-// Rounds each lane to the nearest bf16 (ties to even), kept as float32 (finite lanes).
-inline __m256 round_bf16_avx2(__m256 v) {
-  const __m256i i = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(i, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(-65536)));
-}
-
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(c10::BFloat16* p, __m256 v) {  // round to nearest even, as .to(bfloat16)
-  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_avx2(v)), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-
 // As tile_dot (AVX-512), 8 lanes, tiles of up to 4 rows of x (kTile): two accumulators per
 // row (the 8-lane quarters 0, 2 and 1, 3 of each 32-chunk) so that a row's consecutive FMAs
 // do not wait on each other, the same two at every MT (a row's sums never depend on MT).
@@ -206,7 +191,7 @@ void tile_dot_avx2(const Packed& w, int64_t n, const T* x, float* out) {
       __m256 wv[4];
       dequant32_avx2<BITS>(qrow, k0, s, mn, wv);
       for (int i = 0; i < 4; ++i) {
-        if constexpr (!std::is_same_v<T, float>) wv[i] = round_bf16_avx2(wv[i]);
+        if constexpr (!std::is_same_v<T, float>) wv[i] = round_bf16_8(wv[i]);
         for (int m = 0; m < MT; ++m)
           acc[m][i % P] = _mm256_fmadd_ps(load8(x + m * K + k0 + 8 * i), wv[i], acc[m][i % P]);
       }

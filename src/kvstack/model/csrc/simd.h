@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -100,6 +101,34 @@ static inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Each lane rounded to the nearest bf16 (ties to even) and kept as float32; NaN becomes the
+// quiet NaN 0x7FC0, as c10::BFloat16 does.
+static inline __m256 round_bf16_8(__m256 v) {
+  const __m256i i = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(i, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(-65536)));
+  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// Rounds each lane to the nearest T value (identity for float; bf16 round trip).
+template <typename T>
+static inline __m256 round_to8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return round_bf16_8(v);
+  }
+}
+
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8(c10::BFloat16* p, __m256 v) {  // as .to(bfloat16)
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(v)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
 // exp(x) for 8 lanes, the same method and constants as exp512 (2^n by adding n to the
