@@ -76,8 +76,7 @@ class LLMEngine:
             mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs, self.kv_groups
         )
         codec = self.kv_storage.codec
-        # A sliding window with an encoded or pressed cache: one clear error (model/window.py).
-        check_window_support(mc, None if codec.identity else cc.kv_cache_dtype, cc.kv_press)
+        check_window_support(mc, cc.kv_press)  # a pressed window: one clear error
         self.kv_bytes_per_token = (
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size

@@ -4,6 +4,7 @@ codec gives the same greedy tokens with prefix reuse and preemption as without."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,36 @@ def test_kivi_keys_per_channel_values_per_token_and_residual() -> None:
     codec.on_block_freed(1)
     assert len(codec.free_res) == 2 and codec.filled[1] == 0
     codec.check_integrity()
+
+
+def test_kivi_residual_slots_under_chunks_and_kv_groups() -> None:
+    """A chunk that completes one block and starts the next hands its residual slot on
+    (every sequence at once: 2 sequences, 3 slots); with KV groups (hybrid manager) each
+    group has its own plan, written in interleaved layers, and its own slots."""
+    codec = Kivi2Codec(SHAPE, torch.float32, max_num_seqs=2)
+    assert codec.capacity == 3
+    x = rows(32)
+    first = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25])
+    second = torch.tensor([10, 11, 12, 13, 14, 15, 32, 33, 26, 27, 28, 29, 30, 31, 48, 49])
+    for slots in (first, second):  # blocks 0, 1 filling; then filled, and 2, 3 start
+        for layer in (0, 1):
+            codec.write(layer, slots, x[: len(slots)], x[: len(slots)])
+        codec.check_integrity()
+    assert codec.residual_of[[0, 1, 2, 3]].tolist()[:2] == [-1, -1]
+    k, _ = codec.gather(1, torch.tensor([2, 3]))
+    assert torch.equal(k[0, :2], x[6:8]) and torch.equal(k[1, :2], x[14:16])  # exact
+    grouped = Kivi2Codec(replace(SHAPE, num_groups=2), torch.float32, max_num_seqs=1)
+    assert grouped.capacity == 3
+    for slots in (torch.arange(10), torch.arange(10, 20)):  # group 0: blocks 0, 1
+        other = slots + 32  # group 1: blocks 2, 3
+        grouped.write(0, slots, x[:10], x[:10], group=0)
+        grouped.write(0, other, x[10:20], x[10:20], group=1)  # group 1's plan ...
+        grouped.write(1, slots, x[:10], x[:10], group=0)  # ... leaves group 0's alone
+        assert grouped.kernel_view(1, group=0) is not None
+        grouped.write(1, other, x[10:20], x[10:20], group=1)
+        grouped.check_integrity()
+    k, _ = grouped.gather(1, torch.tensor([1, 3]))
+    assert torch.equal(k[0, :4], x[6:10]) and torch.equal(k[1, :4], x[16:20])
 
 
 def test_bytes_per_token_and_capacity() -> None:

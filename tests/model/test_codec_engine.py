@@ -59,7 +59,7 @@ def test_greedy_tokens_unchanged_by_the_kernel(
     before = kernels_mod.fallback_counts().get(key, 0)
     fused = _generate(tiny64, codec, "float32")
     assert kernels_mod.fallback_counts().get(key, 0) == before, "the kernel path was not taken"
-    monkeypatch.setattr(CODECS.get(codec), "kernel_view", lambda self, layer: None)
+    monkeypatch.setattr(CODECS.get(codec), "kernel_view", lambda self, layer, group=0: None)
     reference = _generate(tiny64, codec, "float32")
     assert kernels_mod.fallback_counts().get(key, 0) > before, "the reference path was not taken"
     assert fused == reference
@@ -74,7 +74,7 @@ def test_kivi2_tokens_unchanged_by_chunking_prefix_hits_and_preemption(
     the greedy tokens of 10-token chunks, prefix hits and recompute after preemption in
     8 blocks. (Before, a row saw its own block quantized iff its step filled it.)"""
     if path == "reference":
-        monkeypatch.setattr(CODECS.get("kivi2"), "kernel_view", lambda self, layer: None)
+        monkeypatch.setattr(CODECS.get("kivi2"), "kernel_view", lambda self, layer, group=0: None)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = {"dtype": "float32", "kv_cache_dtype": "kivi2", "max_num_seqs": 3}
     plain = LLM(str(tiny64), prefix_cache="none", num_blocks=64, **kw)
@@ -99,7 +99,7 @@ def test_a_codec_without_a_kernel_view_warns_once_and_counts(
     tiny64: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(kernels_mod, "_fallbacks", Counter())
-    monkeypatch.setattr(CODECS.get("int4"), "kernel_view", lambda self, layer: None)
+    monkeypatch.setattr(CODECS.get("int4"), "kernel_view", lambda self, layer, group=0: None)
     with caplog.at_level(logging.WARNING, logger="kvstack.kernels"):
         _generate(tiny64, "int4", "float32")
     warned = [r for r in caplog.records if "paged_decode_attention" in r.getMessage()]

@@ -6,8 +6,8 @@ Greedy tokens with one block table per group equal those with one table for all 
 (``--disable-hybrid-kv-cache-manager``, itself checked against transformers in
 ``test_sliding_window.py`` / ``test_gemma3.py``) batched, on prefix hits, in chunks
 shorter and longer than the window, preempted, and with n-gram speculation; the window
-groups hold fewer pages; per-token KV codecs under windows; ``check_integrity()`` after
-every step; offload tiers (logical blocks of every group's page); what is refused.
+groups hold fewer pages; per-token KV codecs and kivi2 under windows; ``check_integrity()``
+after every step; offload tiers (logical blocks of every group's page); what is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from kvstack import LLM, SamplingParams
 from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.kv.codecs import CODECS
 from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.testing.families import tiny_family_config
@@ -94,6 +95,7 @@ def steps(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], dict[str,
                 split = dict(out.cached_tokens_by_tier or {})
                 done[out.request_id] = (list(out.outputs[0].token_ids), split)
         engine.kv_manager.check_integrity()
+        engine.kv_storage.codec.check_integrity()
         if engine.connector is not None:
             engine.connector.check_integrity()
     engine.scheduler.check_integrity()
@@ -185,6 +187,51 @@ def test_per_token_codecs_with_windows(model: Path, prompts: list[list[int]], co
     assert chunked == one
 
 
+@pytest.fixture(scope="module")
+def gemma_interleaved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 with 2 global and 4 window layers (head_dim 256: kivi2 takes it): 3 groups
+    of 2 layers, interleaved (layer 5 is the full group's slot 1, after group 2's slot 0)."""
+    pytest.importorskip("transformers")  # the pattern lives in an HF folder's layer_types
+    from kvstack.testing.families import write_transformers_folder
+    from kvstack.testing.gemma3 import transformers_gemma3
+
+    cfg = tiny_gemma3_config(
+        num_layers=6, window_layers=(True, True, False, True, True, False),
+        query_pre_attn_scalar=256.0,
+    )  # fmt: skip
+    hf = transformers_gemma3(cfg, random_gemma3_weights(cfg, seed=5))
+    path = tmp_path_factory.mktemp("gemma-interleaved") / "hf"
+    return write_transformers_folder(path, hf, cfg.vocab_size)
+
+
+def test_kivi2_with_windows(
+    gemma_interleaved: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kivi2 (a block encoded when it fills, its rows read exactly until then) keeps a write
+    plan and residual slots per KV group: the hybrid manager gives one table's tokens in
+    one batch, on prefix hits, in chunks of 5 and 13 and preempted in the smallest pool;
+    the C++ codec kernel gives the PyTorch reference path's tokens."""
+    model, kw = gemma_interleaved, {"kv_cache_dtype": "kivi2"}
+    one, _ = run(model, prompts, disable_hybrid_kv_cache_manager=True, **kw)
+    hybrid, llm = run(model, prompts, **kw)
+    groups = llm.engine.kv_groups
+    assert groups is not None and (groups.num_groups, groups.layers_per_page) == (3, 2)
+    assert hybrid == one, "batched"
+    again, _ = run(model, prompts + prompts, **kw)
+    assert again == one + one, "prefix hits"
+    for budget in (5, 13):
+        chunked, _ = run(model, prompts, max_num_batched_tokens=budget, max_num_seqs=3, **kw)
+        assert chunked == one, f"chunks of {budget}"
+    need = llm.engine.kv_manager.num_blocks_for(max(PROMPT_LENS) + NEW) + 1
+    small, tight = run(model, prompts, num_blocks=-(-need // groups.num_groups),
+                       max_num_seqs=6, max_num_batched_tokens=8, **kw)  # fmt: skip
+    assert small == one, "small pool"
+    assert tight.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
+    monkeypatch.setattr(CODECS.get("kivi2"), "kernel_view", lambda self, layer, group=0: None)
+    reference, _ = run(model, prompts, **kw)
+    assert reference == one, "the reference path"
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_offload_tiers_with_windows(
     model: Path, prompts: list[list[int]], reference: list[list[int]], tmp_path: Path, tier: str
@@ -220,8 +267,6 @@ def test_offload_tiers_with_windows(
 def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--prefix-cache radix"):
         LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
-    with pytest.raises(ConfigError, match="kivi2"):
-        LLM(str(model), dtype="float32", num_blocks=32, kv_cache_dtype="kivi2")
     tiny = LLM(str(model), dtype="float32", num_blocks=2, block_size=BS)
     with pytest.raises(InvalidRequestError, match=r"needs .* KV pages .* but the cache has only"):
         tiny.generate(prompt_token_ids=[list(range(3, 60))], sampling_params=greedy())

@@ -156,10 +156,10 @@ def test_greedy_matches_transformers(
     _check("preempted", refs, outs)
 
 
-def test_kivi2_and_presses_are_refused_with_a_window(tiny: Tiny) -> None:
-    with pytest.raises(ConfigError, match=r"sliding-window attention.*--kv-cache-dtype kivi2"):
-        check_window_support(tiny.config, "kivi2", None)  # (this model's head_dim 16: no kivi2)
-    check_window_support(tiny.config, "int8", None)  # per-token codecs read windows
+def test_presses_are_refused_with_a_window(tiny: Tiny) -> None:
+    check_window_support(tiny.config, None)  # every codec reads windows
+    with pytest.raises(ConfigError, match=r"sliding-window attention.*--kv-press"):
+        check_window_support(tiny.config, "snapkv")
     with pytest.raises(ConfigError, match=r"sliding-window attention.*--kv-press"):
         LLM(str(tiny.folder), dtype="float32", num_blocks=32, kv_press="snapkv")
     llm = LLM(str(tiny.folder), dtype="float32", num_blocks=32)

@@ -26,9 +26,9 @@ tagged with the group.
 Pins hold every page a hit of the whole pinned prefix needs. Offload tiers store and load
 *logical* blocks (every group's page of one block index; ``kv/tiers/connector.py``).
 Not supported yet (refused: ``hybrid_support.py`` at startup, or here): the radix prefix
-cache, presses and kivi2 (refused with windows already); a contiguous layout. Per-token
-KV codecs work. Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks``
-counts pages.
+cache, presses (refused with windows already); a contiguous layout. Every KV codec works
+(kivi2 keeps its write plans and residual slots per group: ``kv/codecs/kivi.py``).
+Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ class HybridKVManager(PagedCommon):
 
     # ------------------------------------------------------------------ not with groups
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
-        """A codec hears of pages whose contents die (kivi2, refused with windows)."""
+        """A codec hears of pages whose contents die (kivi2 frees a filling page's residual)."""
         self.pool.on_plain_free = hook
 
     def allocate_blocks(self, n: int) -> list[int] | None:

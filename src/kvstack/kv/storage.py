@@ -39,6 +39,7 @@ class LayerCache:
     k: torch.Tensor | None  # [num_blocks, bs, kv_heads, head_dim] when identity
     v: torch.Tensor | None
     slot: int = -1  # the layer's index in the storage (hybrid: in its group's pages)
+    group: int = 0  # the KV group whose pages hold it (hybrid KV manager)
 
     def __post_init__(self) -> None:
         if self.slot < 0:
@@ -51,7 +52,7 @@ class LayerCache:
     @property
     def kernel_view(self) -> KernelView | None:
         """How the C++ codec attention reads this layer in place (None: it cannot)."""
-        return None if self.k is not None else self.codec.kernel_view(self.slot)
+        return None if self.k is not None else self.codec.kernel_view(self.slot, self.group)
 
     @property
     def per_token_view(self) -> KernelView | None:
@@ -64,7 +65,7 @@ class LayerCache:
     ) -> bool:
         """Store new K/V rows ``[T, kv_heads, head_dim]`` of this layer at ``slots``;
         whether ``kernels`` did it (``KVCodec.write``)."""
-        return self.codec.write(self.slot, slots, k, v, kernels)
+        return self.codec.write(self.slot, slots, k, v, kernels, self.group)
 
     def gather(
         self, block_ids: torch.Tensor, kernels: Any = None
@@ -95,7 +96,8 @@ class LayerCache:
         """K, V of whole blocks as the rows inside them read them (``KVCodec.gather_own``)."""
         if self.k is not None and self.v is not None:
             return self.k[block_ids], self.v[block_ids]
-        return self.codec.overlay_own(self.slot, block_ids, *self.gather(block_ids, kernels))
+        k, v = self.gather(block_ids, kernels)
+        return self.codec.overlay_own(self.slot, block_ids, k, v, self.group)
 
     def overlay_own(
         self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -103,7 +105,7 @@ class LayerCache:
         """Gathered blocks (``gather``) turned into ``gather_own``'s (``KVCodec.overlay_own``)."""
         if self.k is not None:
             return k, v
-        return self.codec.overlay_own(self.slot, block_ids, k, v)
+        return self.codec.overlay_own(self.slot, block_ids, k, v, self.group)
 
 
 class KVStorage:
@@ -125,6 +127,7 @@ class KVStorage:
         self.dtype = dtype
         self.groups = groups
         self._slots = groups.layer_slots() if groups is not None else None
+        self._groups = groups.layer_groups() if groups is not None else None
         self.shape = self.cache_shape(config, num_blocks, block_size, groups)
         self.codec: KVCodec = codec_class(codec)(self.shape, dtype, max_num_seqs)
         ident = isinstance(self.codec, IdentityCodec) and self.codec.identity
@@ -136,8 +139,14 @@ class KVStorage:
     def cache_shape(
         config: ModelConfig, num_blocks: int, block_size: int, groups: KVGroups | None = None
     ) -> CacheShape:
-        layers = config.num_layers if groups is None else groups.layers_per_page
-        return CacheShape(layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        if groups is None:
+            return CacheShape(
+                config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim
+            )
+        return CacheShape(
+            groups.layers_per_page, num_blocks, block_size, config.num_kv_heads,
+            config.head_dim, groups.num_groups,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
@@ -195,10 +204,11 @@ class KVStorage:
         cache = views[1].get(layer)
         if cache is None:
             slot = layer if self._slots is None else self._slots[layer]
+            group = 0 if self._groups is None else self._groups[layer]
             if self._k is not None and self._v is not None:
-                cache = LayerCache(layer, self.codec, self._k[slot], self._v[slot], slot)
+                cache = LayerCache(layer, self.codec, self._k[slot], self._v[slot], slot, group)
             else:
-                cache = LayerCache(layer, self.codec, None, None, slot)
+                cache = LayerCache(layer, self.codec, None, None, slot, group)
             views[1][layer] = cache
         return cache
 

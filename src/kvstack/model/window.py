@@ -17,7 +17,8 @@ Every path applies it: the C++ ``paged_attention`` starts each row at key ``max(
 W)`` (``csrc/paged_attention.cpp``), the PyTorch decode path adds ``-inf`` to the older
 slots (``decode_window_bias``) and prefill SDPA takes ``prefill_window_mask``. KV slots
 equal positions here: presses (which drop slots) are refused with a window
-(``check_window_support``), as is kivi2; the per-token codecs' kernel takes the window.
+(``check_window_support``); every KV codec's kernel takes the window (kivi2 included: a
+row's own block stays exact, its window's earlier blocks are read from their codes).
 
 Memory: the hybrid KV manager (``kv/hybrid.py``, the default with a window) gives window
 layers their own block tables and frees the blocks older than every window (table entry:
@@ -49,19 +50,13 @@ def decode_window_bias(bias: torch.Tensor, lens: torch.Tensor, window: int) -> t
     return bias.masked_fill(old, float("-inf"))
 
 
-def check_window_support(config: ModelConfig, codec: str | None, press: str | None) -> None:
+def check_window_support(config: ModelConfig, press: str | None) -> None:
     """``ConfigError`` at startup when the model slides a window and the KV cache is
-    kivi2-encoded (its per-block residual and own-block reads are not window-aware) or
-    pressed (``--kv-press``: presses do not know which keys a window hides). The per-token
-    codecs (int8, fp8, int4, rotated4, bf16) read windows like ``auto``: the codec kernel
-    starts each row at its window."""
+    pressed (``--kv-press``: presses do not know which keys a window hides). Every codec
+    reads windows like ``auto``: the codec kernel starts each row at its window, the
+    PyTorch paths mask the older keys."""
     if not config.has_window:
         return
     what = f"sliding-window attention (sliding_window {config.sliding_window})"
-    if codec == "kivi2":
-        raise ConfigError(
-            f"{config.name}: {what} is not supported with --kv-cache-dtype {codec}; "
-            "use auto or a per-token codec (int8, fp8, int4, rotated4)"
-        )
     if press is not None:
         raise ConfigError(f"{config.name}: {what} is not supported with --kv-press {press}")

@@ -44,11 +44,15 @@ class KernelView:
 
 @dataclass(frozen=True)
 class CacheShape:
+    """``num_layers`` storage layers (hybrid KV manager: the layers of one page, shared by
+    ``num_groups`` groups whose pages come from one pool of ``num_blocks``)."""
+
     num_layers: int
     num_blocks: int
     block_size: int
     num_kv_heads: int
     head_dim: int
+    num_groups: int = 1
 
 
 class KVCodec(abc.ABC):
@@ -90,10 +94,18 @@ class KVCodec(abc.ABC):
 
     @abc.abstractmethod
     def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kernels: Any = None,
+        group: int = 0,
     ) -> bool:
         """Store rows ``k, v`` ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``; returns
-        whether the C++ ``kernels`` (when given) did it (kivi2) rather than PyTorch."""
+        whether the C++ ``kernels`` (when given) did it (kivi2) rather than PyTorch.
+        ``group``: the KV group whose pages ``slots`` point into (hybrid KV manager; the
+        layers of one group see the same ``slots`` in a step, other groups other pages)."""
 
     @abc.abstractmethod
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,14 +115,16 @@ class KVCodec(abc.ABC):
     def tensors(self) -> list[torch.Tensor]:
         """Every block-indexed tensor, ``[num_layers, num_blocks, ...]``."""
 
-    def gather_own(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_own(
+        self, layer: int, block_ids: torch.Tensor, group: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks as the rows inside them read them, right after this step
-        wrote ``layer`` (``own_block_exact``); by default the same as ``gather``."""
-        return self.overlay_own(layer, block_ids, *self.gather(layer, block_ids))
+        wrote ``layer`` of ``group`` (``own_block_exact``); by default ``gather``'s."""
+        return self.overlay_own(layer, block_ids, *self.gather(layer, block_ids), group=group)
 
-    def kernel_view(self, layer: int) -> KernelView | None:
-        """How the C++ attention reads ``layer`` in place, or None: attention then takes
-        the PyTorch path (``gather``), counted as a ``kernel_fallback``."""
+    def kernel_view(self, layer: int, group: int = 0) -> KernelView | None:
+        """How the C++ attention reads ``layer`` (of ``group``'s pages) in place, or None:
+        attention then takes the PyTorch path (``gather``), counted as a ``kernel_fallback``."""
         return None
 
     def per_token_view(self, layer: int) -> KernelView | None:
@@ -128,7 +142,12 @@ class KVCodec(abc.ABC):
         return self.per_token_view(layer)
 
     def overlay_own(
-        self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        block_ids: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Turns the gathered blocks ``k, v`` (``gather`` of ``block_ids``) into what
         ``gather_own`` returns, in place where it can; by default they are the same."""

@@ -37,7 +37,13 @@ class IdentityCodec(KVCodec):
         return 2 * head_dim * (cls.store_dtype.itemsize if cls.store_dtype else act_itemsize)
 
     def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kernels: Any = None,
+        group: int = 0,
     ) -> bool:
         self.k_slots[layer].index_copy_(0, slots, k.to(self.k.dtype))
         self.v_slots[layer].index_copy_(0, slots, v.to(self.v.dtype))
@@ -46,7 +52,7 @@ class IdentityCodec(KVCodec):
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][block_ids].to(self.dtype), self.v[layer][block_ids].to(self.dtype)
 
-    def kernel_view(self, layer: int) -> KernelView | None:
+    def kernel_view(self, layer: int, group: int = 0) -> KernelView | None:
         """bf16 storage under a float32 model (``bf16``); None for ``auto``, which
         attention reads in place as plain tensors."""
         if self.identity or self.k.dtype != torch.bfloat16:

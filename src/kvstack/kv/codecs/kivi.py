@@ -29,6 +29,16 @@ Every row of a step lies in a block the step wrote, so the full-precision rows o
 row's own block are the write's ``[blocks touched, bs, H, d]`` buffer of the layer
 (residual rows + this step's rows), kept until the next layer's write (``gather_own``;
 the kernel reads it as its residual pool through ``step_index``).
+
+Under the hybrid KV manager (``kv/groups.py``: sliding-window models) the storage's layers
+are the ``num_layers`` slots of a page and each of the ``num_groups`` groups writes its own
+pages, with its own slot mapping, in layers interleaved with the other groups' (Gemma 3:
+group 1's slots 0-2 are layers 0-2, group 0's slot 0 is layer 5). So everything that
+belongs to a step is kept per group: the write plan (made at the group's slot 0), the
+``step_index`` row and the residual slots to release after the group's last slot. A
+request has one filling page per group: ``num_groups * max_num_seqs + 1`` residual slots.
+A window group frees only full pages (whose codes a window may still read partly: the
+kernels start a row at its window).
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ class _WritePlan:
     done_blocks: torch.Tensor  # ... and their block ids
     live_pos: torch.Tensor  # positions of the blocks still filling after this step ...
     live_slots: torch.Tensor  # ... and their residual slots
+    release: list[int]  # residual slots freed once every layer of the group has read them
 
 
 class Kivi2Codec(KVCodec):
@@ -80,11 +91,18 @@ class Kivi2Codec(KVCodec):
         value_params = 4 * head_dim / V_GROUP
         return codes + key_params + value_params
 
+    @staticmethod
+    def residual_slots(shape: CacheShape, max_num_seqs: int) -> int:
+        """One filling block per sequence and KV group, plus one for a press compaction in
+        flight (the request's old partial block is freed only after its new blocks are
+        written)."""
+        return shape.num_groups * max_num_seqs + 1
+
     @classmethod
     def fixed_bytes(cls, shape: CacheShape, max_num_seqs: int, act_itemsize: int) -> int:
         s = shape
         per_slot = 2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim * act_itemsize
-        return (max_num_seqs + 1) * per_slot
+        return cls.residual_slots(shape, max_num_seqs) * per_slot
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, max_num_seqs: int = 0) -> None:
         super().__init__(shape, dtype, max_num_seqs)
@@ -96,21 +114,18 @@ class Kivi2Codec(KVCodec):
         self.k_params = torch.zeros((L, N, H, d, 2), dtype=torch.bfloat16)  # per channel
         self.v_codes = torch.zeros((L, N, bs, H, d * BITS // 8), dtype=torch.uint8)
         self.v_params = torch.zeros((L, N, bs, H, d // V_GROUP * 2), dtype=torch.bfloat16)
-        # One filling block per sequence, plus one for a press compaction in flight (the
-        # request's old partial block is freed only after its new blocks are written).
-        self.capacity = cap = max_num_seqs + 1
+        self.capacity = cap = self.residual_slots(shape, max_num_seqs)
         self.res_k = torch.zeros((L, cap, bs, H, d), dtype=dtype)
         self.res_v = torch.zeros((L, cap, bs, H, d), dtype=dtype)
         self.residual_of = torch.full((N,), -1, dtype=torch.long)
         self.filled = [0] * N  # rows written into each block since it was (re)allocated
         self.free_res = list(range(cap - 1, -1, -1))
-        self._plan: _WritePlan | None = None
-        self._release: list[int] = []
+        self._plans: dict[int, _WritePlan] = {}  # per KV group, this step's
         # This step's touched blocks at full precision, for the last layer written:
-        # step_index[b] = row of block b in _step_k/_step_v, -1 if b was not written.
-        self.step_index = torch.full((N,), -1, dtype=torch.long)
+        # step_index[g, b] = row of group g's block b in _step_k/_step_v, -1 if not written.
+        self.step_index = torch.full((s.num_groups, N), -1, dtype=torch.long)
         self._no_step = torch.full((N,), -1, dtype=torch.long)
-        self._step_layer = -1
+        self._step_layer = (-1, -1)  # (group, layer) of the last write
         self._step_k = self._step_v = self.res_k[0, :0]
         self._gather_views: dict[int, KernelView] = {}
 
@@ -124,33 +139,39 @@ class Kivi2Codec(KVCodec):
 
     # ------------------------------------------------------------------ write
     def _make_plan(self, slots: torch.Tensor) -> _WritePlan:
+        """The step's plan for one group's ``slots``. A block this step fills gives its
+        residual slot back; a block that starts filling takes one, first from those given
+        back in this plan (safe: each layer's write copies every old slot's rows out
+        before it writes any live slot), so a request never holds two slots of a group,
+        even while one chunk completes its block and starts the next. Slots not reused go
+        back after the group's last layer (``release``). Checked before anything changes:
+        an exhausted pool raises with the codec untouched."""
         bs = self.shape.block_size
         block_of = slots // bs
         blocks, inverse, counts = torch.unique(block_of, return_inverse=True, return_counts=True)
         rows = (inverse * bs + slots % bs).to(torch.long)
-        old_res, new_res, complete = [], [], []
-        for b, n in zip(blocks.tolist(), counts.tolist(), strict=True):
-            if self.filled[b] >= bs:  # a full block written again: it was reallocated
-                self.filled[b] = 0
-            r = int(self.residual_of[b])
-            self.filled[b] += n
-            done = self.filled[b] >= bs
-            old_res.append(r)
-            complete.append(done)
-            if done:
-                if r >= 0:
-                    self._release.append(r)
-                self.residual_of[b] = -1
-                new_res.append(-1)
-            else:
-                if r < 0:
-                    if not self.free_res:
-                        raise RuntimeError(
-                            "kivi2 residual pool exhausted (more filling blocks than max_num_seqs)"
-                        )
-                    r = self.free_res.pop()
-                    self.residual_of[b] = r
-                new_res.append(r)
+        ids = blocks.tolist()
+        old_res = [int(r) for r in self.residual_of[blocks].tolist()]
+        # rows in each block after this step (a full block written again was reallocated)
+        after = [
+            (0 if self.filled[b] >= bs else self.filled[b]) + n
+            for b, n in zip(ids, counts.tolist(), strict=True)
+        ]
+        complete = [f >= bs for f in after]
+        reuse = [r for r, c in zip(old_res, complete, strict=True) if c and r >= 0]
+        need = sum(1 for r, c in zip(old_res, complete, strict=True) if not c and r < 0)
+        if need > len(reuse) + len(self.free_res):
+            raise RuntimeError(
+                "kivi2 residual pool exhausted (more filling blocks than max_num_seqs)"
+            )
+        new_res = []
+        for i, b in enumerate(ids):
+            self.filled[b] = after[i]
+            r = -1 if complete[i] else old_res[i]
+            if not complete[i] and r < 0:
+                r = reuse.pop() if reuse else self.free_res.pop()
+            self.residual_of[b] = r
+            new_res.append(r)
         old = [i for i, r in enumerate(old_res) if r >= 0]
         done = [i for i, c in enumerate(complete) if c]
         live = [i for i, c in enumerate(complete) if not c]
@@ -167,22 +188,30 @@ class Kivi2Codec(KVCodec):
             blocks[idx(done)],
             idx(live),
             idx([new_res[i] for i in live]),
+            reuse,
         )
 
     def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kernels: Any = None,
+        group: int = 0,
     ) -> bool:
         """This step's rows into their blocks: a block the step fills is quantized, one
         still filling keeps its rows in a residual slot. With the C++ ``kernels``, each of
-        K and V in one pass (``csrc/kivi2_write.cpp``, the same bits); else PyTorch."""
+        K and V in one pass (``csrc/kivi2_write.cpp``, the same bits); else PyTorch.
+        A group's slot 0 starts its step (``slots`` are the same for its other slots)."""
         s = self.shape
         if layer == 0:
-            if self._plan is not None:  # the previous step's blocks
-                self.step_index[self._plan.blocks] = -1
-            self._plan = self._make_plan(slots)
-            self.step_index[self._plan.blocks] = torch.arange(self._plan.blocks.numel())
-        plan = self._plan
-        assert plan is not None
+            old = self._plans.get(group)
+            if old is not None:  # the group's previous step's blocks
+                self.step_index[group, old.blocks] = -1
+            plan = self._plans[group] = self._make_plan(slots)
+            self.step_index[group, plan.blocks] = torch.arange(plan.blocks.numel())
+        plan = self._plans[group]
         n = plan.blocks.numel()
         steps = []
         native = kernels is not None
@@ -218,10 +247,10 @@ class Kivi2Codec(KVCodec):
             if plan.live_pos.numel():
                 res[layer].index_copy_(0, plan.live_slots, tmp.index_select(0, plan.live_pos))
         self._step_k, self._step_v = steps
-        self._step_layer = layer
+        self._step_layer = (group, layer)
         if layer == s.num_layers - 1:
-            self.free_res.extend(self._release)
-            self._release = []
+            self.free_res.extend(plan.release)
+            plan.release = []
         return native
 
     # ------------------------------------------------------------------ read
@@ -243,14 +272,19 @@ class Kivi2Codec(KVCodec):
         return k.view(tail), v.view(tail)
 
     def overlay_own(
-        self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        block_ids: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks as the rows inside them read them: this step's full-precision rows of a
-        block the step wrote at ``layer`` (even one it filled and quantized) replace the
-        gathered ones."""
-        if self._step_layer != layer:
+        block the step wrote at ``layer`` of ``group`` (even one it filled and quantized)
+        replace the gathered ones."""
+        if self._step_layer != (group, layer):
             return k, v
-        idx = self.step_index[block_ids]
+        idx = self.step_index[group, block_ids]
         live = idx >= 0
         if live.any():
             k[live] = self._step_k[idx[live]]
@@ -282,12 +316,12 @@ class Kivi2Codec(KVCodec):
             )
         return self._gather_views[layer]
 
-    def kernel_view(self, layer: int) -> KernelView | None:
+    def kernel_view(self, layer: int, group: int = 0) -> KernelView | None:
         """Codes and parameters in place; as the residual pool, the full-precision rows of
-        the blocks this step wrote at ``layer`` (``step_index``), which the kernel reads
-        for a row's own block only (the layer's last write; none before it)."""
-        if self._step_layer == layer:
-            return self._view(layer, self._step_k, self._step_v, self.step_index)
+        the blocks this step wrote at ``layer`` of ``group`` (``step_index``), which the
+        kernel reads for a row's own block only (the layer's last write; none before it)."""
+        if self._step_layer == (group, layer):
+            return self._view(layer, self._step_k, self._step_v, self.step_index[group])
         return self._view(layer, self.res_k[layer, :0], self.res_v[layer, :0], self._no_step)
 
     # ------------------------------------------------------------------ bookkeeping

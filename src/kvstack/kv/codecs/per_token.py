@@ -56,7 +56,13 @@ class PerTokenCodec(KVCodec):
         """Back to float32 rows ``[..., head_dim]``."""
 
     def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: Any = None
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kernels: Any = None,
+        group: int = 0,
     ) -> bool:
         """The PyTorch reference (the engine's C++ ``codec_write`` stores the same bits)."""
         for x, codes, params in (
@@ -80,7 +86,7 @@ class PerTokenCodec(KVCodec):
         """Channels per (scale, zero) pair in the kernel's view (0: the whole head)."""
         return 0
 
-    def kernel_view(self, layer: int) -> KernelView | None:
+    def kernel_view(self, layer: int, group: int = 0) -> KernelView | None:
         if layer not in self._views:
             self._views[layer] = self.build_kernel_view(layer)
         return self._views[layer]
