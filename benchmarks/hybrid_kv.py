@@ -8,8 +8,8 @@ per KV group, ``kv/hybrid.py``) and once with ``--disable-hybrid-kv-cache-manage
 table for all layers), ``--runs`` times each in turns. Reported per mode: KV bytes held
 at the end of decoding and at the peak (prefill chunks included: pages held x page
 bytes), TTFT and decode tok/s (medians), and whether the greedy tokens are equal. Next
-to them the planner's per-request figure (``kvstack plan``'s formula,
-``tools/plan/sizing.py``: full layers x context + window layers x min(context, W)).
+to them the planner's per-request figure (``kvstack plan``'s ``make_plan`` on the same
+shapes and block size: whole blocks, a window layer the blocks its next row can read).
 Then the cost in time: ``--batch-prompts`` prompts shorter than the window through both
 modes in turns (output tok/s, the ratio per run).
 
@@ -24,9 +24,13 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+import torch
+
 from bench_common import RESULTS_DIR, log, write_json
 from kvstack import LLM, SamplingParams
 from kvstack.tools.eval.corpus import reference_manual_text
+from kvstack.tools.plan.sizing import make_plan
+from kvstack.tools.plan.specs import ModelSpec, resolve_gpu
 from offline_throughput import machine_info
 
 
@@ -108,11 +112,20 @@ def batch_row(llms: dict[str, LLM], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def planner_bytes(llm: LLM, context: int) -> int:
-    """``kvstack plan``'s per-request KV: full layers x context + window layers x min(W, ctx)."""
+    """``kvstack plan``'s per-request KV (``make_plan``) for this engine's model shapes,
+    KV dtype and block size (the GPU and weights do not enter this figure)."""
     mc = llm.engine.model_config
     windows = [mc.layer_window(i) for i in range(mc.num_layers)]
-    per_layer_token = 2 * mc.num_kv_heads * mc.head_dim * llm.engine.dtype.itemsize
-    return per_layer_token * sum(context if w is None else min(context, w) for w in windows)
+    slides = [w for w in windows if w is not None]
+    spec = ModelSpec(
+        mc.name, mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+        num_params=1, max_position_embeddings=mc.max_position_embeddings,
+        sliding_window=max(slides) if slides else None, num_sliding_layers=len(slides),
+    )  # fmt: skip
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    plan = make_plan(spec, resolve_gpu("80GiB"), context, dtype[llm.engine.dtype],
+                     block_size=llm.engine.config.cache.block_size)  # fmt: skip
+    return plan.kv_bytes_per_request
 
 
 def main() -> None:

@@ -135,6 +135,31 @@ def test_sliding_window_caps_window_layers() -> None:
     assert any("sliding window" in n for n in p.notes)
 
 
+def test_window_layers_count_what_the_engine_holds(tmp_path: Path) -> None:
+    """Whole blocks, and of a window layer the blocks its next row can read: the engine's
+    own count (``KVGroups.pages_held``, checked against the hybrid manager's held pages in
+    tests/kv/test_hybrid.py). Gemma 3 270M's shapes: 15 of 18 layers slide with W = 512."""
+    from kvstack.kv.groups import KVGroups
+
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    cfg = {**LLAMA_31_8B_CONFIG, "num_hidden_layers": 18, "sliding_window": 512}
+    cfg |= {"layer_types": types, "num_params": 1, "num_key_value_heads": 1, "head_dim": 256}
+    spec = resolve_model(write(tmp_path, cfg))
+    groups = KVGroups.plan([512 if t == "sliding_attention" else None for t in types])
+    per_layer_token = 2 * 1 * 256 * 2
+    for context, block_size in ((4096, 16), (4097, 16), (4100, 16), (1000, 32), (300, 16)):
+        p = make_plan(spec, resolve_gpu("h100-80gb"), context, block_size=block_size)
+        pages = groups.pages_held(context, block_size)
+        want = pages * groups.layers_per_page * block_size * per_layer_token
+        assert p.kv_bytes_per_request == want, (context, block_size)
+    # 4,097 tokens: 257 blocks per full layer, 33 (528 tokens, not 512) per window layer
+    p = make_plan(spec, resolve_gpu("h100-80gb"), 4097)
+    assert p.kv_bytes_per_request == (3 * 257 + 15 * 33) * 16 * per_layer_token
+    assert any("hold 528 tokens at this context" in n for n in p.notes)
+    with pytest.raises(ConfigError, match="--block-size"):
+        make_plan(spec, resolve_gpu("h100-80gb"), 4097, block_size=0)
+
+
 def test_unknown_names_list_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"llama-3\.1-8b") as e:
         resolve_model("gpt-9")

@@ -34,6 +34,16 @@ from dataclasses import dataclass
 from math import gcd
 
 
+def blocks_held(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Blocks one layer of a sequence of ``num_tokens`` tokens holds while decoding: every
+    block, or for a window layer (the hybrid KV manager, ``kv/hybrid.py``) the blocks from
+    the first one its next row (position ``num_tokens``) can read: between ``W / bs`` and
+    ``(W - 1) / bs + 1``, i.e. up to ``W - 1 + block_size`` tokens."""
+    n = -(-num_tokens // block_size)
+    dead = 0 if window is None else max(0, num_tokens - window + 1) // block_size
+    return n - dead
+
+
 @dataclass(frozen=True)
 class KVGroup:
     """Layers sharing one block table; ``window`` None = full attention."""
@@ -96,9 +106,7 @@ class KVGroups:
         """Pages a sequence of ``num_tokens`` tokens holds while decoding (``kv/hybrid.py``
         frees what its next row, at position ``num_tokens``, cannot read): every block of
         a full group; of a window group, the blocks from ``first_live`` on."""
-        n = -(-num_tokens // block_size)
-        dead = [0 if w is None else max(0, num_tokens - w + 1) // block_size for w in self.windows]
-        return sum(n - d for d in dead)
+        return sum(blocks_held(num_tokens, w, block_size) for w in self.windows)
 
     def locate(self, layer: int) -> tuple[int, int]:
         """``(group, slot)`` of ``layer``."""

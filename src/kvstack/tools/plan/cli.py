@@ -38,6 +38,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="fraction of each request's tokens that is a shared cached prefix, in [0, 1)",
     )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV block (default 16): requests hold whole blocks, and a sliding-"
+        "window layer the blocks its next row can read, as the engine's paged cache does",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object with every figure")
     op = p.add_argument_group(
         "operator-level provisioning (OpScale) from a `kvstack profile` JSON, instead of "
@@ -65,6 +72,7 @@ def run_plan(args: argparse.Namespace) -> int:
         tp=args.tp,
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_hit_rate=args.prefix_hit_rate,
+        block_size=args.block_size,
     )
     for w in plan.warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -8,8 +8,13 @@ Formulas:
 * MLA (DeepSeek-V2 paper, arXiv:2405.04434 §2.1; DeepSeek-V3, arXiv:2412.19437 §2.1) caches one
   compressed latent of ``kv_lora_rank`` plus the decoupled RoPE key of ``qk_rope_head_dim`` per
   token per layer: no separate K/V, no heads (DeepSeek-V3: 61 × (512 + 64) × 2 B = 70,272 B).
-* Sliding-window layers hold at most W tokens: per-request KV = per-layer-token bytes ×
-  (full_layers × ctx + window_layers × min(ctx, W)).
+* Tokens are held in whole blocks of ``block_size`` (kvstack's and vLLM's paged cache;
+  default 16), and sliding-window layers hold only the blocks their next row can read, as
+  kvstack's hybrid KV manager frees them (``kv.groups.blocks_held``, the engine's own
+  count): per-request KV = per-layer-token bytes × block_size × (full_layers ×
+  ceil(ctx / bs) + window_layers × (ceil(ctx / bs) − floor((ctx − W + 1) / bs))), i.e.
+  ≈ full_layers × ctx + window_layers × min(ctx, W), at most ``block_size − 1`` tokens
+  more per layer. (A long prefill holds up to W − 1 + one chunk per window layer.)
 * Tensor parallelism (vLLM's rule): each GPU holds kv_heads / tp heads when kv_heads ≥ tp, else one
   replicated head; the MLA latent is replicated on every GPU. Weights are split evenly.
 * Reserve per GPU for activations, CUDA graphs and the allocator: max(1 GiB, 5 % of GPU memory).
@@ -28,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvstack.errors import ConfigError
+from kvstack.kv.groups import blocks_held
 from kvstack.tools.plan.specs import (
     DTYPE_BYTES,
     GiB,
@@ -70,6 +76,7 @@ class Plan:
     autoscale_kv_usage_threshold: float | None
     max_position_embeddings: int
     params_estimated: bool
+    block_size: int = 16  # requests hold whole blocks of this many tokens
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -83,12 +90,14 @@ def make_plan(
     tp: int = 1,
     gpu_memory_utilization: float = 0.9,
     prefix_hit_rate: float = 0.0,
+    block_size: int = 16,
 ) -> Plan:
     """Compute every figure of the plan (see the module docstring for the formulas)."""
     kv_dtype = check_dtype(kv_cache_dtype, "--kv-cache-dtype")
     w_dtype = check_dtype(weights_dtype or model.weights_dtype, "--weights-dtype")
     check_positive(context, "context")
     check_positive(tp, "--tp")
+    check_positive(block_size, "--block-size")
     check_positive(gpu.memory_bytes, "GPU memory")
     util = gpu_memory_utilization
     if not 0 < util <= 1:
@@ -118,14 +127,18 @@ def make_plan(
     n_win = model.num_sliding_layers
     n_full = model.num_layers - n_win
     w = model.sliding_window or 0
-    layer_tokens = n_full * context + n_win * min(context, w)
+    layer_tokens = block_size * (
+        n_full * blocks_held(context, None, block_size)
+        + n_win * blocks_held(context, w or None, block_size)
+    )
     if n_win:
         rate = f"the {n_full} full-attention layers" if n_full else "all layers, up to the window"
+        held = block_size * blocks_held(context, w, block_size)
         notes.append(
             f"{n_win} of {model.num_layers} layers use a {w:,}-token sliding window and hold "
-            f"at most {w:,} tokens; the per-token figure counts {rate} (kvstack's hybrid KV "
-            f"manager frees whole blocks: up to W - 1 + block_size tokens per window layer "
-            f"while decoding, W - 1 + one chunk during a long prefill)"
+            f"{held:,} tokens at this context (whole {block_size}-token blocks, as kvstack's "
+            f"hybrid KV manager frees them; up to W - 1 + one chunk during a long prefill); "
+            f"the per-token figure counts {rate}"
         )
     per_tok_layers = n_full or model.num_layers
     over = context > model.max_position_embeddings
@@ -179,6 +192,7 @@ def make_plan(
         autoscale_kv_usage_threshold=threshold,
         max_position_embeddings=model.max_position_embeddings,
         params_estimated=model.params_estimated,
+        block_size=block_size,
         notes=notes,
         warnings=warnings,
     )
