@@ -2,16 +2,14 @@
 
 A model with sliding-window layers gets one block table per group of layers unless
 ``--disable-hybrid-kv-cache-manager`` (vLLM's flag) or a layout other than ``paged``
-keeps one table for all layers. What the hybrid manager does not support yet is
-refused here at startup, with one error naming the option.
+keeps one table for all layers. What the hybrid manager does not support is refused
+at startup by ``HybridKVManager`` (and ``kv/hybrid_radix.py``), one error naming the option.
 """
 
 from __future__ import annotations
 
 from kvstack.config import EngineConfig
-from kvstack.errors import ConfigError
 from kvstack.kv.groups import KVGroups
-from kvstack.kv.hybrid import UNSUPPORTED
 from kvstack.model_config import ModelConfig
 
 
@@ -20,8 +18,6 @@ def plan_kv_groups(config: EngineConfig, mc: ModelConfig) -> KVGroups | None:
     cc = config.cache
     if not mc.has_window or cc.kv_layout != "paged" or cc.disable_hybrid_kv_cache_manager:
         return None
-    if cc.prefix_cache == "radix":
-        raise ConfigError(f"--prefix-cache radix is not supported {UNSUPPORTED}")
     return KVGroups.plan([mc.layer_window(i) for i in range(mc.num_layers)])
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvstack.errors import ConfigError, InvalidRequestError
 from kvstack.kv.base import cdiv
-from kvstack.kv.events import BlockStored
+from kvstack.kv.events import BlockRemoved, BlockStored
 from kvstack.kv.groups import KVGroups
 from kvstack.kv.hashing import hash_blocks, root_hash
 from kvstack.kv.hybrid import HybridKVManager
@@ -32,8 +32,22 @@ def req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     )
 
 
-def manager(windows: list[int | None], pages: int = 64, chunk: int = 64) -> HybridKVManager:
-    return HybridKVManager(KVGroups.plan(windows), pages, BS, chunk)
+def manager(
+    windows: list[int | None], pages: int = 64, chunk: int = 64, cache: str = "hash"
+) -> HybridKVManager:
+    return HybridKVManager(KVGroups.plan(windows), pages, BS, chunk, prefix_cache=cache)
+
+
+CACHES = pytest.mark.parametrize("cache", ["hash", "radix"])
+
+
+def evict(kv: HybridKVManager, key: bytes) -> None:
+    """Evict the cached page under ``key`` (as the pool would, chosen by the test)."""
+    assert kv.cache is not None
+    kv.cache.policy.on_remove(key)
+    block = kv.cache._detach(key)
+    block.block_hash = None
+    kv.pool.reclaim([block])
 
 
 def admit(kv: HybridKVManager, r: Request, chunk: int | None = None) -> int:
@@ -107,8 +121,9 @@ def test_long_prompts_allocate_only_what_a_chunk_reads() -> None:
     assert kv.num_blocks_for(100) == cdiv(W - 1 + 64, BS) + 1  # one table: 25
 
 
-def test_prefix_hits_need_the_window_blocks_only() -> None:
-    kv = manager([None, W], pages=200)
+@CACHES
+def test_prefix_hits_need_the_window_blocks_only(cache: str) -> None:
+    kv = manager([None, W], pages=200, cache=cache)
     a = req("a", list(range(40)))
     admit(kv, a)
     kv.free(a)
@@ -121,10 +136,7 @@ def test_prefix_hits_need_the_window_blocks_only() -> None:
     assert cache is not None
     root = root_hash()
     for h in hash_blocks(list(range(40)), BS, root)[:5]:
-        block = cache.table.pop(h + bytes((1,)))
-        cache.policy.on_remove(h + bytes((1,)))
-        block.block_hash = None
-        kv.pool.reclaim([block])
+        evict(kv, h + bytes((1,)))
     kv.check_integrity()
     c = req("c", [*range(40), 9])
     assert admit(kv, c) == 40
@@ -139,8 +151,9 @@ def test_prefix_hits_need_the_window_blocks_only() -> None:
     kv.check_integrity()
 
 
-def test_the_hit_is_a_fixpoint_over_window_groups() -> None:
-    kv = manager([None, 2 * BS + 1, 3 * BS + 1], pages=300)
+@CACHES
+def test_the_hit_is_a_fixpoint_over_window_groups(cache: str) -> None:
+    kv = manager([None, 2 * BS + 1, 3 * BS + 1], pages=300, cache=cache)
     toks = list(range(48))
     admit(kv, req("a", toks))
     kv.free("a")
@@ -148,11 +161,7 @@ def test_the_hit_is_a_fixpoint_over_window_groups() -> None:
     hashes = hash_blocks(toks, BS, root_hash())
     assert kv.cache is not None
     for g, i in drop:
-        key = hashes[i] + bytes((g,))
-        block = kv.cache.table.pop(key)
-        kv.cache.policy.on_remove(key)
-        block.block_hash = None
-        kv.pool.reclaim([block])
+        evict(kv, hashes[i] + bytes((g,)))
     hit = admit(kv, req("b", [*toks, 1]))
     # group 1 (window 9: needs blocks L-3..L-1) fails for L in 10..12 (block 9), group 2
     # (window 13: blocks L-4..L-1) fails for L in 9..12: L = 8 both serve.
@@ -160,8 +169,9 @@ def test_the_hit_is_a_fixpoint_over_window_groups() -> None:
     kv.check_integrity()
 
 
-def test_rollback_and_free_return_every_page() -> None:
-    kv = manager([None, W], pages=40)
+@CACHES
+def test_rollback_and_free_return_every_page(cache: str) -> None:
+    kv = manager([None, W], pages=40, cache=cache)
     r = req("r", list(range(13)))
     admit(kv, r)
     before = kv.num_held_pages("r")
@@ -191,9 +201,10 @@ def test_no_room_changes_nothing_and_dead_blocks_count_as_room() -> None:
     kv.check_integrity()
 
 
-def test_random_traffic_keeps_integrity() -> None:
+@CACHES
+def test_random_traffic_keeps_integrity(cache: str) -> None:
     rng = random.Random(5)
-    kv = manager([None, W, None, W], pages=120)
+    kv = manager([None, W, None, W], pages=120, cache=cache)
     live: dict[str, Request] = {}
     for step in range(300):
         if live and rng.random() < 0.3:
@@ -243,9 +254,40 @@ def test_events_name_full_group_blocks_only() -> None:
     only_windows.check_integrity()
 
 
+def test_radix_keeps_the_full_group_in_the_tree_and_window_pages_apart() -> None:
+    """--prefix-cache radix: group 0 (full) in the token tree, held along a running
+    request's path; its window pages, freed while it decodes, are evictable at once (a
+    "tombstone" in SGLang's SWA radix cache): another request's allocation evicts them,
+    never the tree's pages, and no event names them."""
+    kv = manager([None, W], pages=25, cache="radix")  # 24 usable pages
+    seen: list[object] = []
+    kv.events.subscribe(seen.append)
+    a = req("a", list(range(40)))
+    admit(kv, a)
+    decode(kv, a, 1)  # rows from 41 read keys >= 34: window blocks 0..7 die, stay cached
+    cache = kv.cache
+    assert cache is not None and cache.num_evictable == 8
+    admit(kv, req("b", [500 + i for i in range(12)]))  # 6 pages: 2 free, 4 evicted
+    assert cache.num_evictable == 4 and kv.num_free_blocks == 4
+    assert not [e for e in seen if isinstance(e, BlockRemoved)], "window pages have no events"
+    assert len(cache.cached_hashes()) == 10 + 3  # a's and b's full blocks, in the tree
+    stored = [e for e in seen if isinstance(e, BlockStored)]
+    assert stored[0].token_ids == list(range(40)) and len(stored[0].block_hashes) == 10
+    kv.free("a")
+    kv.free("b")
+    assert admit(kv, req("c", [*range(40), 7])) == 40  # blocks 8, 9 of the window: cached
+    # The window pages evicted were blocks 7..4 (a freed them newest first; LRU takes the
+    # first released): a 20-token hit needs window blocks 3 and 4, so it falls back to 16
+    # tokens (blocks 2 and 3); matching d's tokens split a's tree node after block 5.
+    assert admit(kv, req("d", [*range(20), 900, 901, 902, 903, 1])) == 16
+    kv.check_integrity()
+
+
 def test_what_is_refused() -> None:
-    with pytest.raises(ConfigError, match="--prefix-cache radix"):
-        HybridKVManager(KVGroups.plan([None, W]), 16, BS, 16, prefix_cache="radix")
+    with pytest.raises(ConfigError, match=r"--prefix-cache radix .* needs a full-attention"):
+        HybridKVManager(KVGroups.plan([W, 2 * W]), 16, BS, 16, prefix_cache="radix")
+    with pytest.raises(ConfigError, match="--prefix-cache lru_tree"):
+        HybridKVManager(KVGroups.plan([None, W]), 16, BS, 16, prefix_cache="lru_tree")
     kv = manager([None, W])
     with pytest.raises(InvalidRequestError, match="at least one full block"):
         kv.check_pinnable(BS - 1)

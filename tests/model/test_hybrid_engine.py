@@ -7,7 +7,8 @@ Greedy tokens with one block table per group equal those with one table for all 
 ``test_sliding_window.py`` / ``test_gemma3.py``) batched, on prefix hits, in chunks
 shorter and longer than the window, preempted, and with n-gram speculation; the window
 groups hold fewer pages; per-token KV codecs and kivi2 under windows; ``check_integrity()``
-after every step; offload tiers (logical blocks of every group's page); what is refused.
+after every step; offload tiers (logical blocks of every group's page); the radix prefix cache;
+what is refused.
 """
 
 from __future__ import annotations
@@ -264,9 +265,46 @@ def test_offload_tiers_with_windows(
         assert small.engine.connector is not None and small.engine.connector.flush(30)
 
 
+def test_radix_prefix_cache_with_windows(
+    model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """--prefix-cache radix (group 0 in the token tree, window pages by key): the tokens
+    of one table batched, on prefix hits (the hits the hash cache takes), in chunks and
+    preempted in the smallest pool; a model whose every layer slides is refused."""
+    probe = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64)
+    groups = probe.engine.kv_groups
+    assert groups is not None
+    if groups.windows[0] is not None:  # Mistral
+        with pytest.raises(ConfigError, match=r"radix .* needs a full-attention layer"):
+            LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
+        return
+    tokens, _ = run(model, prompts, prefix_cache="radix")
+    assert tokens == reference, "batched"
+    again, llm = run(model, prompts + prompts, prefix_cache="radix", max_num_seqs=1)
+    assert again == reference + reference, "prefix hits"
+    _, hashed = run(model, prompts + prompts, max_num_seqs=1)
+    hits = llm.get_stats().prefix_hit_tokens
+    least = sum((n - 1) // BS * BS for n in PROMPT_LENS)  # the second copy's hits
+    assert hits == hashed.get_stats().prefix_hit_tokens >= least
+    chunked, _ = run(model, prompts, prefix_cache="radix", max_num_batched_tokens=5)
+    assert chunked == reference, "chunks of 5"
+    need = probe.engine.kv_manager.num_blocks_for(max(PROMPT_LENS) + NEW) + 1
+    pool = -(-need // groups.num_groups)
+    small, tight = run(model, prompts, prefix_cache="radix", max_num_seqs=6, num_blocks=pool,
+                       max_num_batched_tokens=8)  # fmt: skip
+    assert small == reference, "small pool"
+    assert tight.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
+    tiered = LLM(str(model), dtype="float32", block_size=BS, num_blocks=64,
+                 prefix_cache="radix", kv_offload="host:8MiB")  # fmt: skip
+    assert [t for t, _ in steps(tiered, prompts)] == reference
+    assert tiered.engine.connector is not None and tiered.engine.connector.flush(30)
+    tiered.reset_prefix_cache()
+    loaded = steps(tiered, prompts)
+    assert [t for t, _ in loaded] == reference, "loaded from the host tier"
+    assert sum(split["host"] for _, split in loaded) >= sum(PROMPT_LENS) // 2
+
+
 def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--prefix-cache radix"):
-        LLM(str(model), dtype="float32", num_blocks=32, prefix_cache="radix")
     tiny = LLM(str(model), dtype="float32", num_blocks=2, block_size=BS)
     with pytest.raises(InvalidRequestError, match=r"needs .* KV pages .* but the cache has only"):
         tiny.generate(prompt_token_ids=[list(range(3, 60))], sampling_params=greedy())

@@ -19,14 +19,14 @@ blocks at all beyond what their chunk reads::
 
 Prefix caching per group (``kv/hybrid_cache.py``, vLLM's ``find_longest_cache_hit``): a
 hit needs every block of a full group but only the window's blocks of a window group; one
-hash cache and one eviction policy hold every group's blocks, group 0's under the plain
-hashes (KV events name them, for a window-only model too), the others' under hashes
-tagged with the group.
+cache and one eviction policy hold every group's blocks, group 0's under the plain hashes
+(KV events name them, for a window-only model too) or in the radix tree
+(``kv/hybrid_radix.py``), the others' under hashes tagged with the group.
 
 Pins hold every page a hit of the whole pinned prefix needs. Offload tiers store and load
 *logical* blocks (every group's page of one block index; ``kv/tiers/connector.py``).
-Not supported yet (refused: ``hybrid_support.py`` at startup, or here): the radix prefix
-cache, presses (refused with windows already); a contiguous layout. Every KV codec works
+Not supported yet (refused here): presses (refused with windows already), the radix
+cache without a full-attention layer; a contiguous layout. Every KV codec works
 (kivi2 keeps its write plans and residual slots per group: ``kv/codecs/kivi.py``).
 Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
 """
@@ -40,8 +40,9 @@ from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.groups import KVGroups
-from kvstack.kv.hashing import BlockHash
+from kvstack.kv.hashing import BlockHash, root_hash
 from kvstack.kv.hybrid_cache import GroupedHashCache, first_live
+from kvstack.kv.hybrid_radix import GroupedRadixCache
 from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.policies import make_policy
 from kvstack.kv.residency import BlockResidency
@@ -69,7 +70,7 @@ class HybridKVManager(PagedCommon):
         residency: BlockResidency | None = None,
         max_pinned_fraction: float = 0.5,
     ) -> None:
-        if prefix_cache not in ("hash", "none"):
+        if prefix_cache not in ("hash", "radix", "none"):
             raise ConfigError(f"--prefix-cache {prefix_cache} is not supported " + UNSUPPORTED)
         if num_pages < 2:
             raise ConfigError(f"the hybrid KV manager needs at least 2 pages, got {num_pages}")
@@ -78,10 +79,11 @@ class HybridKVManager(PagedCommon):
         self.block_size = block_size
         self.max_chunk_tokens = max_chunk_tokens
         self.events = events if events is not None else KVEventLog()
-        self.cache: GroupedHashCache | None = None
-        if prefix_cache == "hash":
+        self.cache: GroupedHashCache | GroupedRadixCache | None = None
+        if prefix_cache != "none":
+            kind = GroupedHashCache if prefix_cache == "hash" else GroupedRadixCache
             policy = make_policy(eviction_policy, num_pages)
-            self.cache = GroupedHashCache(block_size, policy, self.events, self.windows)
+            self.cache = kind(block_size, policy, self.events, self.windows)
         self.pool = BlockPool(num_pages, self.cache, residency)
         self.null = self.pool.allocate(1)[0]  # page 0: the table entry of a freed block
         assert self.null.block_id == 0
@@ -135,8 +137,9 @@ class HybridKVManager(PagedCommon):
         group serves (``kv/hybrid_cache.py``; null pages where a window group reads nothing)."""
         if self.cache is None or limit <= 0:
             return [[] for _ in self.windows]
-        hashes = self.block_hashes(request)
-        return self.cache.hit_blocks(hashes, self.cache.hit_length(hashes, limit), self.null)
+        hashes, ids, root = self.block_hashes(request), request.all_token_ids, self.root_of(request)
+        length = self.cache.hit_length(hashes, limit, ids, root)
+        return self.cache.hit_blocks(hashes, length, self.null, ids, root)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Group 0's blocks of the longest prefix every group serves (changes nothing);
@@ -366,14 +369,15 @@ class HybridKVManager(PagedCommon):
         hashes = self.prefix_hashes(token_ids, cache_salt)
         if hashes[-1] in self.pins:
             return len(hashes) * self.block_size
-        length = self.cache.hit_length(hashes, len(hashes))
+        root = root_hash(self.model_id, cache_salt)
+        length = self.cache.hit_length(hashes, len(hashes), token_ids, root)
         if length < len(hashes):
             raise InvalidRequestError(
                 f"only {length * self.block_size} of the prefix's "
                 f"{len(hashes) * self.block_size} block-aligned tokens are cached in every "
                 "KV group; run the prefix through the engine before pinning it"
             )
-        tables = self.cache.hit_blocks(hashes, length, self.null)
+        tables = self.cache.hit_blocks(hashes, length, self.null, token_ids, root)
         blocks = [b for t in tables for b in t if b is not self.null]
         pinned = {b.block_id for chain in self.pins.values() for b in chain}
         after = len(pinned | {b.block_id for b in blocks})

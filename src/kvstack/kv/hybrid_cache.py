@@ -46,42 +46,33 @@ def tagged(h: BlockHash) -> bool:
     return len(h) != _HASH_LEN
 
 
-class GroupedHashCache(HashPrefixCache):
-    """The hash cache keyed per group; only group 0's plain keys reach events."""
+def group_key(group: int, h: BlockHash) -> BlockHash:
+    """``group``'s key of the block whose plain hash is ``h`` (group 0: ``h`` itself)."""
+    return h + bytes((group,)) if group else h
 
-    def __init__(
-        self,
-        block_size: int,
-        policy: EvictionPolicy,
-        events: KVEventLog,
-        windows: tuple[int | None, ...],
-    ) -> None:
-        super().__init__(block_size, policy, events)
-        self.windows = windows
+
+class GroupedHits:
+    """The hit rules over per-group lookups, shared by the hash and the radix cache:
+    ``longest`` per group, ``hit_length`` (the fixpoint) and ``hit_blocks``. Subclasses
+    give ``group0_blocks`` (group 0's longest cached prefix, a full group in the radix
+    cache) and ``table`` (``group_key``-keyed pages of the groups they look up by hash)."""
+
+    windows: tuple[int | None, ...]
+    block_size: int
+    table: dict[BlockHash, KVCacheBlock]
 
     def key(self, group: int, h: BlockHash) -> BlockHash:
-        return h + bytes((group,)) if group else h
+        return group_key(group, h)
 
-    def _stored(
-        self,
-        token_ids: Sequence[int],
-        hashes: Sequence[BlockHash],
-        first: int,
-        last: int,
-        cache_salt: str | None = None,
-    ) -> None:
-        if last > first and not tagged(hashes[first]):  # one insert = one group
-            super()._stored(token_ids, hashes, first, last, cache_salt)
+    def group0_blocks(
+        self, hashes: Sequence[BlockHash], limit: int, token_ids: Sequence[int], root: BlockHash
+    ) -> list[KVCacheBlock] | None:
+        """Group 0's pages of its longest hit of at most ``limit`` blocks, or None: group 0
+        is looked up in ``table`` like the others."""
+        return None
 
-    def _removed(self, hashes: list[BlockHash]) -> None:
-        super()._removed([h for h in hashes if not tagged(h)])
-
-    def cached_hashes(self) -> list[BlockHash]:
-        return [h for h in self.table if not tagged(h)]
-
-    # ------------------------------------------------------------------ hits
     def longest(self, group: int, hashes: Sequence[BlockHash], limit: int) -> int:
-        """Longest hit ``L <= limit`` (in blocks) ``group`` serves."""
+        """Longest hit ``L <= limit`` (in blocks) ``group`` serves from ``table``."""
         table, bs = self.table, self.block_size
         if self.windows[group] is None:
             n = 0
@@ -99,26 +90,76 @@ class GroupedHashCache(HashPrefixCache):
             length = j  # every hit ending after block j needs it
         return 0
 
-    def hit_length(self, hashes: Sequence[BlockHash], limit: int) -> int:
+    def hit_length(
+        self,
+        hashes: Sequence[BlockHash],
+        limit: int,
+        token_ids: Sequence[int] = (),
+        root: BlockHash = b"",
+    ) -> int:
         """The longest hit of at most ``limit`` blocks every group serves (the fixpoint)."""
-        length, changed = limit, True
+        first = self.group0_blocks(hashes, limit, token_ids, root)
+        length = limit if first is None else len(first)
+        changed = True
         while changed and length > 0:
             changed = False
             for g in range(len(self.windows)):
+                if g == 0 and first is not None:
+                    continue  # a full group's hits are monotone: len(first) bounds them all
                 got = self.longest(g, hashes, length)
                 changed |= got < length
                 length = got
         return length
 
     def hit_blocks(
-        self, hashes: Sequence[BlockHash], length: int, null: KVCacheBlock
+        self,
+        hashes: Sequence[BlockHash],
+        length: int,
+        null: KVCacheBlock,
+        token_ids: Sequence[int] = (),
+        root: BlockHash = b"",
     ) -> list[list[KVCacheBlock]]:
         """Per group, the blocks of a hit of ``length`` (``hit_length``'s): ``null`` where a
         window group reads nothing."""
         out = []
+        first0 = self.group0_blocks(hashes, length, token_ids, root)
         for g, w in enumerate(self.windows):
+            if g == 0 and first0 is not None:
+                out.append(first0[:length])
+                continue
             first = first_live(w, length * self.block_size, self.block_size)
             blocks = [null] * first
             blocks += [self.table[self.key(g, hashes[i])] for i in range(first, length)]
             out.append(blocks)
         return out
+
+
+class GroupedHashCache(GroupedHits, HashPrefixCache):
+    """The hash cache keyed per group; only group 0's plain keys reach events."""
+
+    def __init__(
+        self,
+        block_size: int,
+        policy: EvictionPolicy,
+        events: KVEventLog,
+        windows: tuple[int | None, ...],
+    ) -> None:
+        HashPrefixCache.__init__(self, block_size, policy, events)
+        self.windows = windows
+
+    def _stored(
+        self,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        first: int,
+        last: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        if last > first and not tagged(hashes[first]):  # one insert = one group
+            super()._stored(token_ids, hashes, first, last, cache_salt)
+
+    def _removed(self, hashes: list[BlockHash]) -> None:
+        super()._removed([h for h in hashes if not tagged(h)])
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return [h for h in self.table if not tagged(h)]
