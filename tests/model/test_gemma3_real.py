@@ -56,3 +56,26 @@ def test_gemma3_270m_matches_transformers_on_the_same_gguf() -> None:
         if a != b:
             assert gaps[step] < 1e-4, f"diverges at token {step}: {a} vs {b}"
             break
+
+
+def test_gemma3_270m_kivi2_and_radix_under_its_windows() -> None:
+    """The real model's 512-token windows (a 700-token shared prefix, chunks of 256, bf16):
+    kivi2 under the hybrid KV manager gives one table's greedy tokens, and the radix cache
+    the hash cache's tokens and hit tokens (kivi2_write / hybrid_radix, issue 21)."""
+    from kvstack.tools.eval.corpus import reference_manual_text
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = Tokenizer.from_gguf(resolve_model_path("gemma3-270m")).encode(reference_manual_text())
+    prompts = [ids[:700] + ids[1000 + 40 * i : 1030 + 40 * i] for i in range(3)]
+
+    def run(**kw: object) -> tuple[list[list[int]], int]:
+        llm = LLM("gemma3-270m", dtype="bfloat16", max_num_batched_tokens=256, **kw)  # type: ignore[arg-type]
+        outs = llm.generate(prompt_token_ids=prompts[:1], sampling_params=sp)
+        outs += llm.generate(prompt_token_ids=prompts[1:], sampling_params=sp,
+                             check_integrity=True)  # fmt: skip
+        return [list(o.outputs[0].token_ids) for o in outs], llm.get_stats().prefix_hit_tokens
+
+    one, _ = run(kv_cache_dtype="kivi2", disable_hybrid_kv_cache_manager=True)
+    assert run(kv_cache_dtype="kivi2")[0] == one
+    hashed = run()
+    assert hashed[1] >= 2 * 688 and run(prefix_cache="radix") == hashed

@@ -209,6 +209,8 @@ class Kivi2Codec(KVCodec):
             old = self._plans.get(group)
             if old is not None:  # the group's previous step's blocks
                 self.step_index[group, old.blocks] = -1
+                self.free_res.extend(old.release)  # a step that failed before its last layer
+                old.release = []
             plan = self._plans[group] = self._make_plan(slots)
             self.step_index[group, plan.blocks] = torch.arange(plan.blocks.numel())
         plan = self._plans[group]
