@@ -160,6 +160,26 @@ def test_window_layers_count_what_the_engine_holds(tmp_path: Path) -> None:
         make_plan(spec, resolve_gpu("h100-80gb"), 4097, block_size=0)
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_the_models_kvstack_serves_by_name_match_their_weights(name: str) -> None:
+    """The planner's registry entry of a model ``kvstack serve --model`` knows by name has
+    the shapes, windows and parameter count of the GGUF the engine loads."""
+    import math
+
+    from kvstack.model.gguf import expected_shapes, read_gguf_config
+    from kvstack.model.registry import resolve_model_path
+
+    cfg = read_gguf_config(resolve_model_path("default" if name == "smollm2-135m" else name))
+    spec = resolve_model(name)
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    slides = [w for w in windows if w is not None]
+    got = (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads,
+           spec.head_dim, spec.sliding_window, spec.num_sliding_layers)  # fmt: skip
+    assert got == (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                   cfg.head_dim, max(slides) if slides else None, len(slides))  # fmt: skip
+    assert spec.num_params == sum(math.prod(s) for s in expected_shapes(cfg).values())
+
+
 def test_unknown_names_list_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"llama-3\.1-8b") as e:
         resolve_model("gpt-9")
@@ -167,7 +187,7 @@ def test_unknown_names_list_known_ones() -> None:
     with pytest.raises(ConfigError, match="h100-80gb"):
         resolve_gpu("tpu-v9")
     assert {"a100-40gb", "h200-141gb", "mi300x-192gb"} <= set(known_gpus())
-    assert len(known_models()) == 11
+    assert len(known_models()) == 12
 
 
 @pytest.mark.parametrize(
