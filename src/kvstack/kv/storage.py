@@ -127,7 +127,7 @@ class KVStorage:
         self.dtype = dtype
         self.groups = groups
         self._slots = groups.layer_slots() if groups is not None else None
-        self._groups = groups.layer_groups() if groups is not None else None
+        self._layer_groups = groups.layer_groups() if groups is not None else None
         self.shape = self.cache_shape(config, num_blocks, block_size, groups)
         self.codec: KVCodec = codec_class(codec)(self.shape, dtype, max_num_seqs)
         ident = isinstance(self.codec, IdentityCodec) and self.codec.identity
@@ -204,7 +204,7 @@ class KVStorage:
         cache = views[1].get(layer)
         if cache is None:
             slot = layer if self._slots is None else self._slots[layer]
-            group = 0 if self._groups is None else self._groups[layer]
+            group = 0 if self._layer_groups is None else self._layer_groups[layer]
             if self._k is not None and self._v is not None:
                 cache = LayerCache(layer, self.codec, self._k[slot], self._v[slot], slot, group)
             else:
