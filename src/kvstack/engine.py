@@ -76,7 +76,7 @@ class LLMEngine:
             mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs, self.kv_groups
         )
         codec = self.kv_storage.codec
-        check_window_support(mc, cc.kv_press)  # a pressed window: one clear error
+        check_window_support(mc, cc.kv_press, cc.kv_press_every)  # one clear error
         self.kv_bytes_per_token = (
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size
@@ -106,7 +106,7 @@ class LLMEngine:
                 cc.kv_press_ratio,
                 cc.kv_press_every,
                 cc.kv_layout == "paged",
-                windowed=mc.has_window,
+                windows=tuple(mc.layer_window(i) for i in range(mc.num_layers)),
             ),
             self.kv_manager,
             self.kv_storage,

@@ -126,7 +126,7 @@ def test_kivi_residual_slots_under_chunks_and_kv_groups() -> None:
     k, _ = codec.gather(1, torch.tensor([2, 3]))
     assert torch.equal(k[0, :2], x[6:8]) and torch.equal(k[1, :2], x[14:16])  # exact
     grouped = Kivi2Codec(replace(SHAPE, num_groups=2), torch.float32, max_num_seqs=1)
-    assert grouped.capacity == 3
+    assert grouped.capacity == 4  # 2 groups x (1 sequence + 1 press compaction)
     for slots in (torch.arange(10), torch.arange(10, 20)):  # group 0: blocks 0, 1
         other = slots + 32  # group 1: blocks 2, 3
         grouped.write(0, slots, x[:10], x[:10], group=0)

@@ -191,7 +191,7 @@ class ContiguousKVManager:
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         raise InvalidRequestError("KV presses need the paged layout")
 
-    def replace_blocks(self, request: Request, block_ids: Sequence[int]) -> int:
+    def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
         raise InvalidRequestError("KV presses need the paged layout")
 
     def stats(self) -> KVCacheStats:

@@ -25,8 +25,10 @@ cache and one eviction policy hold every group's blocks, group 0's under the pla
 
 Pins hold every page a hit of the whole pinned prefix needs. Offload tiers store and load
 *logical* blocks (every group's page of one block index; ``kv/tiers/connector.py``).
-Not supported yet (refused here): presses (refused with windows already), the radix
-cache without a full-attention layer; a contiguous layout. Every KV codec works
+Presses (era 5) compact a request into one fresh table per group (``replace_blocks``;
+``kv/press/compact.py`` presses the full groups and keeps each window group's window).
+Not supported yet (refused here): the radix cache without a full-attention layer; a
+contiguous layout. Every KV codec works
 (kivi2 keeps its write plans and residual slots per group: ``kv/codecs/kivi.py``).
 Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
 """
@@ -263,8 +265,8 @@ class HybridKVManager(PagedCommon):
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register every group's live blocks completely covered by ``num_tokens`` tokens
         (and, for a connector, the logical blocks that became reusable with every page)."""
-        if self.cache is None:
-            return
+        if self.cache is None or request.press_applied:
+            return  # a pressed request's pages no longer hold a token prefix
         rid = request.request_id
         num_full = num_tokens // self.block_size
         start = self._num_inserted.get(rid, 0)
@@ -395,14 +397,33 @@ class HybridKVManager(PagedCommon):
         """A codec hears of pages whose contents die (kivi2 frees a filling page's residual)."""
         self.pool.on_plain_free = hook
 
+    # ------------------------------------------------------------------ era 5 presses
     def allocate_blocks(self, n: int) -> list[int] | None:
-        raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
+        """``n`` fresh held pages outside any request (a press fills them), or None."""
+        if n > self.num_free_blocks:
+            return None
+        return [b.block_id for b in self.pool.allocate(n)]
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
-        raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
+        """Give back pages from ``allocate_blocks`` that were not adopted (tail first)."""
+        self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
 
-    def replace_blocks(self, request: Request, block_ids: Sequence[int]) -> int:
-        raise InvalidRequestError("KV presses are not supported " + UNSUPPORTED)
+    def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
+        """A press compacted the request's KV into one fresh table per group (pages from
+        ``allocate_blocks``; 0 = the null page where a window group reads nothing): free
+        the old pages (tail first) and return how many went back to the pool. As with
+        one table, the old pages keep their prefix-cache entries (``kv/manager.py``); a
+        pressed request's pages are never cached (``_cache_full_blocks``)."""
+        rid = request.request_id
+        old = self.tables[rid]
+        assert len(tables) == len(old) and len({len(t) for t in tables}) == 1
+        blocks = self.pool.blocks
+        self.tables[rid] = [[self.null if i == 0 else blocks[i] for i in t] for t in tables]
+        for t in old:
+            self.pool.free(b for b in reversed(t) if b is not self.null)
+        self._external.pop(rid, None)  # tier-loaded indices name the old tables
+        held = sum(1 for t in old for b in t if b is not self.null)
+        return held - sum(1 for t in tables for i in t if i != 0)
 
     def reset_prefix_cache(self) -> None:
         if self.cache is None:

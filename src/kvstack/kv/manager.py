@@ -252,13 +252,15 @@ class KVCacheManager(PagedCommon):
         """Give back blocks from ``allocate_blocks`` that were not adopted (tail first)."""
         self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
 
-    def replace_blocks(self, request: Request, block_ids: Sequence[int]) -> int:
-        """A press compacted the request's KV into ``block_ids`` (from ``allocate_blocks``):
-        release the old ones (tail first) and return how many blocks went back to the pool.
+    def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
+        """A press compacted the request's KV into ``tables[0]`` (blocks from
+        ``allocate_blocks``; one table, this manager has one KV group): release the old
+        ones (tail first) and return how many blocks went back to the pool.
 
         The old blocks keep their prefix-cache entries: they still hold the *unpressed*
         KV of a true prefix, so other requests reuse them unchanged.
         """
+        (block_ids,) = tables
         rid = request.request_id
         old = self.req_blocks[rid]
         self.req_blocks[rid] = [self.pool.blocks[i] for i in block_ids]

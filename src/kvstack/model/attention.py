@@ -135,8 +135,12 @@ class AttentionMetadata:
 
     def decode_bias_for(self, layer: int, window: int | None) -> torch.Tensor:
         """The fallback decode path's additive mask for ``layer`` (windowed if ``window``)."""
-        if self.decode_layer_bias is not None:
-            return self.decode_layer_bias[layer]
+        if self.decode_layer_bias is not None:  # an uneven press; a window masks on top
+            bias = self.decode_layer_bias[layer]
+            if window is None:
+                return bias
+            assert self.decode_context_lens is not None
+            return decode_window_bias(bias, self.decode_context_lens, window)
         assert self.decode_bias is not None
         if window is None:
             return self.decode_bias

@@ -36,7 +36,8 @@ pages, with its own slot mapping, in layers interleaved with the other groups' (
 group 1's slots 0-2 are layers 0-2, group 0's slot 0 is layer 5). So everything that
 belongs to a step is kept per group: the write plan (made at the group's slot 0), the
 ``step_index`` row and the residual slots to release after the group's last slot. A
-request has one filling page per group: ``num_groups * max_num_seqs + 1`` residual slots.
+request has one filling page per group, and a press compaction one more per group for a
+moment: ``num_groups * (max_num_seqs + 1)`` residual slots.
 A window group frees only full pages (whose codes a window may still read partly: the
 kernels start a row at its window).
 """
@@ -93,10 +94,10 @@ class Kivi2Codec(KVCodec):
 
     @staticmethod
     def residual_slots(shape: CacheShape, max_num_seqs: int) -> int:
-        """One filling block per sequence and KV group, plus one for a press compaction in
-        flight (the request's old partial block is freed only after its new blocks are
-        written)."""
-        return shape.num_groups * max_num_seqs + 1
+        """One filling block per sequence and KV group, plus one per group for a press
+        compaction in flight (the request's old partial blocks are freed only after its
+        new ones are written)."""
+        return shape.num_groups * (max_num_seqs + 1)
 
     @classmethod
     def fixed_bytes(cls, shape: CacheShape, max_num_seqs: int, act_itemsize: int) -> int:

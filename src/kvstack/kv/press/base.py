@@ -37,6 +37,11 @@ class PressInput:
     # Tokens to keep per head and layer when pressing again during decode (the budget
     # the first press left); None: the press's own ratio of ``n``.
     keep: int | None = None
+    # The model layer of each entry (None: entry ``i`` is layer ``i``) and the model's
+    # layer count (0: ``num_layers``). A sliding-window model's press gets only its
+    # full-attention layers (``compact.py``); PyramidKV's schedule counts model layers.
+    layers: tuple[int, ...] | None = None
+    total_layers: int = 0
 
     @property
     def n(self) -> int:
@@ -45,6 +50,15 @@ class PressInput:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
+
+    @property
+    def model_layers(self) -> tuple[int, ...]:
+        """The model layer of each entry."""
+        return self.layers if self.layers is not None else tuple(range(self.num_layers))
+
+    @property
+    def num_model_layers(self) -> int:
+        return self.total_layers or self.num_layers
 
 
 class Press(abc.ABC):

@@ -25,16 +25,23 @@ blocks; the request's old blocks are released at once::
 * **Pressing again** (``keep``, ``--kv-press-every``): while decoding, the same press
   compacts all the request's slots (survivors and tokens generated since) back to the
   first press's budget; ``num_dropped`` accumulates, so positions still count on.
+* **Sliding windows** (Gemma 3, Qwen2 with window layers): the press scores and prunes
+  the full-attention layers only, as kvpress does on Gemma 3; each window layer keeps
+  its last tokens, enough for its window (``_window_tail``), so it attends exactly as
+  unpressed. With the hybrid KV manager every KV group gets its own fresh table and a
+  window group pages only for the blocks its window still reads (``_first_live``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstack.kv.base import KVManager, cdiv
+from kvstack.kv.hybrid_cache import first_live
 from kvstack.kv.press.base import PressInput
 from kvstack.kv.storage import KVStorage
 from kvstack.request import Request
@@ -74,13 +81,16 @@ def apply_press(
     storage: KVStorage,
     scale: float,
     keep: int | None = None,
+    windows: Sequence[int | None] = (),
 ) -> PressResult | None:
     """Press ``req``'s cached tokens now; None when nothing is to drop, a result with
     ``skipped`` set when the survivors' blocks are not free (the request is unchanged).
 
     ``keep`` presses an already pressed request again, down to ``keep`` slots per head.
-    Updates ``req.press`` (``PressState``: applied, num_dropped, layer_lens); the blocks
-    change only through the ``KVManager`` and ``KVStorage`` APIs.
+    ``windows``: each layer's sliding window (empty: none); only full-attention layers
+    are pressed (see ``_window_tail``). Updates ``req.press`` (``PressState``: applied,
+    num_dropped, layer_lens); the blocks change only through the ``KVManager`` and
+    ``KVStorage`` APIs.
     """
     st = req.press
     assert st is not None
@@ -90,38 +100,105 @@ def apply_press(
     else:
         assert st.applied and st.layer_lens is None and press.uniform
     n = req.num_kv_tokens
-    bs = kv.block_size
-    ids = torch.tensor(kv.get_block_ids(req.request_id))
+    num_layers = len(windows) if windows else storage.shape.num_layers
+    wins = tuple(windows) or (None,) * num_layers
+    full = tuple(i for i, w in enumerate(wins) if w is None)
+    tables = _tables(kv, req.request_id)
+    of = storage.groups.layer_groups() if storage.groups is not None else [0] * num_layers
     keys, values = [], []
-    for layer in range(storage.shape.num_layers):
-        k, v = storage.layer(layer).gather(ids)
+    for layer in range(num_layers):
+        k, v = storage.layer(layer).gather(torch.tensor(tables[of[layer]]))
         keys.append(k.reshape(-1, *k.shape[-2:])[:n].float())
         values.append(v.reshape(-1, *v.shape[-2:])[:n].float())
     if press.window and queries is None:
         raise RuntimeError(f"press {press.name} needs window queries that were not captured")
-    chosen = press.select(PressInput(keys, values, queries, scale, keep))
-    lens = [int(idx.shape[1]) for idx in chosen]
-    m = max(lens)
+    picked = press.select(
+        PressInput(
+            [keys[i] for i in full], [values[i] for i in full],
+            None if queries is None else [queries[i] for i in full],
+            scale, keep, full if len(full) < num_layers else None, num_layers,
+        )
+    )  # fmt: skip
     st.applied = True  # decided once per (re)computation, even if nothing drops
-    if min(lens) >= n:
+    if min(int(idx.shape[1]) for idx in picked) >= n:
         return None  # nothing removed anywhere (ratio 0, or a budget as large as the prompt)
-    need = cdiv(m, bs)
-    new = kv.allocate_blocks(need)
+    m = max(max(int(idx.shape[1]) for idx in picked), _window_tail(wins, n))
+    chosen = dict(zip(full, picked, strict=True))
+    kvh = keys[0].shape[1]
+    for layer, w in enumerate(wins):
+        if w is not None:  # a window layer keeps its last m tokens: all its window reads
+            chosen[layer] = torch.arange(n - m, n).expand(kvh, -1)
+    first = _first_live(kv, len(tables), wins, of, m)
+    new = _allocate(kv, first, m)
     if new is None:
-        logger.info("press of %s skipped: no %d free blocks", req.request_id, need)
+        logger.info("press of %s skipped: no free blocks", req.request_id)
         return PressResult(kept=n, dropped=0, reclaimed_blocks=0, skipped=SKIP_NO_FREE_BLOCKS)
-    pos = torch.arange(m)
-    table = torch.tensor(new)
-    slots = table[pos // bs] * bs + pos % bs
+    bs = kv.block_size
     try:
-        for layer, idx in enumerate(chosen):
-            k = _select_rows(keys[layer], idx, m).to(storage.dtype)
-            v = _select_rows(values[layer], idx, m).to(storage.dtype)
+        for layer in range(num_layers):
+            g = of[layer]
+            pos = torch.arange(first[g] * bs, m)  # a window group writes no null page
+            table = torch.tensor(new[g])
+            slots = table[pos // bs] * bs + pos % bs
+            k = _select_rows(keys[layer], chosen[layer], m)[pos].to(storage.dtype)
+            v = _select_rows(values[layer], chosen[layer], m)[pos].to(storage.dtype)
             storage.write(layer, slots, k, v)
-    except BaseException:
-        kv.release_blocks(new)  # the request keeps its old, intact blocks
+    except BaseException:  # the request keeps its old, intact blocks
+        kv.release_blocks([b for g, t in enumerate(new) for b in t[first[g] :]])
         raise
     reclaimed = kv.replace_blocks(req, new)
     st.num_dropped += n - m
+    lens = [int(chosen[i].shape[1]) for i in range(num_layers)]
     st.layer_lens = lens if min(lens) < m else None
     return PressResult(kept=m, dropped=n - m, reclaimed_blocks=reclaimed)
+
+
+def _window_tail(windows: Sequence[int | None], n: int) -> int:
+    """Slots every window layer keeps out of ``n``: the ``W - 1`` tokens before the next
+    row that its window reads (all ``n`` if fewer). kvpress leaves Gemma 3's sliding
+    layers alone; here a window layer keeps its last ``m`` tokens, ``m`` = max(this, the
+    full layers' largest budget), so its slots stay consecutive positions ending at the
+    next row and the kernels' "last ``W`` slots" is exactly its window::
+
+        n = 12, W = 4, full layers keep m = 5:   positions  0 1 2 3 4 5 6 7 8 9 10 11
+          full layer (its press's choice):        slots      0     1   2       3  4
+          window layer (the last m):              slots                    0 1 2  3  4
+          next row (position 12, slot 5) reads, in the window layer, slots 2..5 = 9..12
+
+    When the full layers keep fewer than this (short prompts, high ratios) they mask
+    their slots past their budget (``PressState.layer_lens``), as PyramidKV's smaller
+    layers do; the table then holds ``W - 1`` slots."""
+    return max((min(n, w - 1) for w in windows if w is not None), default=0)
+
+
+def _tables(kv: KVManager, request_id: str) -> list[list[int]]:
+    """The request's block table per KV group (one group without the hybrid manager)."""
+    groups = kv.group_block_ids(request_id)
+    return groups if groups is not None else [kv.get_block_ids(request_id)]
+
+
+def _first_live(
+    kv: KVManager,
+    num_groups: int,
+    windows: Sequence[int | None],
+    layer_group: Sequence[int],
+    m: int,
+) -> list[int]:
+    """Per KV group, the first block of a fresh ``m``-slot table that is written: with the
+    hybrid manager, a window group's first block its next row (slot ``m``) reads (the
+    entries before are the null page 0); 0 otherwise."""
+    if num_groups == 1:
+        return [0]
+    group_window = {layer_group[i]: w for i, w in enumerate(windows)}
+    return [first_live(group_window[g], m, kv.block_size) for g in range(num_groups)]
+
+
+def _allocate(kv: KVManager, first: list[int], m: int) -> list[list[int]] | None:
+    """Fresh tables of ``m`` slots per KV group, pages from ``first[g]`` on, or None
+    (nothing taken) if the pool is short."""
+    need = cdiv(m, kv.block_size)
+    pages = kv.allocate_blocks(sum(need - f for f in first))
+    if pages is None:
+        return None
+    fresh = iter(pages)
+    return [[0] * f + [next(fresh) for _ in range(need - f)] for f in first]

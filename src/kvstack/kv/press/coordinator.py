@@ -84,7 +84,20 @@ class PressDefaults:
     ratio: float = 0.0
     every: int | None = None
     paged: bool = True  # presses compact blocks: the paged layout only
-    windowed: bool = False  # the model slides a window (model/window.py): no presses
+    # Each layer's sliding window (None: full attention; empty: none slides). Presses
+    # compress the full-attention layers only (``compact.py``, ``model/window.py``).
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def window_error(self) -> str | None:
+        """Why no press can run on this model (every layer slides), else None."""
+        if self.windows and all(w is not None for w in self.windows):
+            return (
+                "every layer of this model uses sliding-window attention; a KV press "
+                "compresses only full-attention layers (as kvpress does), so there is "
+                "nothing to press"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -145,8 +158,13 @@ class PressCoordinator:
             return None
         if not d.paged:
             raise InvalidRequestError("KV presses need the paged layout")
-        if d.windowed:
-            raise InvalidRequestError("KV presses are not supported with sliding-window attention")
+        if d.window_error is not None:
+            raise InvalidRequestError(d.window_error, "kv_press")
+        if every is not None and any(w is not None for w in d.windows):
+            raise InvalidRequestError(
+                "kv_press_every is not supported with sliding-window attention",
+                "kv_press_every",
+            )
         try:
             press = make_press(name, ratio)
             if every is not None:
@@ -296,7 +314,8 @@ class PressCoordinator:
     ) -> PressResult | None:
         """``compact.apply_press`` on ``req`` (it updates ``req.press``, which is ``st``)."""
         assert req.press is st
-        return apply_press(req, queries, self.kv, self.storage, self.scale, keep)
+        windows = self.defaults.windows
+        return apply_press(req, queries, self.kv, self.storage, self.scale, keep, windows)
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self, requests: Mapping[str, Request]) -> None:

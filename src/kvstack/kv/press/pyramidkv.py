@@ -12,7 +12,10 @@ bottom layers beyond the window are in ratio ``BETA`` (20), the bottom one cappe
 scores pick the tokens; each layer's budget counts its window. In a paged cache every
 layer shares one block table, so blocks are reclaimed only down to the *largest* layer
 budget; the smaller layers mask their extra slots (the quality effect is PyramidKV's, the
-memory saving is that of its largest layer).
+memory saving is that of its largest layer). A sliding-window model's press sees only its
+full-attention layers; each keeps the budget of its *model* layer index out of all the
+model's layers, as kvpress's ``get_layer_budget(module)`` (``module.layer_idx``,
+``num_hidden_layers``) on Gemma 3, whose sliding layers it skips.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ class PyramidKVPress(SnapKVPress):
     BETA = 20
 
     def select(self, inp: PressInput) -> list[torch.Tensor]:
-        budgets = pyramid_budgets(inp.n, self.ratio, inp.num_layers, self.window, self.BETA)
+        budgets = pyramid_budgets(inp.n, self.ratio, inp.num_model_layers, self.window, self.BETA)
         out = []
-        for layer, b in enumerate(budgets):
+        for layer, model_layer in enumerate(inp.model_layers):
             scores, w = self.layer_scores(inp, layer)
-            out.append(top_with_tail(scores, min(b, inp.n), w))
+            out.append(top_with_tail(scores, min(budgets[model_layer], inp.n), w))
         return out
