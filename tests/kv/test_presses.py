@@ -120,6 +120,24 @@ def test_pyramid_budgets_are_kvpress_schedule_with_its_fallback() -> None:
     assert pyramid_budgets(1000, 0.5, 1, 64, 20) == [936]
 
 
+def test_pyramid_budgets_count_model_layers_when_windows_are_skipped() -> None:
+    """On a sliding-window model the press sees the full-attention layers only (layers 0
+    and 2 of 3 here); each keeps its *model* layer's budget, as kvpress's
+    ``get_layer_budget(module)`` on Gemma 3 (``layer_idx`` of ``num_hidden_layers``)."""
+    inp = synthetic(n=662)
+    part = PressInput(
+        [inp.keys[0], inp.keys[2]], [inp.values[0], inp.values[2]],
+        [inp.queries[0], inp.queries[2]] if inp.queries else None, inp.scale,
+        layers=(0, 2), total_layers=3,
+    )  # fmt: skip
+    press = make_press("pyramidkv", 0.5)
+    budgets = pyramid_budgets(662, 0.5, 3, press.window, press.BETA)
+    kept = press.select(part)
+    assert [k.shape[1] for k in kept] == [budgets[0], budgets[2]]
+    whole = press.select(inp)
+    assert torch.equal(kept[1], whole[2]) and torch.equal(kept[0], whole[0])
+
+
 def test_bad_press_settings() -> None:
     with pytest.raises(ConfigError, match="unknown kv_press 'zip'"):
         CacheConfig(kv_press="zip", kv_press_ratio=0.5)

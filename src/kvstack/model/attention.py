@@ -152,6 +152,13 @@ class AttentionMetadata:
         return self.window_bias[window]
 
 
+def capture_queries(meta: AttentionMetadata, q: torch.Tensor) -> None:
+    """Era 5: keep one layer's queries of the rows a press needs (``capture_rows``), float32
+    copies appended per request, one per layer in layer order (``captured``)."""
+    for rid, (r0, r1) in meta.capture_rows.items():
+        meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
+
+
 def decode_attention(
     q: torch.Tensor,
     keys: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kv.storage import KVStorage
-from kvstack.model.attention import AttentionMetadata, paged_attention
+from kvstack.model.attention import AttentionMetadata, capture_queries, paged_attention
 from kvstack.model.layers import Rotary
 from kvstack.model.llama import LlamaModel, head_rms_norm
 from kvstack.model.ops import LayerOps
@@ -120,6 +120,7 @@ class Gemma3Model(LlamaModel):
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, m.slot_mapping)
             if li == stop_after_kv_of:
                 return q.new_empty(0)
+            capture_queries(meta, q)  # era 5 press window queries (every layer's)
             a = paged_attention(q, k, v, cache, m, self.scale, self.windows[li])
             a = ops.rms_norm(layer.o(a.reshape(t, heads.q_size)), layer.post_norm, eps)
             x, residual = ops.add_rms_norm(a, residual, extra.pre_feedforward, eps)

@@ -36,7 +36,7 @@ import torch
 
 from kvstack.errors import ModelLoadError
 from kvstack.kv.storage import KVStorage
-from kvstack.model.attention import AttentionMetadata, paged_attention
+from kvstack.model.attention import AttentionMetadata, capture_queries, paged_attention
 from kvstack.model.kernels import load_kernels
 from kvstack.model.layers import Rotary
 from kvstack.model.ops import HeadShape, LayerOps, select_ops
@@ -174,8 +174,7 @@ class LlamaModel:
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, m.slot_mapping)
             if li == stop_after_kv_of:
                 return q.new_empty(0)
-            for rid, (r0, r1) in meta.capture_rows.items():  # era 5 press window queries
-                meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
+            capture_queries(meta, q)  # era 5 press window queries
             a = paged_attention(q, k, v, cache, m, self.scale, self.windows[li])
             x, residual = ops.add_rms_norm(
                 layer.o(a.reshape(t, q_size)), residual, layer.post_norm, eps
