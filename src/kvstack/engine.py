@@ -76,7 +76,7 @@ class LLMEngine:
             mc, num_blocks, cc.block_size, self.dtype, cc.kv_cache_dtype, max_seqs, self.kv_groups
         )
         codec = self.kv_storage.codec
-        check_window_support(mc, cc.kv_press, cc.kv_press_every)  # one clear error
+        check_window_support(mc, cc.kv_press)  # a window-only model: one clear error
         self.kv_bytes_per_token = (
             KVStorage.bytes_per_block(mc, cc.block_size, self.dtype, cc.kv_cache_dtype)
             / cc.block_size

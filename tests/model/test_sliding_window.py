@@ -158,29 +158,27 @@ def test_greedy_matches_transformers(
 
 def test_what_presses_refuse_with_a_window(tiny: Tiny) -> None:
     """A press compresses full-attention layers only: a model whose every layer slides
-    (Mistral) has none and is refused; with full layers (Qwen2) re-pressing while decoding
-    is refused. Startup: ``ConfigError``; a request: ``InvalidRequestError``."""
-    check_window_support(tiny.config, None, None)  # every codec reads windows
+    (Mistral) has none and is refused (startup: ``ConfigError``; a request:
+    ``InvalidRequestError``); with full layers (Qwen2) presses run, once or again while
+    decoding."""
+    check_window_support(tiny.config, None)  # every codec reads windows
     llm = LLM(str(tiny.folder), dtype="float32", num_blocks=32)
     once = SamplingParams(max_tokens=2, kv_press="snapkv", kv_press_ratio=0.5)
-    every = SamplingParams(max_tokens=2, kv_press="knorm", kv_press_ratio=0.5, kv_press_every=4)
     if tiny.config.window_layers is None:  # Mistral
         with pytest.raises(ConfigError, match=r"every layer uses sliding-window.*--kv-press"):
-            check_window_support(tiny.config, "snapkv", None)
+            check_window_support(tiny.config, "snapkv")
         with pytest.raises(ConfigError, match="nothing to press"):
             LLM(str(tiny.folder), dtype="float32", num_blocks=32, kv_press="snapkv")
         with pytest.raises(InvalidRequestError, match="nothing to press"):
             llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=once)
         return
-    check_window_support(tiny.config, "snapkv", None)
-    with pytest.raises(ConfigError, match=r"kv_press_every is not supported with sliding"):
-        LLM(str(tiny.folder), dtype="float32", num_blocks=32, kv_press="knorm",
-            kv_press_every=4)  # fmt: skip
-    with pytest.raises(InvalidRequestError, match="kv_press_every is not supported"):
-        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=every)
-    out = llm.generate(prompt_token_ids=[list(range(5, 40))], sampling_params=once)
-    assert len(out[0].outputs[0].token_ids) == 2
-    llm.engine.kv_manager.check_integrity()
+    check_window_support(tiny.config, "snapkv")
+    every = SamplingParams(max_tokens=9, kv_press="knorm", kv_press_ratio=0.5, kv_press_every=4)
+    for params in (once, every):
+        out = llm.generate(prompt_token_ids=[list(range(5, 40))], sampling_params=params)
+        assert len(out[0].outputs[0].token_ids) == params.max_tokens
+        llm.engine.kv_manager.check_integrity()
+    assert llm.engine.stats().num_represses >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

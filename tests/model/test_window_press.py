@@ -79,23 +79,43 @@ def run(path: Path, prompts: list[list[int]], params: SamplingParams, **opts: An
     return [done[f"r{i}"] for i in range(len(prompts))], llm
 
 
-def streaming_kept(n: int, ratio: float) -> list[int]:
-    """The prompt positions StreamingLLM keeps (4 sinks and the last tokens; kvpress's
-    ``compute_n_kept``)."""
+def streaming_rows(n: int, ratio: float, every: int | None) -> dict[int, list[int]]:
+    """Per decode row (position ``q >= n``), the positions StreamingLLM leaves the full
+    layers: its 4 sinks and the last tokens of the prompt (kvpress's ``compute_n_kept``),
+    then every token decoded; with ``every``, the engine's re-press (once the slots reach
+    the first press's ``M + every``: the same sinks and the last tokens of what is left,
+    ``kv/press/coordinator.py``), ``M`` = max(budget, a window layer's ``W - 1``)."""
     m = max(1, int(n * (1 - ratio)))
     sinks = min(4, m)
-    return list(range(sinks)) + list(range(n - (m - sinks), n))
+
+    def streaming(pos: list[int]) -> list[int]:
+        return pos[:sinks] + (pos[len(pos) - (m - sinks) :] if m > sinks else [])
+
+    seen, slots = streaming(list(range(n))), max(m, min(n, W - 1))
+    budget, rows = slots, {}
+    for q in range(n, n + NEW - 1):
+        seen = [*seen, q]
+        rows[q] = seen
+        slots += 1
+        if every is not None and slots >= budget + every:
+            seen, slots = streaming(seen), budget
+    return rows
 
 
-def reference_logprobs(hf: Any, prompt: list[int], tokens: list[int], kept: list[int]) -> Any:
+def reference_logprobs(
+    hf: Any, prompt: list[int], tokens: list[int], rows: dict[int, list[int]] | None
+) -> Any:
     """transformers' log-probabilities of ``tokens`` generated after ``prompt`` (teacher
-    forced) when, after the prompt, the full-attention layers see only ``kept`` of it (and
-    every generated token) and the sliding layers their window: ``[len(tokens)]``."""
+    forced) when decode row ``q`` sees only ``rows[q]`` in the full-attention layers
+    (None: everything) and the sliding layers their window: ``[len(tokens)]``."""
     n, ids = len(prompt), prompt + tokens
     t = len(ids) - 1  # the last token is never an input
     q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
     causal = k <= q
-    full = causal & ((q < n) | (k >= n) | torch.isin(k, torch.tensor(kept)))
+    full = causal.clone()
+    for row, seen in (rows or {}).items():
+        full[row] = False
+        full[row, seen] = True
     sliding = causal & (k > q - W)
     masks = {
         name: torch.zeros(1, 1, t, t).masked_fill(~allowed, torch.finfo(torch.float32).min)
@@ -106,18 +126,22 @@ def reference_logprobs(hf: Any, prompt: list[int], tokens: list[int], kept: list
     return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.9])  # full layers keep 15 (>= W - 1) / 3 (< W - 1)
+# Full layers keep 15 (>= W - 1: the kernels read the compacted tables) or 3 (< W - 1:
+# they mask their extra slots); pressed once, or again every 3 decoded tokens.
+@pytest.mark.parametrize("every", [None, 3])
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
 def test_streaming_llm_is_transformers_with_its_masks(
-    gemma: tuple[Path, Any], prompts: list[list[int]], ratio: float
+    gemma: tuple[Path, Any], prompts: list[list[int]], ratio: float, every: int | None
 ) -> None:
     """Each generated token's log-probability equals transformers' under the press's masks
     (1e-4), and differs from transformers' without a press."""
     path, hf = gemma
     hf.config._attn_implementation = "eager"  # additive masks, as given
     prompt = prompts[0]
-    kept = streaming_kept(len(prompt), ratio)
+    rows = streaming_rows(len(prompt), ratio, every)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0,
-                            kv_press="streaming_llm", kv_press_ratio=ratio)  # fmt: skip
+                            kv_press="streaming_llm", kv_press_ratio=ratio,
+                            kv_press_every=every)  # fmt: skip
     for opts in ({}, {"disable_hybrid_kv_cache_manager": True}):
         llm = LLM(str(path), dtype="float32", block_size=BS, num_blocks=96, **opts)
         kind = KVCacheManager if opts else HybridKVManager
@@ -126,23 +150,26 @@ def test_streaming_llm_is_transformers_with_its_masks(
         tokens = list(out.outputs[0].token_ids)
         steps = zip(out.outputs[0].logprobs or [], tokens, strict=True)
         got = torch.tensor([lp[t].logprob for lp, t in steps])
-        want = reference_logprobs(hf, prompt, tokens, kept)
+        want = reference_logprobs(hf, prompt, tokens, rows)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=str(opts))
-        unpressed = reference_logprobs(hf, prompt, tokens, list(range(len(prompt))))
+        unpressed = reference_logprobs(hf, prompt, tokens, None)
         assert (got[1:] - unpressed[1:]).abs().max() > 1e-3, "the press changed nothing"
         stats = llm.engine.stats()
         assert stats.num_pressed_requests == 1 and stats.num_press_dropped_tokens > 0
+        assert (stats.num_represses >= 3) == (every is not None), stats.num_represses
         llm.engine.kv_manager.check_integrity()
 
 
-@pytest.mark.parametrize("press", ["snapkv", "pyramidkv", "knorm"])
+@pytest.mark.parametrize(("press", "every"), [("snapkv", None), ("pyramidkv", None),
+                                              ("knorm", None), ("snapkv", 4)])  # fmt: skip
 def test_hybrid_manager_gives_one_tables_tokens(
-    gemma: tuple[Path, Any], prompts: list[list[int]], press: str
+    gemma: tuple[Path, Any], prompts: list[list[int]], press: str, every: int | None
 ) -> None:
     """Batched, on prefix hits, in chunks, preempted and with a KV codec, the hybrid
-    manager's pressed tokens are one table's; pressed requests hold fewer pages."""
+    manager's pressed tokens are one table's (pressed once, or again every 4 tokens)."""
     path, _ = gemma
     params = sp(press, 0.6)
+    params.kv_press_every = every
     one, _ = run(path, prompts, params, disable_hybrid_kv_cache_manager=True)
     hybrid, llm = run(path, prompts, params)
     assert hybrid == one, "batched"

@@ -22,8 +22,7 @@ window's earlier blocks are read from their codes).
 Presses (era 5) compress only the full-attention layers, as kvpress does on Gemma 3;
 a window layer keeps the tail of its tokens, so its slots stay consecutive positions
 and "the last ``W`` slots" is still its window (``kv/press/compact.py``). A model whose
-every layer slides has nothing to press and is refused, as is re-pressing while
-decoding (``--kv-press-every``) with a window (``check_window_support``).
+every layer slides has nothing to press and is refused (``check_window_support``).
 
 Memory: the hybrid KV manager (``kv/hybrid.py``, the default with a window) gives window
 layers their own block tables and frees the blocks older than every window (table entry:
@@ -55,27 +54,16 @@ def decode_window_bias(bias: torch.Tensor, lens: torch.Tensor, window: int) -> t
     return bias.masked_fill(old, float("-inf"))
 
 
-def window_press_error(config: ModelConfig, every: bool) -> str | None:
-    """Why a press cannot run on this model (None: it can, or the model has no window):
-    every layer slides (no full-attention layer to press), or ``every`` (re-pressing
-    while decoding) with a window."""
-    if not config.has_window:
-        return None
-    what = f"sliding-window attention (sliding_window {config.sliding_window})"
+def check_window_support(config: ModelConfig, press: str | None) -> None:
+    """``ConfigError`` at startup when ``--kv-press`` cannot run on this model: every layer
+    slides a window, so no full-attention layer is left to press. Every codec reads
+    windows like ``auto``: the codec kernel starts each row at its window, the PyTorch
+    paths mask the older keys."""
+    if press is None or not config.has_window:
+        return
     if all(config.layer_window(i) is not None for i in range(config.num_layers)):
-        return (
-            f"{config.name}: every layer uses {what}; a KV press compresses only "
-            "full-attention layers (as kvpress does), so there is nothing to press"
+        raise ConfigError(
+            f"{config.name}: every layer uses sliding-window attention (sliding_window "
+            f"{config.sliding_window}); a KV press compresses only full-attention layers "
+            f"(as kvpress does), so there is nothing to press (--kv-press {press})"
         )
-    if every:
-        return f"{config.name}: kv_press_every is not supported with {what}"
-    return None
-
-
-def check_window_support(config: ModelConfig, press: str | None, every: int | None) -> None:
-    """``ConfigError`` at startup when ``--kv-press`` cannot run on this model
-    (``window_press_error``). Every codec reads windows like ``auto``: the codec kernel
-    starts each row at its window, the PyTorch paths mask the older keys."""
-    why = None if press is None else window_press_error(config, every is not None)
-    if why is not None:
-        raise ConfigError(f"{why} (--kv-press {press})")

@@ -97,8 +97,8 @@ def apply_press(
     press = st.press
     if keep is None:
         assert not st.applied and st.num_dropped == 0
-    else:
-        assert st.applied and st.layer_lens is None and press.uniform
+    else:  # one budget for all layers (uneven only where a window keeps more, below)
+        assert st.applied and press.uniform
     n = req.num_kv_tokens
     num_layers = len(windows) if windows else storage.shape.num_layers
     wins = tuple(windows) or (None,) * num_layers
@@ -112,13 +112,17 @@ def apply_press(
         values.append(v.reshape(-1, *v.shape[-2:])[:n].float())
     if press.window and queries is None:
         raise RuntimeError(f"press {press.name} needs window queries that were not captured")
+    rows = _live_rows(st.layer_lens, full, n) if keep is not None else None
     picked = press.select(
         PressInput(
-            [keys[i] for i in full], [values[i] for i in full],
+            [keys[i] if rows is None else keys[i][rows] for i in full],
+            [values[i] if rows is None else values[i][rows] for i in full],
             None if queries is None else [queries[i] for i in full],
             scale, keep, full if len(full) < num_layers else None, num_layers,
         )
     )  # fmt: skip
+    if rows is not None:
+        picked = [rows[idx] for idx in picked]  # indices into all n slots
     st.applied = True  # decided once per (re)computation, even if nothing drops
     if min(int(idx.shape[1]) for idx in picked) >= n:
         return None  # nothing removed anywhere (ratio 0, or a budget as large as the prompt)
@@ -153,6 +157,18 @@ def apply_press(
     return PressResult(kept=m, dropped=n - m, reclaimed_blocks=reclaimed)
 
 
+def _live_rows(layer_lens: list[int] | None, full: Sequence[int], n: int) -> torch.Tensor | None:
+    """Pressing again a request whose full layers mask slots ``m .. M - 1`` (their budget
+    ``m`` under a window layer's ``M``, ``_window_tail``): the slots they attend to,
+    ``[0, m)`` and ``[M, n)`` (None: every slot). A press with one budget leaves every
+    full layer the same ``m``."""
+    if layer_lens is None:
+        return None
+    m = {layer_lens[i] for i in full}
+    assert len(m) == 1, f"full layers of different budgets {m} pressed again"
+    return torch.cat((torch.arange(m.pop()), torch.arange(max(layer_lens), n)))
+
+
 def _window_tail(windows: Sequence[int | None], n: int) -> int:
     """Slots every window layer keeps out of ``n``: the ``W - 1`` tokens before the next
     row that its window reads (all ``n`` if fewer). kvpress leaves Gemma 3's sliding
@@ -167,7 +183,9 @@ def _window_tail(windows: Sequence[int | None], n: int) -> int:
 
     When the full layers keep fewer than this (short prompts, high ratios) they mask
     their slots past their budget (``PressState.layer_lens``), as PyramidKV's smaller
-    layers do; the table then holds ``W - 1`` slots."""
+    layers do; the table then holds ``W - 1`` slots. Pressing again (``keep``) scores the
+    full layers' unmasked slots only (``_live_rows``) and keeps ``keep`` of them, the
+    window layers again their tail."""
     return max((min(n, w - 1) for w in windows if w is not None), default=0)
 
 

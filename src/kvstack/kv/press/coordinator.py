@@ -160,11 +160,6 @@ class PressCoordinator:
             raise InvalidRequestError("KV presses need the paged layout")
         if d.window_error is not None:
             raise InvalidRequestError(d.window_error, "kv_press")
-        if every is not None and any(w is not None for w in d.windows):
-            raise InvalidRequestError(
-                "kv_press_every is not supported with sliding-window attention",
-                "kv_press_every",
-            )
         try:
             press = make_press(name, ratio)
             if every is not None:
@@ -282,7 +277,7 @@ class PressCoordinator:
         held, st.window = st.window, None
         if window and held is None:
             return  # no decode queries yet (just recomputed after a preemption)
-        if self._press(req, st, held, st.budget) is not None:
+        if self._press(req, st, held, st.keep) is not None:
             self.counters.represses += 1
 
     def _press(

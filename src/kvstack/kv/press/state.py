@@ -60,6 +60,13 @@ class PressState:
         return not self.applied
 
     @property
+    def keep(self) -> int:
+        """Tokens per head a press again keeps in each full-attention layer: ``budget``,
+        or, when window layers keep more slots (``kv/press/compact.py``), the full
+        layers' count (the smallest of ``layer_lens``: re-pressing needs one budget)."""
+        return self.budget if self.layer_lens is None else min(self.layer_lens)
+
+    @property
     def repressing(self) -> bool:
         """True while the request holds a budget by pressing again as it decodes."""
         return self.applied and self.every is not None
