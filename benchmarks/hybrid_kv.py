@@ -11,7 +11,9 @@ bytes), TTFT and decode tok/s (medians), and whether the greedy tokens are equal
 to them the planner's per-request figure (``kvstack plan``'s ``make_plan`` on the same
 shapes and block size: whole blocks, a window layer the blocks its next row can read).
 Then the cost in time: ``--batch-prompts`` prompts shorter than the window through both
-modes in turns (output tok/s, the ratio per run).
+modes in turns (output tok/s, the ratio per run). ``--kv-press NAME --kv-press-ratio R``
+presses every request (era 5: the global layers only, ``kv/press/compact.py``), so the
+bytes held show what a press saves on top of the windows.
 
 Prints the CPU model and ISA flags; writes ``benchmarks/results/hybrid_kv-<date><tag>.json``.
 """
@@ -40,12 +42,13 @@ def prompt_ids(llm: LLM, n: int) -> list[int]:
     return ids[:n]
 
 
-def one_run(llm: LLM, ids: list[int], new_tokens: int) -> dict[str, Any]:
-    """Generate for one request, stepping the engine; pages held after every step."""
+def one_run(llm: LLM, ids: list[int], new_tokens: int, press: dict[str, Any]) -> dict[str, Any]:
+    """Generate for one request (``press``: its ``kv_press`` fields), stepping the engine;
+    pages held after every step."""
     engine = llm.engine
     kv = engine.kv_manager
     page_bytes = engine.kv_storage.nbytes / len(kv.pool.blocks)  # type: ignore[attr-defined]
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, **press)
     engine.add_request("r", None, sp, prompt_token_ids=ids)
     t0 = time.perf_counter()
     peak = end = 0
@@ -139,8 +142,13 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--batch-prompts", type=int, default=32, help="0: skip the batch timing")
     p.add_argument("--batch-prompt-len", type=int, default=200)
+    p.add_argument("--kv-press", default=None, help="press every request (e.g. snapkv)")
+    p.add_argument("--kv-press-ratio", type=float, default=0.5, help="with --kv-press")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args()
+    press = {}
+    if args.kv_press:
+        press = {"kv_press": args.kv_press, "kv_press_ratio": args.kv_press_ratio}
     info = machine_info()
     print(f"CPU {info.get('cpu_model')}; ISA {' '.join(info.get('cpu_flags', []))}")
     modes = {"hybrid": False, "one-table": True}
@@ -157,6 +165,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "machine": info, "model": args.model, "new_tokens": args.new_tokens,
         "groups": groups.describe() if groups is not None else None, "contexts": {},
+        "press": press,
     }  # fmt: skip
     for ctx in args.contexts:
         ids = prompt_ids(llms["hybrid"], ctx)
@@ -164,7 +173,7 @@ def main() -> None:
         for r in range(args.runs):
             for m in modes:
                 log(f"context {ctx}, run {r + 1}/{args.runs}: {m}")
-                runs[m].append(one_run(llms[m], ids, args.new_tokens))
+                runs[m].append(one_run(llms[m], ids, args.new_tokens, press))
         row: dict[str, Any] = {"planner_bytes": planner_bytes(llms["hybrid"], ctx)}
         for m, rs in runs.items():
             row[m] = {

@@ -82,3 +82,27 @@ def test_gemma3_270m_kivi2_and_radix_under_its_windows() -> None:
     assert hybrid[2] == "HybridKVManager" and one[2] == "KVCacheManager"
     assert hybrid[0] == one[0]
     assert hybrid[1] >= 2 * 688, hybrid[1]  # 43 full blocks of the prefix, twice
+
+
+def test_gemma3_270m_presses_its_global_layers() -> None:
+    """SnapKV on the real model (prompts of 730 tokens over its 512-token windows, chunks of
+    256, bf16, 25 % removed: the 3 global layers keep 547 tokens, more than a window's 511,
+    so the C++ kernels read the compacted tables): the hybrid KV manager gives one table's
+    greedy tokens (issue 21; the reference test: test_window_press.py)."""
+    from kvstack.tools.eval.corpus import reference_manual_text
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, kv_press="snapkv",
+                        kv_press_ratio=0.25)  # fmt: skip
+    ids = Tokenizer.from_gguf(resolve_model_path("gemma3-270m")).encode(reference_manual_text())
+    prompts = [ids[40 * i : 700 + 40 * i] + ids[2000:2030] for i in range(2)]
+
+    def run(**kw: object) -> tuple[list[list[int]], int]:
+        llm = LLM("gemma3-270m", dtype="bfloat16", max_num_batched_tokens=256, **kw)  # type: ignore[arg-type]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, check_integrity=True)
+        stats = llm.get_stats()
+        assert stats.num_pressed_requests == len(prompts)
+        return [list(o.outputs[0].token_ids) for o in outs], stats.num_press_dropped_tokens
+
+    one, hybrid = run(disable_hybrid_kv_cache_manager=True), run()
+    assert hybrid == one
+    assert one[1] == 2 * (730 - int(730 * 0.75))  # the global layers' budget: kvpress's n_kept

@@ -105,11 +105,7 @@ def apply_press(
     full = tuple(i for i, w in enumerate(wins) if w is None)
     tables = _tables(kv, req.request_id)
     of = storage.groups.layer_groups() if storage.groups is not None else [0] * num_layers
-    keys, values = [], []
-    for layer in range(num_layers):
-        k, v = storage.layer(layer).gather(torch.tensor(tables[of[layer]]))
-        keys.append(k.reshape(-1, *k.shape[-2:])[:n].float())
-        values.append(v.reshape(-1, *v.shape[-2:])[:n].float())
+    keys, values = _gather(storage, [tables[g] for g in of], n)
     if press.window and queries is None:
         raise RuntimeError(f"press {press.name} needs window queries that were not captured")
     rows = _live_rows(st.layer_lens, full, n) if keep is not None else None
@@ -155,6 +151,19 @@ def apply_press(
     lens = [int(chosen[i].shape[1]) for i in range(num_layers)]
     st.layer_lens = lens if min(lens) < m else None
     return PressResult(kept=m, dropped=n - m, reclaimed_blocks=reclaimed)
+
+
+def _gather(
+    storage: KVStorage, tables: list[list[int]], n: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer (``tables[layer]``: its group's block table), the first ``n`` slots' K and
+    V as float32 ``[n, kv_heads, head_dim]``."""
+    keys, values = [], []
+    for layer, table in enumerate(tables):
+        k, v = storage.layer(layer).gather(torch.tensor(table))
+        keys.append(k.reshape(-1, *k.shape[-2:])[:n].float())
+        values.append(v.reshape(-1, *v.shape[-2:])[:n].float())
+    return keys, values
 
 
 def _live_rows(layer_lens: list[int] | None, full: Sequence[int], n: int) -> torch.Tensor | None:
