@@ -23,13 +23,13 @@ cache and one eviction policy hold every group's blocks, group 0's under the pla
 (KV events name them, for a window-only model too) or in the radix tree
 (``kv/hybrid_radix.py``), the others' under hashes tagged with the group.
 
-Pins hold every page a hit of the whole pinned prefix needs. Offload tiers store and load
-*logical* blocks (every group's page of one block index; ``kv/tiers/connector.py``).
+Pins hold every page a hit of the whole pinned prefix needs (``kv/hybrid_pins.py``).
+Offload tiers store and load *logical* blocks (every group's page of one block index;
+``kv/tiers/connector.py``).
 Presses (era 5) compact a request into one fresh table per group (``replace_blocks``;
 ``kv/press/compact.py`` presses the full groups and keeps each window group's window).
-Not supported yet (refused here): the radix cache without a full-attention layer; a
-contiguous layout. Every KV codec works
-(kivi2 keeps its write plans and residual slots per group: ``kv/codecs/kivi.py``).
+Every KV codec works (kivi2 keeps its write plans and residual slots per group:
+``kv/codecs/kivi.py``). Refused here: the radix cache without a full-attention layer.
 Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
 """
 
@@ -37,13 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.errors import ConfigError
 from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.groups import KVGroups
-from kvstack.kv.hashing import BlockHash, root_hash
+from kvstack.kv.hashing import BlockHash
 from kvstack.kv.hybrid_cache import GroupedHashCache, first_live
+from kvstack.kv.hybrid_pins import HybridPins
 from kvstack.kv.hybrid_radix import GroupedRadixCache
 from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.policies import make_policy
@@ -54,7 +55,7 @@ UNSUPPORTED = "with the hybrid KV manager (a sliding-window model); pass "
 UNSUPPORTED += "--disable-hybrid-kv-cache-manager to keep one block table for all layers"
 
 
-class HybridKVManager(PagedCommon):
+class HybridKVManager(HybridPins, PagedCommon):
     """Paged KV bookkeeping with one block table per KV group (see the module docstring)."""
 
     block_unit = "KV pages (blocks of one group of layers)"
@@ -342,72 +343,12 @@ class HybridKVManager(PagedCommon):
             if r.request_id in self.tables
         )
 
-    # ------------------------------------------------------------------ pins
-    def check_pinnable(self, num_tokens: int) -> None:
-        """A pin needs a prefix cache, one full block, and at most ``max_pinned_fraction``
-        of the pages (every block of a full group, a window's worth of a window group)."""
-        if self.cache is None:
-            raise InvalidRequestError("pinning needs a prefix cache (--prefix-cache hash)")
-        bs, n = self.block_size, num_tokens // self.block_size
-        if n < 1:
-            raise InvalidRequestError(
-                f"a pinned prefix needs at least one full block ({bs} tokens)"
-            )
-        need = sum(n if w is None else min(n, cdiv(w - 1, bs) + 1) for w in self.windows)
-        limit = int(self.max_pinned_fraction * self.num_blocks)
-        if need > limit:
-            raise InvalidRequestError(
-                f"a prefix of {num_tokens} tokens needs {need} pages; pins may hold at most "
-                f"{limit} (max_pinned_fraction {self.max_pinned_fraction} of {self.num_blocks})"
-            )
-
-    def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Hold every page a hit of the whole prefix needs (every block of a full group,
-        the last window's blocks of a window group), so that hit always happens; shorter
-        hits of a window group are not held. ``InvalidRequestError`` as the plain
-        manager's ``pin_prefix``."""
-        self.check_pinnable(len(token_ids))
-        assert self.cache is not None
-        hashes = self.prefix_hashes(token_ids, cache_salt)
-        if hashes[-1] in self.pins:
-            return len(hashes) * self.block_size
-        root = root_hash(self.model_id, cache_salt)
-        length = self.cache.hit_length(hashes, len(hashes), token_ids, root)
-        if length < len(hashes):
-            raise InvalidRequestError(
-                f"only {length * self.block_size} of the prefix's "
-                f"{len(hashes) * self.block_size} block-aligned tokens are cached in every "
-                "KV group; run the prefix through the engine before pinning it"
-            )
-        tables = self.cache.hit_blocks(hashes, length, self.null, token_ids, root)
-        blocks = [b for t in tables for b in t if b is not self.null]
-        pinned = {b.block_id for chain in self.pins.values() for b in chain}
-        after = len(pinned | {b.block_id for b in blocks})
-        if after > int(self.max_pinned_fraction * self.num_blocks):
-            raise InvalidRequestError(
-                f"pinning would hold {after} pages, over max_pinned_fraction "
-                f"{self.max_pinned_fraction} of {self.num_blocks}"
-            )
-        self.pool.touch(blocks)
-        self.pins[hashes[-1]] = blocks
-        return len(hashes) * self.block_size
-
     # ------------------------------------------------------------------ not with groups
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
         """A codec hears of pages whose contents die (kivi2 frees a filling page's residual)."""
         self.pool.on_plain_free = hook
 
     # ------------------------------------------------------------------ era 5 presses
-    def allocate_blocks(self, n: int) -> list[int] | None:
-        """``n`` fresh held pages outside any request (a press fills them), or None."""
-        if n > self.num_free_blocks:
-            return None
-        return [b.block_id for b in self.pool.allocate(n)]
-
-    def release_blocks(self, block_ids: Sequence[int]) -> None:
-        """Give back pages from ``allocate_blocks`` that were not adopted (tail first)."""
-        self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
-
     def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
         """A press compacted the request's KV into one fresh table per group (pages from
         ``allocate_blocks``; 0 = the null page where a window group reads nothing): free

@@ -242,16 +242,6 @@ class KVCacheManager(PagedCommon):
         return [block_hash]
 
     # ------------------------------------------------------------------ era 5 presses
-    def allocate_blocks(self, n: int) -> list[int] | None:
-        """``n`` fresh held blocks outside any request (a press fills them), or None."""
-        if n > self.pool.num_free_blocks:
-            return None
-        return [b.block_id for b in self.pool.allocate(n)]
-
-    def release_blocks(self, block_ids: Sequence[int]) -> None:
-        """Give back blocks from ``allocate_blocks`` that were not adopted (tail first)."""
-        self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
-
     def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
         """A press compacted the request's KV into ``tables[0]`` (blocks from
         ``allocate_blocks``; one table, this manager has one KV group): release the old

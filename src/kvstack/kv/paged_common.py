@@ -2,10 +2,11 @@
 ``kv/manager.py``) and ``HybridKVManager`` (one table per KV group, ``kv/hybrid.py``).
 
 Hash chains of requests (vLLM v1's block hashes, ``kv/hashing.py``), routing info, the
-prefix cache's published hashes, pins' release, the ``KVCacheStats`` snapshot and what an
-offload connector (era 4, ``kv/tiers/connector.py``) sees of either manager: a *logical
-block* ``i`` of a request is the list of pages that hold its KV, one per KV group (one
-page for ``KVCacheManager``; ``None`` where a window group freed it). Plain Python, no
+prefix cache's published hashes, pins' release, a press's fresh blocks, the
+``KVCacheStats`` snapshot and what an offload connector (era 4,
+``kv/tiers/connector.py``) sees of either manager: a *logical block* ``i`` of a request
+is the list of pages that hold its KV, one per KV group (one page for
+``KVCacheManager``; ``None`` where a window group freed it). Plain Python, no
 torch; the host class holds ``block_size``, ``model_id``, ``pool``, ``cache``, ``pins``,
 the prefix counters and ``_new_cached``.
 """
@@ -149,6 +150,17 @@ class PagedCommon(abc.ABC):
         self.pins.clear()
 
     # ------------------------------------------------------------------ introspection
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """``n`` fresh held blocks (pages) outside any request (a press fills them), or
+        None when the pool cannot give them (``kv/press/compact.py``)."""
+        if n > self.pool.num_free_blocks:
+            return None
+        return [b.block_id for b in self.pool.allocate(n)]
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give back blocks from ``allocate_blocks`` that were not adopted (tail first)."""
+        self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
+
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
             num_blocks=self.num_blocks,
