@@ -40,6 +40,8 @@ class HybridPins:
             self, token_ids: Sequence[int], cache_salt: str | None
         ) -> list[BlockHash]: ...
 
+        def _hold_pin(self, last: BlockHash, blocks: list[KVCacheBlock]) -> None: ...
+
     def check_pinnable(self, num_tokens: int) -> None:
         """A pin needs a prefix cache, one full block, and at most ``max_pinned_fraction``
         of the pages (every block of a full group, a window's worth of a window group)."""
@@ -78,13 +80,5 @@ class HybridPins:
             )
         tables = self.cache.hit_blocks(hashes, length, self.null, token_ids, root)
         blocks = [b for t in tables for b in t if b is not self.null]
-        pinned = {b.block_id for chain in self.pins.values() for b in chain}
-        after = len(pinned | {b.block_id for b in blocks})
-        if after > int(self.max_pinned_fraction * self.num_blocks):
-            raise InvalidRequestError(
-                f"pinning would hold {after} pages, over max_pinned_fraction "
-                f"{self.max_pinned_fraction} of {self.num_blocks}"
-            )
-        self.pool.touch(blocks)
-        self.pins[hashes[-1]] = blocks
+        self._hold_pin(hashes[-1], blocks)
         return len(hashes) * self.block_size

@@ -324,16 +324,7 @@ class KVCacheManager(PagedCommon):
                 f"{len(hashes) * self.block_size} block-aligned tokens are cached; "
                 "run the prefix through the engine before pinning it"
             )
-        pinned = {b.block_id for chain in self.pins.values() for b in chain}
-        after = len(pinned | {b.block_id for b in blocks})
-        limit = int(self.max_pinned_fraction * self.num_blocks)
-        if after > limit:
-            raise InvalidRequestError(
-                f"pinning would hold {after} blocks, over the limit of {limit} "
-                f"(max_pinned_fraction {self.max_pinned_fraction} of {self.num_blocks} blocks)"
-            )
-        self.pool.touch(blocks)
-        self.pins[hashes[-1]] = blocks
+        self._hold_pin(hashes[-1], blocks)
         return len(hashes) * self.block_size
 
     def check_pinnable(self, num_tokens: int) -> None:

@@ -17,6 +17,7 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvstack.errors import InvalidRequestError
 from kvstack.kv.base import KVCacheStats, KVRoutingInfo
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
@@ -37,6 +38,7 @@ class PagedCommon(abc.ABC):
     pool: BlockPool
     cache: PrefixCache | None
     pins: dict[BlockHash, list[KVCacheBlock]]
+    max_pinned_fraction: float
     prefix_query_tokens: int
     prefix_hit_tokens: int
     # While an offload connector tracks them: (hash, pages) of logical blocks made
@@ -150,6 +152,20 @@ class PagedCommon(abc.ABC):
         self.pins.clear()
 
     # ------------------------------------------------------------------ introspection
+    def _hold_pin(self, last: BlockHash, blocks: list[KVCacheBlock]) -> None:
+        """Pin ``blocks`` under the prefix's last hash, unless all pins would then hold more
+        than ``max_pinned_fraction`` of the blocks (``InvalidRequestError``)."""
+        pinned = {b.block_id for chain in self.pins.values() for b in chain}
+        after = len(pinned | {b.block_id for b in blocks})
+        limit = int(self.max_pinned_fraction * self.num_blocks)
+        if after > limit:
+            raise InvalidRequestError(
+                f"pinning would hold {after} {self.block_unit}, over the limit of {limit} "
+                f"(max_pinned_fraction {self.max_pinned_fraction} of {self.num_blocks})"
+            )
+        self.pool.touch(blocks)
+        self.pins[last] = blocks
+
     def allocate_blocks(self, n: int) -> list[int] | None:
         """``n`` fresh held blocks (pages) outside any request (a press fills them), or
         None when the pool cannot give them (``kv/press/compact.py``)."""
