@@ -9,14 +9,24 @@
 //
 //   1. scores: 8 K rows decoded into an L1 tile, then per q head 8 dot products
 //      (one FMA chain per row) and one 8x8 horizontal reduction, times the rows' factors
-//      (int8 / fp8 scales) and the softmax scale;
+//      (int8 / fp8 scales) and the softmax scale; the K and V codes of the tokens
+//      kL2Ahead8 ahead are prefetched into L2 (the first kL2Ahead8 when the item starts),
+//      the K rows kAhead8 ahead into L1;
 //   2. softmax numerators exp(s - m), their max m and sum l per q head;
 //   3. P.V: the q heads in groups of up to 3 and the channels in slabs of 4 vectors (one
 //      vector slab of 8 for a single head), so that the accumulators (<= 12) stay in the 16
 //      ymm registers; each slab reads the slab's channels of every V row (the first slab
-//      prefetches the first two lines of the V codes 16 tokens ahead into L1; prefetching
-//      V into L2 during pass 1 instead was slower on a Zen 3 EPYC: 20-22 vs 17-18 ms for
-//      32 rows x 2,048 keys on one thread).
+//      prefetches the first two lines of the V codes 16 tokens ahead into L1).
+//
+// Why the L2 prefetch: a row's blocks sit scattered over the pool, one head's rows 16
+// apart at most, so the hardware prefetchers do not run ahead, and rows read from L3 or
+// DRAM waited on one miss after another. Prefetching only the next 32 K rows into L1 (all
+// there was before) kept a few misses in flight: one layer of a single 550-key row took
+// ~95-160 us from DRAM (5 GB/s) against ~28 us with its KV in L2. With K and V 128 tokens
+// ahead into L2 (L2 takes more misses in flight than L1), the same layer took 48-78 us and
+// 32 rows x 2,048 keys 4.0-6.2 ms against 8.8-11.9 (2-core Zen 3, blocks at random, caches
+// flushed by a 150 MB stream between calls as the weights flush them; 64 and 256 ahead
+// measured the same as 128).
 //
 // Partitions are merged by their maxima and sums (flash-decoding, as paged_attention_hd64.h):
 //
@@ -38,7 +48,8 @@
 
 constexpr int64_t kPart8 = 512;  // keys per partition (the score buffer)
 constexpr int kMaxG8 = 8;  // q heads per KV head
-constexpr int64_t kAhead8 = 32;  // tokens whose rows are prefetched ahead of pass 1
+constexpr int64_t kAhead8 = 32;  // tokens whose K rows are prefetched into L1 ahead of pass 1
+constexpr int64_t kL2Ahead8 = 128;  // tokens whose K and V codes are prefetched into L2
 
 // Lane j of the result is the sum of v[j]'s 8 lanes.
 static inline __m256 hsum8x8(const __m256* v) {
@@ -87,6 +98,13 @@ static void scores8(const CodecView& cv, const float* q, int G, const int64_t* t
   KeyParams8 kk;
   int64_t kk_block = -1, rows[kPart8], res[kPart8];
   locate8(cv, table, kh, own, t0, n, rows, res);
+  auto to_l2 = [&](int64_t j) {
+    for (int64_t b = 0; b < cv.code_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(cv.kc + rows[j] * cv.code_bytes + b), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(cv.vc + rows[j] * cv.code_bytes + b), _MM_HINT_T1);
+    }
+  };
+  for (int64_t j = 0; j < std::min(kL2Ahead8, n); ++j) to_l2(j);
   for (int64_t j = 0; j < std::min(kAhead8, n); ++j) prefetch_row8(cv, rows[j]);
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int live = static_cast<int>(std::min<int64_t>(8, n - j0));
@@ -98,6 +116,7 @@ static void scores8(const CodecView& cv, const float* q, int G, const int64_t* t
       }
       const int64_t jj = j0 + j, t = t0 + jj;
       if (jj + kAhead8 < n) prefetch_row8(cv, rows[jj + kAhead8]);
+      if (jj + kL2Ahead8 < n) to_l2(jj + kL2Ahead8);
       if constexpr (R == Rd::kKivi2)
         if (res[jj] < 0 && t / cv.BS != kk_block) {
           kk_block = t / cv.BS;
