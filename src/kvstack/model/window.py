@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from kvstack.errors import ConfigError
+from kvstack.kv.press.base import nothing_to_press
 from kvstack.model_config import ModelConfig
 
 
@@ -61,9 +62,8 @@ def check_window_support(config: ModelConfig, press: str | None) -> None:
     paths mask the older keys."""
     if press is None or not config.has_window:
         return
-    if all(config.layer_window(i) is not None for i in range(config.num_layers)):
+    why = nothing_to_press(tuple(config.layer_window(i) for i in range(config.num_layers)))
+    if why is not None:
         raise ConfigError(
-            f"{config.name}: every layer uses sliding-window attention (sliding_window "
-            f"{config.sliding_window}); a KV press compresses only full-attention layers "
-            f"(as kvpress does), so there is nothing to press (--kv-press {press})"
+            f"{config.name}: {why} (sliding_window {config.sliding_window}, --kv-press {press})"
         )

@@ -86,6 +86,20 @@ class Press(abc.ABC):
         """Per layer, ``[kv_heads, m_l]`` sorted indices of the kept tokens (``m_l <= n``)."""
 
 
+def nothing_to_press(windows: tuple[int | None, ...]) -> str | None:
+    """Why no press can run on a model whose layers have these sliding windows (None: full
+    attention): every layer slides, and presses compress full-attention layers only (as
+    kvpress skips ``is_sliding`` layers). None when some layer attends fully (or none is
+    known). The one wording of the startup ``ConfigError`` and the per-request 400."""
+    if windows and all(w is not None for w in windows):
+        return (
+            "every layer of this model uses sliding-window attention; a KV press "
+            "compresses only full-attention layers (as kvpress does), so there is "
+            "nothing to press"
+        )
+    return None
+
+
 def append_window(
     old: list[torch.Tensor] | None, new: list[torch.Tensor], window: int
 ) -> list[torch.Tensor]:

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.press import check_repress, make_press
-from kvstack.kv.press.base import Press, append_window
+from kvstack.kv.press.base import Press, append_window, nothing_to_press
 from kvstack.kv.press.compact import (
     SKIP_ERROR,
     SKIP_REASONS,
@@ -91,13 +91,7 @@ class PressDefaults:
     @property
     def window_error(self) -> str | None:
         """Why no press can run on this model (every layer slides), else None."""
-        if self.windows and all(w is not None for w in self.windows):
-            return (
-                "every layer of this model uses sliding-window attention; a KV press "
-                "compresses only full-attention layers (as kvpress does), so there is "
-                "nothing to press"
-            )
-        return None
+        return nothing_to_press(self.windows)
 
 
 @dataclass(frozen=True)
