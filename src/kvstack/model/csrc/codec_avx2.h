@@ -9,7 +9,7 @@
 //   fp8      8 codes: e4m3 sign-extended and shifted into an fp16 of value / 2^8 (the 2^8
 //            goes into f), e5m2 the upper byte of the fp16 of the same value; F16C widens
 //   int4     4 bytes: low / high nibbles interleaved back to channel order, times the
-//            group's scale plus its zero
+//            group's scale plus its zero (slab4: 16 bytes, 32 channels, at once)
 //   kivi2    2 bytes: the 2-bit fields of channels 8v .. 8v + 7; keys take the block's
 //            per-channel (scale, zero) (KeyParams8), values the token's group pair
 //
@@ -78,6 +78,13 @@ static inline Row8 make_row8(const CodecView& c, bool is_k, int64_t r, int64_t r
   return {code, p, kk ? &kk->sz[0][0] : nullptr, nullptr, f};
 }
 
+// log2 of the channels per (scale, zero) pair: decode_avx2 takes groups that divide a
+// head_dim of 64 / 128 / 256 only, so a power of two (a shift, not a 64-bit division per
+// chunk: that division took ~12 % of int4's decode attention on a Zen 3).
+static inline int group_shift(const CodecView& c) {
+  return __builtin_ctzll(static_cast<uint64_t>(c.group));
+}
+
 static inline __m256 widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
 // Channels 8v .. 8v + 7 of row x (without its factor x.f).
@@ -104,7 +111,7 @@ static inline __m256 chunk8(const CodecView& c, const Row8& x, int64_t v) {
     std::memcpy(&four, x.code + 4 * v, 4);
     const __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(15);
     const __m128i nat = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-    const int64_t g = 8 * v / c.group;
+    const int64_t g = (8 * v) >> group_shift(c);
     return _mm256_fmadd_ps(widen8(nat), _mm256_set1_ps(bf(x.p[2 * g])), _mm256_set1_ps(bf(x.p[2 * g + 1])));
   } else {  // kKivi2: channel 4l + j is bits 2j of byte l
     uint16_t two;
@@ -114,8 +121,34 @@ static inline __m256 chunk8(const CodecView& c, const Row8& x, int64_t v) {
         _mm256_set1_epi32(3));
     const __m256 qf = _mm256_cvtepi32_ps(q);
     if (x.ksz) return _mm256_fmadd_ps(qf, _mm256_load_ps(x.ksz + 8 * v), _mm256_load_ps(x.ksz + 256 + 8 * v));
-    const int64_t g = 8 * v / c.group;
+    const int64_t g = (8 * v) >> group_shift(c);
     return _mm256_fmadd_ps(qf, _mm256_set1_ps(bf(x.p[2 * g])), _mm256_set1_ps(bf(x.p[2 * g + 1])));
+  }
+}
+
+// Channels 8v0 .. 8v0 + 31 of row x into o[0..3] (without x.f): chunk8 four times, with
+// int4's 16 bytes read and unpacked at once (the same values, bit for bit: one load and
+// one unpack instead of four, the group's scale and zero fetched per chunk as before).
+template <Rd R>
+static inline void slab4(const CodecView& c, const Row8& x, int64_t v0, __m256* o) {
+  if constexpr (R == Rd::kInt4) {
+    if (x.res) {  // a full-precision row (no int4 row has one; kept general)
+      for (int k = 0; k < 4; ++k) o[k] = chunk8<R>(c, x, v0 + k);
+      return;
+    }
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.code + 4 * v0));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    const __m128i n0 = _mm_unpacklo_epi8(lo, hi), n1 = _mm_unpackhi_epi8(lo, hi);
+    const __m128i part[4] = {n0, _mm_srli_si128(n0, 8), n1, _mm_srli_si128(n1, 8)};
+    const int sh = group_shift(c);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t g = (8 * (v0 + k)) >> sh;
+      o[k] = _mm256_fmadd_ps(widen8(part[k]), _mm256_set1_ps(bf(x.p[2 * g])),
+                             _mm256_set1_ps(bf(x.p[2 * g + 1])));
+    }
+  } else {
+    for (int k = 0; k < 4; ++k) o[k] = chunk8<R>(c, x, v0 + k);
   }
 }
 #endif

@@ -125,7 +125,11 @@ static void scores8(const CodecView& cv, const float* q, int G, const int64_t* t
       const Row8 kr = make_row8<R>(cv, true, rows[jj], res[jj], &kk);
       vrows[jj] = make_row8<R>(cv, false, rows[jj], res[jj], nullptr);
       fac[j] = kr.f;
-      for (int64_t v = 0; v < NV; ++v) _mm256_store_ps(kf[j] + 8 * v, chunk8<R>(cv, kr, v));
+      for (int64_t v = 0; v < NV; v += 4) {
+        __m256 x[4];
+        slab4<R>(cv, kr, v, x);
+        for (int k = 0; k < 4; ++k) _mm256_store_ps(kf[j] + 8 * (v + k), x[k]);
+      }
     }
     const __m256 f = _mm256_mul_ps(_mm256_load_ps(fac), _mm256_set1_ps(scale));
     const __m256 dead = _mm256_cmp_ps(
@@ -181,9 +185,11 @@ static void pv8(const CodecView& cv, const Row8* vrows, int64_t n, float (*sc)[k
       }
       __m256 p[GB];
       for (int g = 0; g < GB; ++g) p[g] = _mm256_set1_ps(sc[g0 + g][j] * row.f);
-      for (int k = 0; k < NV; ++k) {
-        const __m256 x = chunk8<R>(cv, row, v0 + k);
-        for (int g = 0; g < GB; ++g) a[g][k] = _mm256_fmadd_ps(p[g], x, a[g][k]);
+      for (int k0 = 0; k0 < NV; k0 += 4) {
+        __m256 x[4];
+        slab4<R>(cv, row, v0 + k0, x);
+        for (int k = 0; k < 4; ++k)
+          for (int g = 0; g < GB; ++g) a[g][k0 + k] = _mm256_fmadd_ps(p[g], x[k], a[g][k0 + k]);
       }
     }
     for (int g = 0; g < GB; ++g)
