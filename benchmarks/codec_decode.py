@@ -20,6 +20,9 @@ eval's own speed test, batch 8 by default there: pass ``--batch 8``).
 ``--attention-only`` instead times one layer's decode attention alone, single thread, min
 of ``--reps`` calls: the PyTorch reference path (``gather`` + grouped matmuls) and the C++
 kernel for each codec, on the same K/V (the microbenchmark behind the kernel's design).
+With ``--cold`` a 150 MB buffer is streamed before every timed call (not timed), as a
+decode step's weights stream between one layer's attention and the next token's, so the
+KV comes from DRAM / L3 instead of L2 (a single user's row: ``--batch 1 --context 550``).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/codec_decode.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/codec_decode.py --attention-only --reps 20
@@ -199,20 +202,25 @@ def run_attention_only(args: argparse.Namespace) -> dict[str, Any]:
     bias = torch.zeros(over.shape).masked_fill_(over, float("-inf"))[:, None, None, :]
     slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(-1)
 
+    flush = torch.empty(150 * 2**20, dtype=torch.uint8) if args.cold else None
     out: dict[str, Any] = {}
     for name in args.codecs:
         codec = codec_class(name)(shape, dtype, max_num_seqs=b)
         codec.write(0, slots, k, v)
-        out[name] = time_codec(kernels, codec, q, rows, bias, args.reps, not args.no_reference)
+        out[name] = time_codec(
+            kernels, codec, q, rows, bias, args.reps, not args.no_reference, flush
+        )
         print(f"{name:9s} reference {out[name]['reference_ms']:8.2f} ms   kernel "
               f"{out[name]['kernel_ms']:8.2f} ms", flush=True)  # fmt: skip
-    return {"attention_only": out, "threads": torch.get_num_threads()}
+    return {"attention_only": out, "threads": torch.get_num_threads(), "cold": args.cold}
 
 
-def _best_ms(fn: Any, reps: int) -> float:
+def _best_ms(fn: Any, reps: int, flush: torch.Tensor | None = None) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
+        if flush is not None:
+            flush.add_(1)  # evicts the KV from the caches (not timed)
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
@@ -227,6 +235,7 @@ def time_codec(
     bias: torch.Tensor,
     reps: int,
     with_reference: bool = True,
+    flush: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Min ms of the reference path (gather + grouped matmuls) and of the kernel."""
     from kvstack.model.attention import codec_attention, decode_attention
@@ -249,8 +258,8 @@ def time_codec(
         def kernel() -> torch.Tensor:
             return codec_attention(kernels, q, view, rows, 0.125)
 
-    ref_ms = _best_ms(reference, reps) if with_reference else float("nan")
-    return {"reference_ms": ref_ms, "kernel_ms": _best_ms(kernel, reps)}
+    ref_ms = _best_ms(reference, reps, flush) if with_reference else float("nan")
+    return {"reference_ms": ref_ms, "kernel_ms": _best_ms(kernel, reps, flush)}
 
 
 def main() -> None:
@@ -263,6 +272,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--attention-only", action="store_true", help="one layer, kernel vs reference")
     ap.add_argument("--no-reference", action="store_true", help="--attention-only: kernel only")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="--attention-only: stream 150 MB before every call (KV read from DRAM / L3)",
+    )
     ap.add_argument(
         "--eval-speed", action="store_true", help="rerun the decode columns of `kvstack eval`"
     )

@@ -10,8 +10,8 @@
 //   1. scores: 8 K rows decoded into an L1 tile, then per q head 8 dot products
 //      (one FMA chain per row) and one 8x8 horizontal reduction, times the rows' factors
 //      (int8 / fp8 scales) and the softmax scale; the K and V codes of the tokens
-//      kL2Ahead8 ahead are prefetched into L2 (the first kL2Ahead8 when the item starts),
-//      the K rows kAhead8 ahead into L1;
+//      kL2Ahead8 ahead are prefetched into L2 (the first kL2Ahead8 when the item starts;
+//      kivi2: with their block's key parameters), the K rows kAhead8 ahead into L1;
 //   2. softmax numerators exp(s - m), their max m and sum l per q head;
 //   3. P.V: the q heads in groups of up to 3 and the channels in slabs of 4 vectors (one
 //      vector slab of 8 for a single head), so that the accumulators (<= 12) stay in the 16
@@ -102,6 +102,13 @@ static void scores8(const CodecView& cv, const float* q, int G, const int64_t* t
     for (int64_t b = 0; b < cv.code_bytes; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(cv.kc + rows[j] * cv.code_bytes + b), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(cv.vc + rows[j] * cv.code_bytes + b), _MM_HINT_T1);
+    }
+    if constexpr (R == Rd::kKivi2) {  // a block's key (scale, zero) pairs: 2 x HD bf16
+      const int64_t t = t0 + j;
+      if (j == 0 || t % cv.BS == 0) {
+        const char* p = reinterpret_cast<const char*>(cv.kp + (table[t / cv.BS] * cv.KVH + kh) * cv.HD * 2);
+        for (int64_t b = 0; b < 4 * cv.HD; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+      }
     }
   };
   for (int64_t j = 0; j < std::min(kL2Ahead8, n); ++j) to_l2(j);
