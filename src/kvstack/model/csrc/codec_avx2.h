@@ -8,8 +8,8 @@
 //   int8     8 codes, sign-extended; the row's scale is left out (Row8::f)
 //   fp8      8 codes: e4m3 sign-extended and shifted into an fp16 of value / 2^8 (the 2^8
 //            goes into f), e5m2 the upper byte of the fp16 of the same value; F16C widens
-//   int4     4 bytes: low / high nibbles interleaved back to channel order, times the
-//            group's scale plus its zero (slab4: 16 bytes, 32 channels, at once)
+//   int4     (slab4, 32 channels from 16 bytes) low / high nibbles interleaved back to
+//            channel order, times the group's scale plus its zero
 //   kivi2    2 bytes: the 2-bit fields of channels 8v .. 8v + 7; keys take the block's
 //            per-channel (scale, zero) (KeyParams8), values the token's group pair
 //
@@ -106,14 +106,8 @@ static inline __m256 chunk8(const CodecView& c, const Row8& x, int64_t v) {
   } else if constexpr (R == Rd::kE5M2) {
     const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.code + 8 * v)));
     return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
-  } else if constexpr (R == Rd::kInt4) {
-    int32_t four;
-    std::memcpy(&four, x.code + 4 * v, 4);
-    const __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(15);
-    const __m128i nat = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-    const int64_t g = (8 * v) >> group_shift(c);
-    return _mm256_fmadd_ps(widen8(nat), _mm256_set1_ps(bf(x.p[2 * g])), _mm256_set1_ps(bf(x.p[2 * g + 1])));
   } else {  // kKivi2: channel 4l + j is bits 2j of byte l
+    static_assert(R == Rd::kKivi2, "int4 rows are read 32 channels at a time: slab4");
     uint16_t two;
     std::memcpy(&two, x.code + 2 * v, 2);
     const __m256i q = _mm256_and_si256(
@@ -126,16 +120,13 @@ static inline __m256 chunk8(const CodecView& c, const Row8& x, int64_t v) {
   }
 }
 
-// Channels 8v0 .. 8v0 + 31 of row x into o[0..3] (without x.f): chunk8 four times, with
-// int4's 16 bytes read and unpacked at once (the same values, bit for bit: one load and
-// one unpack instead of four, the group's scale and zero fetched per chunk as before).
+// Channels 8v0 .. 8v0 + 31 of row x into o[0..3] (without x.f): chunk8 four times, except
+// int4, whose 16 bytes are read and unpacked at once (low / high nibbles interleaved back
+// to channel order, times each 8 channels' group scale plus its zero). int4 rows never
+// have a residual row (attach_residual: kivi2 only).
 template <Rd R>
 static inline void slab4(const CodecView& c, const Row8& x, int64_t v0, __m256* o) {
   if constexpr (R == Rd::kInt4) {
-    if (x.res) {  // a full-precision row (no int4 row has one; kept general)
-      for (int k = 0; k < 4; ++k) o[k] = chunk8<R>(c, x, v0 + k);
-      return;
-    }
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.code + 4 * v0));
     const __m128i low = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
