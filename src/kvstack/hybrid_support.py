@@ -3,7 +3,7 @@
 A model with sliding-window layers gets one block table per group of layers unless
 ``--disable-hybrid-kv-cache-manager`` (vLLM's flag) or a layout other than ``paged``
 keeps one table for all layers. What the hybrid manager does not support is refused
-at startup by ``HybridKVManager`` (and ``kv/hybrid_radix.py``), one error naming the option.
+at startup by ``HybridKVManager``, one error naming the option.
 """
 
 from __future__ import annotations

@@ -202,9 +202,10 @@ def test_no_room_changes_nothing_and_dead_blocks_count_as_room() -> None:
 
 
 @CACHES
-def test_random_traffic_keeps_integrity(cache: str) -> None:
+@pytest.mark.parametrize("windows", [[None, W, None, W], [W, 2 * W]], ids=["gemma", "mistral"])
+def test_random_traffic_keeps_integrity(cache: str, windows: list[int | None]) -> None:
     rng = random.Random(5)
-    kv = manager([None, W, None, W], pages=120, cache=cache)
+    kv = manager(windows, pages=120, cache=cache)
     live: dict[str, Request] = {}
     for step in range(300):
         if live and rng.random() < 0.3:
@@ -283,9 +284,40 @@ def test_radix_keeps_the_full_group_in_the_tree_and_window_pages_apart() -> None
     kv.check_integrity()
 
 
+def test_radix_of_a_window_only_model_keeps_tombstones() -> None:
+    """--prefix-cache radix when every layer slides (Mistral; kv/hybrid_window_radix.py):
+    the tree holds tokens, pages sit under their keys and go as soon as nothing holds
+    them; a node whose pages all went stays while nodes below it live (a tombstone) and
+    is pruned with its last descendant; a hit is matched token by token first."""
+    kv = manager([W, 2 * W], pages=40, cache="radix")
+    a = req("a", list(range(40)))
+    admit(kv, a)
+    decode(kv, a, 1)  # rows from 41 read keys >= 34 (W) and >= 26 (2W)
+    cache = kv.cache
+    assert cache is not None and cache.name == "radix"
+    assert cache.num_evictable == 8 + 6 and len(cache.nodes) == 10  # type: ignore[union-attr]
+    hashes = kv.block_hashes(a)
+    assert sorted(kv.first_live(g, 41) for g in range(2)) == [6, 8]
+    for g in range(2):  # evict every page a's windows no longer read
+        for h in hashes[: kv.first_live(g, 41)]:
+            evict(kv, cache.key(g, h))
+    kv.check_integrity()
+    assert len(cache.nodes) == 10, "blocks 0-5: tombstones under live blocks"  # type: ignore[union-attr]
+    root = kv.root_of(a)
+    other = [*range(36), 7, 7, 7, 7]  # the same hashes claimed for other tokens: no hit
+    assert cache.hit_length(hashes, 10, other, root) == 0
+    kv.free(a)
+    assert admit(kv, req("c", [*range(40), 7])) == 40  # 10 blocks: windows' pages cached
+    kv.free("c")
+    assert admit(kv, req("d", [*range(20), 900])) == 0  # 5 blocks: block 1-4 pages gone
+    kv.free("d")
+    for key in list(cache.table):
+        evict(kv, key)
+    kv.check_integrity()
+    assert not cache.nodes and kv.usage == 0.0  # type: ignore[union-attr]
+
+
 def test_what_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"--prefix-cache radix .* needs a full-attention"):
-        HybridKVManager(KVGroups.plan([W, 2 * W]), 16, BS, 16, prefix_cache="radix")
     with pytest.raises(ConfigError, match="--prefix-cache lru_tree"):
         HybridKVManager(KVGroups.plan([None, W]), 16, BS, 16, prefix_cache="lru_tree")
     kv = manager([None, W])

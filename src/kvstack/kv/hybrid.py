@@ -21,7 +21,8 @@ Prefix caching per group (``kv/hybrid_cache.py``, vLLM's ``find_longest_cache_hi
 hit needs every block of a full group but only the window's blocks of a window group; one
 cache and one eviction policy hold every group's blocks, group 0's under the plain hashes
 (KV events name them, for a window-only model too) or in the radix tree
-(``kv/hybrid_radix.py``), the others' under hashes tagged with the group.
+(``kv/hybrid_radix.py``; a window-only model's tree holds tokens and tombstones,
+``kv/hybrid_window_radix.py``), the others' under hashes tagged with the group.
 
 Pins hold every page a hit of the whole pinned prefix needs (``kv/hybrid_pins.py``).
 Offload tiers store and load *logical* blocks (every group's page of one block index;
@@ -29,7 +30,7 @@ Offload tiers store and load *logical* blocks (every group's page of one block i
 Presses (era 5) compact a request into one fresh table per group (``replace_blocks``;
 ``kv/press/compact.py`` presses the full groups and keeps each window group's window).
 Every KV codec works (kivi2 keeps its write plans and residual slots per group:
-``kv/codecs/kivi.py``). Refused here: the radix cache without a full-attention layer.
+``kv/codecs/kivi.py``).
 Implements ``kv/base.py``'s ``KVManager`` protocol; ``num_blocks`` counts pages.
 """
 
@@ -46,6 +47,7 @@ from kvstack.kv.hashing import BlockHash
 from kvstack.kv.hybrid_cache import GroupedHashCache, first_live
 from kvstack.kv.hybrid_pins import HybridPins
 from kvstack.kv.hybrid_radix import GroupedRadixCache
+from kvstack.kv.hybrid_window_radix import WindowRadixCache
 from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.policies import make_policy
 from kvstack.kv.residency import BlockResidency
@@ -84,7 +86,9 @@ class HybridKVManager(HybridPins, PagedCommon):
         self.events = events if events is not None else KVEventLog()
         self.cache: GroupedHashCache | GroupedRadixCache | None = None
         if prefix_cache != "none":
-            kind = GroupedHashCache if prefix_cache == "hash" else GroupedRadixCache
+            kind: type[GroupedHashCache | GroupedRadixCache] = GroupedHashCache
+            if prefix_cache == "radix":
+                kind = GroupedRadixCache if self.windows[0] is None else WindowRadixCache
             policy = make_policy(eviction_policy, num_pages)
             self.cache = kind(block_size, policy, self.events, self.windows)
         self.pool = BlockPool(num_pages, self.cache, residency)

@@ -18,16 +18,15 @@ for the tree's leaf order. This is SGLang's split of full and sliding-window KV
 
 A hit is the fixpoint of ``GroupedHits.hit_length`` with group 0's length from the tree
 (full: monotone). Only group 0's blocks reach KV events (``BlockStored`` with the tokens,
-as the plain radix cache publishes). Deviation from SGLang: a model whose every layer
-slides (Mistral) has no full group to hold the tree, and is refused here (its hash cache
-works); SGLang keeps one tree for both kinds of KV.
+as the plain radix cache publishes). A model whose every layer slides (Mistral) has no
+full group to hold the tree: ``kv/hybrid_window_radix.py`` serves it (a token tree with
+tombstones, every page by key).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstack.errors import ConfigError
 from kvstack.kv.block_pool import KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.hashing import BlockHash
@@ -51,12 +50,7 @@ class GroupedRadixCache(GroupedHits, RadixPrefixCache):
         events: KVEventLog,
         windows: tuple[int | None, ...],
     ) -> None:
-        if windows[0] is not None:
-            raise ConfigError(
-                "--prefix-cache radix with the hybrid KV manager needs a full-attention "
-                "layer (every layer of this model slides a window); use --prefix-cache hash "
-                "or --disable-hybrid-kv-cache-manager"
-            )
+        assert windows[0] is None, "group 0 must be a full-attention group"
         RadixPrefixCache.__init__(self, block_size, policy, events)
         self.windows = windows
         self.table: dict[BlockHash, KVCacheBlock] = {}  # groups >= 1, by group_key
