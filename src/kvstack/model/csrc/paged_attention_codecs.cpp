@@ -99,7 +99,10 @@ struct Cursor {
     if (!is_k && bi + 1 < nblocks) prefetch_block<_MM_HINT_T0>(cv, false, table[bi + 1], kh);
   }
   // Row of the current token (in to_order's order) and its factor; then the next token.
-  float next(bool is_k, __m512* x) {
+  // Forced inline: GCC kept it out of line, and each call spilled the row's four vectors
+  // through the stack (int4 P.V at batch 32 x 2,048 on Zen 5: see the README's codec
+  // section).
+  __attribute__((always_inline)) inline float next(bool is_k, __m512* x) {
     float f = 1.f;
     if (rs >= 0) {
       residual_row64(cv, is_k, rs, i, kh, x);
