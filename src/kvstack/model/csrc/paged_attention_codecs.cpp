@@ -90,7 +90,7 @@ struct Cursor {
     prefetch_block<_MM_HINT_T0>(cv, true, b, kh);
     prefetch_block<_MM_HINT_T1>(cv, false, b, kh);
   }
-  void enter(bool is_k) {
+  __attribute__((always_inline)) inline void enter(bool is_k) {
     blk = table[bi];
     rs = bi == own ? cv.residual(blk) : -1;
     if constexpr (C == Codec::kKivi2)
@@ -99,9 +99,10 @@ struct Cursor {
     if (!is_k && bi + 1 < nblocks) prefetch_block<_MM_HINT_T0>(cv, false, table[bi + 1], kh);
   }
   // Row of the current token (in to_order's order) and its factor; then the next token.
-  // Forced inline: GCC kept it out of line, and each call spilled the row's four vectors
-  // through the stack (int4 P.V at batch 32 x 2,048 on Zen 5: see the README's codec
-  // section).
+  // Forced inline (and enter() with it): GCC had kept int4's out of line, and each call
+  // spilled the row's four vectors through the stack (int4's P.V at batch 32 x 2,048 on
+  // Zen 5, one thread: 3.9 -> 2.0 ms a layer); forcing only this one pushed kivi2's
+  // enter() out of line instead.
   __attribute__((always_inline)) inline float next(bool is_k, __m512* x) {
     float f = 1.f;
     if (rs >= 0) {
