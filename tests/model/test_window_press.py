@@ -181,8 +181,12 @@ def test_hybrid_manager_gives_one_tables_tokens(
     small, tight = run(path, prompts, params, num_blocks=12, max_num_batched_tokens=8)
     assert small == one, "small pool"
     assert tight.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
+    # With a codec, both managers in chunks of 13: on an AVX-512 CPU (Zen 5, 2026-12-04)
+    # kivi2 + knorm picked other tokens chunked than whole in either manager (the press's
+    # ranking flips on float differences between the paths; with int8 or without the C++
+    # kernels they agree), which is a chunk-size question, not the manager's.
     for codec in ("int8", "kivi2"):
-        a, _ = run(path, prompts, params, kv_cache_dtype=codec,
+        a, _ = run(path, prompts, params, kv_cache_dtype=codec, max_num_batched_tokens=13,
                    disable_hybrid_kv_cache_manager=True)  # fmt: skip
         b, _ = run(path, prompts, params, kv_cache_dtype=codec, max_num_batched_tokens=13)
         assert a == b, codec

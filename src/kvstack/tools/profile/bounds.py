@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kvstack.model.quant.linear import QuantLinear
+
 BANDWIDTH_BYTES = 256 * 2**20
 
 
@@ -78,7 +80,7 @@ def measure_bounds(model: Any, ms: tuple[int, ...] = ()) -> MachineBounds:
     """Bandwidth and GEMM throughput with ``model``'s ``gate_up`` (peak at M = 2048); of a
     dense copy in the model dtype when the weights are quantized (``--quantization``)."""
     layer = model.layers[0].gate_up
-    if getattr(layer, "packed", None) is not None:
+    if isinstance(layer, QuantLinear):  # (a dense Linear's ``packed`` is oneDNN's copy)
         from kvstack.model.layers import Linear
 
         layer = Linear(layer.dequantize(model.dtype), model.dtype)

@@ -38,6 +38,7 @@ import torch
 
 import kvstack.model.llama as llama_mod
 from kvstack.model.attention import AttentionMetadata
+from kvstack.model.quant.linear import QuantLinear
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -74,8 +75,10 @@ class TimedLinear:
 
     def __init__(self, inner: Any, name: str, rec: Recorder) -> None:
         self.inner, self.name, self.rec = inner, name, rec
-        packed = getattr(inner, "packed", None)  # a quantized linear (--quantization)
-        if packed is not None:  # its packed bytes are what a call reads
+        # A quantized linear (--quantization) reads its packed codes. (A dense ``Linear``
+        # has a ``packed`` too where oneDNN has native bf16: its reordered weight tensor.)
+        if isinstance(inner, QuantLinear):
+            packed = inner.packed
             self.out_f, self.in_f = int(packed.out_features), int(packed.in_features)
             self.weight_bytes = int(packed.nbytes)
         else:
