@@ -42,7 +42,8 @@ Chunk = tuple[int, ...]
 
 @dataclass(eq=False)
 class TokenNode:
-    """One block of a cached token path: its chunk of tokens and chained hash."""
+    """One block of a cached token path: its chunk of tokens and chained hash (a root:
+    no chunk, the chain's root hash)."""
 
     parent: TokenNode | None
     chunk: Chunk = ()
@@ -56,7 +57,7 @@ class WindowRadixCache(GroupedHashCache):
     Invariants (``check_integrity``): the hash cache's for the pages; every tree node but
     a root has a chunk of ``block_size`` tokens and is indexed by its hash; every group-0
     key in the table has a node; no leaf is a tombstone (each leaf has a cached page in
-    some group).
+    some group), and no root is bare (one per cache salt would pile up).
     """
 
     name = "radix"
@@ -111,7 +112,7 @@ class WindowRadixCache(GroupedHashCache):
         super().insert(token_ids, hashes, blocks, root, cache_salt)
         if not hashes or tagged(hashes[0]):
             return
-        node = self.roots.setdefault(root, TokenNode(None))
+        node = self.roots.setdefault(root, TokenNode(None, (), root))
         for i in range(len(hashes)):
             chunk = self._chunk(token_ids, i)
             child = node.children.get(chunk)
@@ -130,11 +131,13 @@ class WindowRadixCache(GroupedHashCache):
         node = self.nodes.get(block_hash[:_HASH_LEN])
         while node is not None and node.parent is not None:
             if node.children or self._live(node):
-                break
+                return block
             parent = node.parent
             del parent.children[node.chunk]
             del self.nodes[node.block_hash]
             node = parent
+        if node is not None and not node.children:  # a root (its hash: the chain's root)
+            del self.roots[node.block_hash]
         return block
 
     def _drop_all(self) -> list[KVCacheBlock]:
@@ -145,6 +148,8 @@ class WindowRadixCache(GroupedHashCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         seen = 0
+        for root, top in self.roots.items():
+            assert top.parent is None and top.block_hash == root and top.children, "a bare root"
         stack = list(self.roots.values())
         while stack:
             node = stack.pop()
