@@ -52,6 +52,8 @@ def main() -> None:
         "are per round (the machine drifts between minutes) and their median is reported",
     )
     args = ap.parse_args()
+    if args.rounds < 1 or args.batch < 1 or args.steps < 1:
+        ap.error("--rounds, --batch and --steps must be at least 1")
 
     from workload import build_prompts  # benchmarks/workload.py
 
@@ -89,28 +91,8 @@ def main() -> None:
     events = prof.key_averages()
     op_self_s = sum(e.self_cpu_time_total for e in events) / 1e6
     wall_s = sum(walls)
-    model = eng.runner.model
     pre_lens = [len(p) for p in prompts[: args.prefill_prompts]]
-    rounds = []
-    for k in range(args.rounds):  # step times and the bounds measured side by side
-        decode_ms = time_decode(llm, prompts, sp, args.batch, f"q{k}")
-        prefill_ms = time_prefill(llm, prompts[: args.prefill_prompts])
-        dec_bound = decode_bound(model, ctx_lens)
-        pre_bound = prefill_bound(model, pre_lens)
-        rounds.append(
-            {
-                "decode_step_ms": decode_ms,
-                "decode_bound": dec_bound.to_dict(),
-                "decode_over_bound": decode_ms / dec_bound.ms,
-                "prefill_step_ms": prefill_ms,
-                "prefill_bound": pre_bound.to_dict(),
-                "prefill_over_bound": prefill_ms / pre_bound.ms,
-            }
-        )
-        print(
-            f"round {k + 1}: decode {decode_ms:.1f} ms ({rounds[-1]['decode_over_bound']:.2f}x"
-            f" bound), prefill {prefill_ms:.0f} ms ({rounds[-1]['prefill_over_bound']:.2f}x)"
-        )
+    rounds = measure_rounds(llm, prompts, sp, args, ctx_lens)
     mid = sorted(rounds, key=lambda r: r["decode_over_bound"])[len(rounds) // 2]
     pre_mid = sorted(rounds, key=lambda r: r["prefill_over_bound"])[len(rounds) // 2]
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
@@ -150,6 +132,39 @@ def main() -> None:
         print(f"  {op['self_ms_per_step']:8.2f} ms  {op['calls_per_step']:6.0f}x  {op['name']}")
     print(bound_table(result))
     print(f"wrote {out}")
+
+
+def measure_rounds(
+    llm: LLM,
+    prompts: list[list[int]],
+    sp: SamplingParams,
+    args: argparse.Namespace,
+    ctx_lens: list[int],
+) -> list[dict]:
+    """``args.rounds`` rounds of (decode step timed, prefill timed, bounds measured)."""
+    model = llm.engine.runner.model
+    pre_lens = [len(p) for p in prompts[: args.prefill_prompts]]
+    rounds = []
+    for k in range(args.rounds):  # step times and the bounds measured side by side
+        decode_ms = time_decode(llm, prompts, sp, args.batch, f"q{k}")
+        prefill_ms = time_prefill(llm, prompts[: args.prefill_prompts])
+        dec_bound = decode_bound(model, ctx_lens)
+        pre_bound = prefill_bound(model, pre_lens)
+        rounds.append(
+            {
+                "decode_step_ms": decode_ms,
+                "decode_bound": dec_bound.to_dict(),
+                "decode_over_bound": decode_ms / dec_bound.ms,
+                "prefill_step_ms": prefill_ms,
+                "prefill_bound": pre_bound.to_dict(),
+                "prefill_over_bound": prefill_ms / pre_bound.ms,
+            }
+        )
+        print(
+            f"round {k + 1}: decode {decode_ms:.1f} ms ({rounds[-1]['decode_over_bound']:.2f}x"
+            f" bound), prefill {prefill_ms:.0f} ms ({rounds[-1]['prefill_over_bound']:.2f}x)"
+        )
+    return rounds
 
 
 def time_decode(
