@@ -108,12 +108,22 @@ class WindowRadixCache(GroupedHashCache):
         token path of ``hashes`` into the tree, tombstones included (a null page: a block
         no window read when it was computed). The hybrid manager inserts group 0 first and
         the other groups' pages of the same blocks right after, so the path's last block
-        (computed in this step, inside every window) is never a tombstone leaf."""
+        (computed in this step, inside every window) is never a tombstone leaf. The path
+        is walked from its deepest block already in the tree (a chained hash names its
+        whole prefix), not from the root: a request inserts every block it fills."""
         super().insert(token_ids, hashes, blocks, root, cache_salt)
         if not hashes or tagged(hashes[0]):
             return
-        node = self.roots.setdefault(root, TokenNode(None, (), root))
-        for i in range(len(hashes)):
+        start = len(hashes)
+        node = None
+        while node is None and start > 0:
+            start -= 1
+            node = self.nodes.get(hashes[start])
+        if node is None:
+            node = self.roots.setdefault(root, TokenNode(None, (), root))
+        else:
+            start += 1
+        for i in range(start, len(hashes)):
             chunk = self._chunk(token_ids, i)
             child = node.children.get(chunk)
             if child is None:
