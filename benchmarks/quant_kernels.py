@@ -8,6 +8,8 @@ lm_head 49152x576) and M = 1, 4, 16, 32, 64, 256, 512 bf16 rows, times per call 
   (float activations, weights dequantized in registers);
 - ``kvstack_vnni_*``: ``quant_linear_vnni`` (int8 activations; AVX512-VNNI dot products,
   or vpmaddubsw on a CPU without AVX-512);
+- ``kvstack_gemv_*``: ``quant_gemv`` over the 16-row tile copy (int8 activations,
+  AVX512-VNNI only);
 - ``dequant_onednn_Q4_1``: ``quant_dequant`` to bf16 + ``F.linear`` (kvstack's prefill path);
 - ``torch_int4pack``: PyTorch's ``_weight_int4pack_mm_for_cpu`` (gpt-fast's int4, group 32);
 - ``torch_int8pack``: PyTorch's ``_weight_int8pack_mm`` (gpt-fast's int8 per channel).
@@ -38,6 +40,7 @@ from kvstack.model.layers import Linear
 from kvstack.model.quant.gguf_blocks import pack_gguf
 from kvstack.model.quant.packed import PackedWeight, unpack_u4
 from kvstack.model.quant.quantize import quantize_int4, quantize_int8
+from kvstack.model.quant.tiled import tile_weight
 from offline_throughput import machine_info
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -77,6 +80,11 @@ def candidates(w: torch.Tensor, x: torch.Tensor, k: Any) -> dict[str, Callable[[
         if k.quant_linear_vnni_ok(p.in_features, p.group, p.bits):
             out[f"kvstack_vnni_{name}"] = lambda p=p: k.quant_linear_vnni(
                 x, p.q, p.scale, p.min, p.group, p.bits
+            )
+        if k.quant_gemv_ok(p.out_features, p.in_features, p.group, p.bits):
+            t = tile_weight(p)
+            out[f"kvstack_gemv_{name}"] = lambda t=t: k.quant_gemv(
+                x, t.codes, t.scale, t.min, t.group, t.bits
             )
     q41 = packs["Q4_1"]
     out["dequant_onednn_Q4_1"] = lambda: F.linear(

@@ -132,9 +132,11 @@ def test_prefill_path_multiplies_the_same_weights(kernels: Kernels, dtype: torch
     fast = QuantLinear(w, dtype, kernels, int8_activations=True)
     bf16 = dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(256, 32, 4)
     # never for fp32; in bf16 on a CPU with AVX-512 but no VNNI PyTorch's int4 op, as
-    # without int8_activations (AVX2-only CPUs have the AVX2 build of the int8 kernel)
+    # without int8_activations (AVX2-only CPUs have the AVX2 build of the int8 kernel);
+    # with AVX512-VNNI the tiled kernel (test_quant_gemv.py)
     plain = "torch_int4pack" if dtype == torch.bfloat16 else "quant_linear"
-    assert fast.kernel == ("quant_linear_vnni" if bf16 else plain)
+    gemv = bf16 and kernels.quant_gemv_ok(64, 256, 32, 4)
+    assert fast.kernel == ("quant_gemv" if gemv else "quant_linear_vnni" if bf16 else plain)
 
 
 def test_quantizers_stay_within_half_a_step() -> None:
@@ -225,7 +227,7 @@ def test_q8_0_decodes_on_the_vnni_kernel_in_bf16(kernels: Kernels, dtype: torch.
     decode rows take quant_linear_vnni (llama.cpp's int8 activations), float32 keeps the
     exact quant_linear; prefill rows multiply the same weights either way."""
     w = random_packed("Q8_0", 64, 192, seed=4)
-    lin = QuantLinear(w, dtype, kernels)
+    lin = QuantLinear(w, dtype, kernels, int8_activations=False)
     vnni = dtype == torch.bfloat16 and kernels.quant_linear_vnni_ok(192, 32, 8)
     assert lin.kernel == ("quant_linear_vnni" if vnni else "quant_linear")
     x = torch.randn(3, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -238,17 +240,20 @@ def test_int8_per_channel_decodes_on_the_vnni_kernel_in_bf16(kernels: Kernels) -
     faster: bf16 decode rows take it where the CPU has it."""
     w = random_packed("int8", 64, 192, seed=6)
     vnni = kernels.quant_linear_vnni_ok(192, w.group, 8)
-    lin = QuantLinear(w, torch.bfloat16, kernels)
+    lin = QuantLinear(w, torch.bfloat16, kernels, int8_activations=False)
     assert lin.kernel == ("quant_linear_vnni" if vnni else "torch_int8pack")
 
 
 def test_4bit_bf16_decode_takes_the_int8_dot_only_on_avx2(kernels: Kernels) -> None:
     """Without AVX-512 (PyTorch's capability AVX2) the AVX2 int8 kernel beat PyTorch's
-    int4 op at every decode M, so it is the default there; elsewhere PyTorch's op stays."""
+    int4 op at every decode M, so it is the default there; with AVX512-VNNI the tiled
+    kernel (test_quant_gemv.py); elsewhere PyTorch's op stays."""
     w = random_packed("Q4_1", 64, 256, seed=7)
     lin = QuantLinear(w, torch.bfloat16, kernels)
     avx2 = int8_dot_is_avx2() and kernels.quant_linear_vnni_ok(256, 32, 4)
-    assert lin.kernel == ("quant_linear_vnni" if avx2 else "torch_int4pack")
+    gemv = kernels.quant_gemv_ok(64, 256, 32, 4)
+    want = "quant_linear_vnni" if avx2 else "quant_gemv" if gemv else "torch_int4pack"
+    assert lin.kernel == want
     assert QuantLinear(w, torch.float32, kernels).kernel == "quant_linear"
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     ref = F.linear(x.float(), dequantize_reference(w))

@@ -87,7 +87,8 @@ def test_profile_of_quantized_weights_counts_their_packed_bytes(
     tiny: Path, profile_json: Path, tmp_path: Path
 ) -> None:
     """``--quantization int4``: each linear's bytes are its packed bytes (0.375x bf16's for
-    4-bit groups of 32 with a float32 scale and min, plus the same activations)."""
+    4-bit groups of 32 with a float32 scale and min, 0.3125x in quant_gemv's tiles with
+    fp16 ones, plus the same activations)."""
     out = tmp_path / "q.json"
     rc = main([
         "profile", "--model", str(tiny), "--batch", "3", "--context", "40", "--steps", "3",
@@ -104,4 +105,4 @@ def test_profile_of_quantized_weights_counts_their_packed_bytes(
 
     for name in ("qkv", "gate_up", "down"):
         ratio = weight_bytes(quant, name) / weight_bytes(dense, name)
-        assert 0.375 < ratio < 0.5, (name, ratio)
+        assert 0.3125 < ratio < 0.5, (name, ratio)

@@ -57,6 +57,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "quant_linear.cpp",
     "quant_vnni.cpp",
+    "quant_gemv.cpp",
 )
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _lock = threading.Lock()

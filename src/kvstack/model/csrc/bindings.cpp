@@ -58,4 +58,9 @@ TORCH_LIBRARY(kvstack, m) {
         &quant_linear_vnni);
   m.def("quant_linear_vnni_ok(int in_features, int group, int bits) -> bool",
         &quant_linear_vnni_ok);
+  m.def("quant_gemv(Tensor x, Tensor codes, Tensor scale, Tensor? min, int group, int bits) "
+        "-> Tensor",
+        &quant_gemv);
+  m.def("quant_gemv_ok(int out_features, int in_features, int group, int bits) -> bool",
+        &quant_gemv_ok);
 }

@@ -61,3 +61,6 @@ torch::Tensor quant_dequant(torch::Tensor q, torch::Tensor scale, std::optional<
 bool quant_linear_vnni_ok(int64_t in_features, int64_t group, int64_t bits);
 torch::Tensor quant_linear_vnni(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                                 std::optional<torch::Tensor> min, int64_t group, int64_t bits);
+bool quant_gemv_ok(int64_t out_features, int64_t in_features, int64_t group, int64_t bits);
+torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
+                         std::optional<torch::Tensor> min, int64_t group, int64_t bits);

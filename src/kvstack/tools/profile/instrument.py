@@ -80,7 +80,7 @@ class TimedLinear:
         if isinstance(inner, QuantLinear):
             packed = inner.packed
             self.out_f, self.in_f = int(packed.out_features), int(packed.in_features)
-            self.weight_bytes = int(packed.nbytes)
+            self.weight_bytes = int(inner.decode_bytes)
         else:
             w = inner.weight
             self.out_f, self.in_f = int(w.shape[0]), int(w.shape[1])
