@@ -99,8 +99,11 @@ def test_bf16_decode_rows_take_gemv_on_vnni(
         t = lin.tiled
         assert torch.equal(lin(x), kernels.quant_gemv(x, t.codes, t.scale, t.min, 32 if
                                                       kind != "int8" else 256, w.bits))  # fmt: skip
-        # prefill rows multiply the same weights through dequantize + oneDNN
-        big = lin(torch.cat([x] * 8))
+        # up to GEMV_ROWS rows it runs too (it beat dequantize + oneDNN there); prefill
+        # rows beyond multiply the same weights through dequantize + oneDNN
+        assert lin.prefill_rows == quant_linear.GEMV_ROWS
+        assert torch.equal(lin(torch.cat([x] * 40))[:3], lin(x))  # 120 rows: the kernel
+        big = lin(torch.cat([x] * 48))
         torch.testing.assert_close(big[:3].float(), lin(x).float(), rtol=3e-2, atol=3e-2)
     else:
         assert lin.kernel != "quant_gemv"

@@ -35,10 +35,13 @@ thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels*.json):
   4-bit weights to ``quant_linear_vnni`` too (a measured candidate; PyTorch's int4 op
   wins there).
 
-Prefill (``M > PREFILL_ROWS``) is compute-bound: the weight is dequantized to the
-activation dtype (``quant_dequant``, a [N, K] temporary) and multiplied by oneDNN
-(``F.linear``: AMX / AVX512-BF16 GEMM; on AVX2-only CPUs a float32 GEMM of widened
-copies, ``layers.dense_linear``), which wins from M ~ 16 on (the crossover measured).
+Prefill (``M > PREFILL_ROWS``; ``M > GEMV_ROWS`` where ``quant_gemv`` runs) is
+compute-bound: the weight is dequantized to the activation dtype (``quant_dequant``, a
+[N, K] temporary) and multiplied by oneDNN (``F.linear``: AMX / AVX512-BF16 GEMM; on
+AVX2-only CPUs a float32 GEMM of widened copies, ``layers.dense_linear``), which wins from
+M ~ 16 on against the other decode ops (the crossover measured), but not against
+``quant_gemv`` up to M = 128 (Zen 5, two threads, hot caches, Q4_1: gate_up 0.50 vs 0.61
+ms, qkv 0.17 vs 0.22, down 0.28 vs 0.46 at M = 128).
 
 Without the C++ extension (build failed, ``KVSTACK_NO_KERNELS``) the weight is dequantized
 once at load into a plain ``Linear`` (the packed bytes are then not what is read),
@@ -57,6 +60,7 @@ from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpac
 from kvstack.model.quant.tiled import TiledWeight, tiled_copy
 
 PREFILL_ROWS = 16
+GEMV_ROWS = 128  # quant_gemv's rows: it beat dequantize + oneDNN up to M = 128 (measured)
 INT8_ACTIVATIONS = False
 GEMV = True  # bf16 decode rows on AVX512-VNNI: quant_gemv over 16-row tiles
 Q8_VNNI = True  # bf16 8-bit groups without a PyTorch op: quant_linear_vnni
@@ -116,7 +120,7 @@ class QuantLinear:
         weight: PackedWeight,
         dtype: torch.dtype,
         kernels: Kernels | None,
-        prefill_rows: int = PREFILL_ROWS,
+        prefill_rows: int | None = None,
         int8_activations: bool | None = None,
     ) -> None:
         if int8_activations is None:  # default: where the int8 dot product wins
@@ -124,7 +128,6 @@ class QuantLinear:
         self.packed = weight
         self.dtype = dtype
         self.out_features = weight.out_features
-        self.prefill_rows = prefill_rows
         self.k = kernels
         self.dense: Linear | None = None
         self.tiled: TiledWeight | None = None
@@ -138,6 +141,9 @@ class QuantLinear:
                 self.tiled = tiled_copy(weight)
             elif int8_activations or (Q8_VNNI and bits == 8):
                 self.vnni = bool(kernels.quant_linear_vnni_ok(k, g, bits))
+        if prefill_rows is None:  # more rows than this: dequantize + oneDNN
+            prefill_rows = GEMV_ROWS if self.tiled is not None else PREFILL_ROWS
+        self.prefill_rows = prefill_rows
         fast = self.dense is not None or self.vnni or self.tiled is not None
         self.torch_op = None if fast else torch_weight_op(weight, dtype)
         self._decode: Any = None  # the decode path, bound at first use (_decode_fn)
