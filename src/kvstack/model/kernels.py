@@ -9,8 +9,9 @@ chunks, the same bits as their PyTorch ``encode`` / ``decode``), the fused per-t
 write), the bf16 linears for decode-sized inputs (``amx_linear.cpp`` on AMX tiles,
 ``bf16_linear.cpp`` on AVX512-BF16, sharing ``dpbf16.h`` with the causal prefill attention
 of ``prefill_attention.cpp``, or on AVX2 + FMA through ``fma_bf16.h``) and the weight-only
-quantized linears (``quant_linear.cpp``). The build takes ~30-90 s (~5 min on a 2-core
-AVX2-only EPYC) once per machine and is cached under
+quantized linears (``quant_linear.cpp``; with int8 activations ``quant_vnni.cpp``, and
+``quant_gemv.cpp`` over 16-row weight tiles on AVX512-VNNI). The build takes ~30-90 s
+(~5 min on a 2-core AVX2-only EPYC) once per machine and is cached under
 ``~/.cache/kvstack/kernels-<cpu>`` (or ``$KVSTACK_KERNEL_DIR``), one directory per CPU
 model and flag set. ``KVSTACK_NO_KERNELS=1`` forces the PyTorch path (tests compare both).
 
