@@ -24,6 +24,7 @@ import torch
 from kvstack import LLM, SamplingParams
 from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
+from kvstack.model.kernels import load_kernels
 from kvstack.testing.gemma3 import random_gemma3_weights, tiny_gemma3_config
 
 W, BS, NEW = 8, 4, 12
@@ -181,15 +182,18 @@ def test_hybrid_manager_gives_one_tables_tokens(
     small, tight = run(path, prompts, params, num_blocks=12, max_num_batched_tokens=8)
     assert small == one, "small pool"
     assert tight.engine.scheduler.num_preemptions_total > 0, "expected preemptions"
-    # With a codec, both managers in chunks of 13: on an AVX-512 CPU (Zen 5, 2026-12-04)
-    # kivi2 + knorm picked other tokens chunked than whole in either manager (the press's
-    # ranking flips on float differences between the paths; with int8 or without the C++
-    # kernels they agree), which is a chunk-size question, not the manager's.
+    # With a codec, both managers in chunks of 13; kivi2 also against one whole prefill
+    # where the C++ kernel runs (every kivi2 prefill row takes it: its rows' sums do not
+    # follow the chunk's shape; through masked SDPA, last-bit differences became 2-bit
+    # code flips and knorm picked other tokens, Zen 5, 2026-12-04).
     for codec in ("int8", "kivi2"):
         a, _ = run(path, prompts, params, kv_cache_dtype=codec, max_num_batched_tokens=13,
                    disable_hybrid_kv_cache_manager=True)  # fmt: skip
         b, _ = run(path, prompts, params, kv_cache_dtype=codec, max_num_batched_tokens=13)
         assert a == b, codec
+    if load_kernels() is not None:
+        whole, _ = run(path, prompts, params, kv_cache_dtype="kivi2")
+        assert whole == b, "kivi2: chunks of 13 vs one prefill"
 
 
 def test_pressed_requests_hold_fewer_pages(gemma: tuple[Path, Any]) -> None:

@@ -9,6 +9,7 @@ tokens, every row's logits kept for ``model/rejection_sampler.py``.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -146,12 +147,13 @@ class ModelRunner:
             scheduled, phys = virtual_tables(scheduled, self.groups.num_groups)
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         kernel = self._kernel_attention(scheduled)
+        chunk_rows = self._kernel_chunk_rows()
         # Short chunks for the C++ kernel right after the decodes (KernelRows); fresh
         # prompts of equal length side by side so SDPA batches them.
         prefills = sorted(
             (s for s in scheduled if s.num_new_tokens != 1),
             key=lambda s: (
-                not (kernel and s.num_new_tokens <= KERNEL_CHUNK_ROWS),
+                not (kernel and s.num_new_tokens <= chunk_rows),
                 s.num_computed_tokens > 0,
                 s.num_new_tokens,
             ),
@@ -201,14 +203,14 @@ class ModelRunner:
         prompts of one length (no earlier KV, identity codec) share one causal SDPA call;
         others attend to their block table through a mask."""
         bs = self.block_size
-        metas = inputs.prefills
+        metas, chunk_rows = inputs.prefills, self._kernel_chunk_rows()
         for s in prefills:
             c, n = s.num_computed_tokens, s.num_new_tokens
             kc = c - s.request.num_dropped
             inputs.ids.extend(_row_ids(s))
             inputs.positions.extend(range(c, c + n))
             blocks = s.block_ids[: -(-(kc + n) // bs)]
-            if inputs.kernel_seqs is not None and n <= KERNEL_CHUNK_ROWS:  # C++ attention
+            if inputs.kernel_seqs is not None and n <= chunk_rows:  # C++ attention
                 inputs.slots.extend(blocks[t // bs] * bs + t % bs for t in range(kc, kc + n))
                 inputs.kernel_seqs.append((blocks, kc, n))
                 row += n
@@ -292,6 +294,12 @@ class ModelRunner:
             and (codec.identity or (codec.engine_kernel and codec.kernel_view(0) is not None))
             and all(_layer_lens(s.request) is None for s in scheduled)
         )
+
+    def _kernel_chunk_rows(self) -> int:
+        """The longest prefill chunk the C++ kernel takes: ``KERNEL_CHUNK_ROWS``, or all for
+        a codec whose rows read their own block exactly (kivi2: README "Chunk sizes and 2-bit
+        codes"; the kernel sums each row alone, and was faster there too)."""
+        return sys.maxsize if self.kv.codec.own_block_exact else KERNEL_CHUNK_ROWS
 
     def _kernel_rows(
         self, decodes: list[ScheduledRequest], inputs: StepInputs
