@@ -150,8 +150,8 @@ class QuantLinear:
 
     @property
     def kernel(self) -> str:
-        """What runs at decode: ``quant_linear_vnni``, ``quant_linear`` or the dense
-        reference."""
+        """What runs at decode: a PyTorch op's name, ``quant_gemv``, ``quant_linear_vnni``,
+        ``quant_linear`` or the dense reference."""
         if self.dense is not None:
             return "dense_fallback"
         if self.torch_op is not None:
