@@ -6,8 +6,8 @@ thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels*.json):
 - bf16 activations on a CPU with AVX512-VNNI: ``quant_gemv`` (``csrc/quant_gemv.cpp``)
   over a ``TiledWeight`` copy (``quant/tiled.py``: 16-row tiles, fp16 scales where
   exact), int8 activations as llama.cpp's. One layer at M = 1, two threads, hot caches
-  (2-core AMD EPYC Zen 5, 2026-12-04): Q4_1 gate_up 3072x576 11 us vs 26 us for
-  ``_weight_int4pack_mm_for_cpu``, ahead at every M = 1..16 (2x at M = 16); 30 layers'
+  (2-core AMD EPYC Zen 5, 2026-12-04): Q4_1 gate_up 3072x576 9 us vs 25 us for
+  ``_weight_int4pack_mm_for_cpu``, ahead at every M = 1..128 (2.5x at M = 16); 30 layers'
   weights cycled from DRAM (a real token's case): 1.6-1.8 ms vs 2.5 ms. ``GEMV = False``
   (or ``int8_activations=False``) restores the choices below on such a CPU;
 - bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and (without VNNI) int8:
@@ -40,8 +40,8 @@ compute-bound: the weight is dequantized to the activation dtype (``quant_dequan
 [N, K] temporary) and multiplied by oneDNN (``F.linear``: AMX / AVX512-BF16 GEMM; on
 AVX2-only CPUs a float32 GEMM of widened copies, ``layers.dense_linear``), which wins from
 M ~ 16 on against the other decode ops (the crossover measured), but not against
-``quant_gemv`` up to M = 128 (Zen 5, two threads, hot caches, Q4_1: gate_up 0.50 vs 0.61
-ms, qkv 0.17 vs 0.22, down 0.28 vs 0.46 at M = 128).
+``quant_gemv`` up to M = 128 (Zen 5, two threads, hot caches, Q4_1: gate_up 0.48 vs 0.58
+ms, qkv 0.16 vs 0.21, down 0.26 vs 0.32 at M = 128; results/quant_kernels-*-m128.json).
 
 Without the C++ extension (build failed, ``KVSTACK_NO_KERNELS``) the weight is dequantized
 once at load into a plain ``Linear`` (the packed bytes are then not what is read),
