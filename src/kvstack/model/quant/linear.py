@@ -7,7 +7,7 @@ thread with ``benchmarks/quant_kernels.py`` (results/quant_kernels*.json):
   over a ``TiledWeight`` copy (``quant/tiled.py``: 16-row tiles, fp16 scales where
   exact), int8 activations as llama.cpp's. One layer at M = 1, two threads, hot caches
   (2-core AMD EPYC Zen 5, 2026-12-04): Q4_1 gate_up 3072x576 9 us vs 25 us for
-  ``_weight_int4pack_mm_for_cpu``, ahead at every M = 1..128 (2.5x at M = 16); 30 layers'
+  ``_weight_int4pack_mm_for_cpu``, ahead at every M = 1..128 (2.2-2.6x at M = 16); 30 layers'
   weights cycled from DRAM (a real token's case): 1.6-1.8 ms vs 2.5 ms. ``GEMV = False``
   (or ``int8_activations=False``) restores the choices below on such a CPU;
 - bf16 activations, 4-bit groups (Q4_0, Q4_1, Q4_K, int4) and (without VNNI) int8:
