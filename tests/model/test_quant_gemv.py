@@ -15,7 +15,20 @@ from kvstack.model.kernels import Kernels
 from kvstack.model.quant import linear as quant_linear
 from kvstack.model.quant.linear import QuantLinear
 from kvstack.model.quant.packed import dequantize_reference, unpack_u4
-from kvstack.model.quant.tiled import tile_weight, untile_codes
+from kvstack.model.quant.tiled import TILE, TiledWeight, tile_weight
+
+
+def untile_codes(t: TiledWeight, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of ``tile_codes`` as plain codes ``[N, K]`` (int8 for 8 bits, 0..15 for 4):
+    the tests check the layout with it."""
+    n, k, tiles = out_features, in_features, out_features // TILE
+    if t.bits == 8:
+        u8 = t.codes.reshape(tiles, k // 4, TILE, 4).transpose(1, 2).reshape(n, k)
+        return (u8.to(torch.int16) - 128).to(torch.int8)
+    b = t.codes.reshape(tiles, k // 8, TILE, 4)
+    nib = torch.stack([b & 15, b >> 4], dim=-1)  # [T, v, j, b, half]
+    return nib.permute(0, 2, 1, 4, 3).reshape(n, k)
+
 
 KINDS = [("Q4_1", 32, 576), ("Q4_0", 16, 128), ("Q8_0", 48, 192), ("Q4_K", 16, 512),
          ("int8", 32, 320), ("int4", 64, 64), ("int4g96", 16, 576)]  # fmt: skip

@@ -19,7 +19,7 @@ Rows of one step are ordered decodes first, then prefill chunks::
   (every built-in one: ``kv/codecs/``), the decodes and every prefill chunk of at
   most ``KERNEL_CHUNK_ROWS`` rows (a short suffix after a prefix hit, the tail of a
   chunked prompt, several tokens to verify; every chunk for kivi2, whose rows must not
-  depend on the chunk's shape: ``ModelRunner._kernel_chunk_rows``) go to one
+  depend on the chunk's shape: ``ModelRunner.kernel_chunk_rows``) go to one
   ``paged_attention`` call per layer
   (``KernelRows``): a chunk row at KV position ``p`` is scored exactly as a decode whose
   context is ``p + 1`` tokens, through its sequence's block table, K/V read in place

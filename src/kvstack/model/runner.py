@@ -122,6 +122,10 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv = kv
+        # The longest prefill chunk the C++ kernel takes: every chunk for a codec whose
+        # rows read their own block exactly (kivi2: the kernel sums each row alone, so
+        # chunked == whole prefill; README "Chunk sizes and 2-bit codes").
+        self.kernel_chunk_rows = sys.maxsize if kv.codec.own_block_exact else KERNEL_CHUNK_ROWS
         self.block_size = kv.block_size
         self.vocab_size = model.config.vocab_size
         self.num_layers = model.config.num_layers
@@ -146,8 +150,7 @@ class ModelRunner:
         if self.groups is not None:  # hybrid KV manager: one table per group
             scheduled, phys = virtual_tables(scheduled, self.groups.num_groups)
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        kernel = self._kernel_attention(scheduled)
-        chunk_rows = self._kernel_chunk_rows()
+        kernel, chunk_rows = self._kernel_attention(scheduled), self.kernel_chunk_rows
         # Short chunks for the C++ kernel right after the decodes (KernelRows); fresh
         # prompts of equal length side by side so SDPA batches them.
         prefills = sorted(
@@ -203,7 +206,7 @@ class ModelRunner:
         prompts of one length (no earlier KV, identity codec) share one causal SDPA call;
         others attend to their block table through a mask."""
         bs = self.block_size
-        metas, chunk_rows = inputs.prefills, self._kernel_chunk_rows()
+        metas, chunk_rows = inputs.prefills, self.kernel_chunk_rows
         for s in prefills:
             c, n = s.num_computed_tokens, s.num_new_tokens
             kc = c - s.request.num_dropped
@@ -294,12 +297,6 @@ class ModelRunner:
             and (codec.identity or (codec.engine_kernel and codec.kernel_view(0) is not None))
             and all(_layer_lens(s.request) is None for s in scheduled)
         )
-
-    def _kernel_chunk_rows(self) -> int:
-        """The longest prefill chunk the C++ kernel takes: ``KERNEL_CHUNK_ROWS``, or all for
-        a codec whose rows read their own block exactly (kivi2: README "Chunk sizes and 2-bit
-        codes"; the kernel sums each row alone, and was faster there too)."""
-        return sys.maxsize if self.kv.codec.own_block_exact else KERNEL_CHUNK_ROWS
 
     def _kernel_rows(
         self, decodes: list[ScheduledRequest], inputs: StepInputs

@@ -186,18 +186,16 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   auto out = torch::empty({x.size(0), N}, x.options());
 #if defined(KVSTACK_GEMV_VNNI)
   const int64_t M = x.size(0);
-  const bool half = st == torch::kFloat16;
+  const auto run = [&](const auto* xp, auto* op) {
+    st == torch::kFloat16
+        ? gemv_dispatch<c10::Half>(xp, op, M, N, K, group, bits, codes, scale, min)
+        : gemv_dispatch<float>(xp, op, M, N, K, group, bits, codes, scale, min);
+  };
   if (x.scalar_type() == torch::kBFloat16) {
-    const auto* xp = x.data_ptr<c10::BFloat16>();
-    auto* op = out.data_ptr<c10::BFloat16>();
-    half ? gemv_dispatch<c10::Half>(xp, op, M, N, K, group, bits, codes, scale, min)
-         : gemv_dispatch<float>(xp, op, M, N, K, group, bits, codes, scale, min);
+    run(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32, "bfloat16 or float32 activations");
-    const auto* xp = x.data_ptr<float>();
-    auto* op = out.data_ptr<float>();
-    half ? gemv_dispatch<c10::Half>(xp, op, M, N, K, group, bits, codes, scale, min)
-         : gemv_dispatch<float>(xp, op, M, N, K, group, bits, codes, scale, min);
+    run(x.data_ptr<float>(), out.data_ptr<float>());
   }
 #endif
   return out;

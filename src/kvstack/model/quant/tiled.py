@@ -95,15 +95,3 @@ def tiled_copy(w: PackedWeight) -> TiledWeight:
     mn = None if t.min is None else hugepages.weight_copy(t.min)
     codes, scale = hugepages.weight_copy(t.codes), hugepages.weight_copy(t.scale)
     return TiledWeight(codes, scale, mn, t.bits, t.group)
-
-
-def untile_codes(t: TiledWeight, out_features: int, in_features: int) -> torch.Tensor:
-    """Inverse of ``tile_codes`` as plain codes ``[N, K]`` (int8 for 8 bits, 0..15 for 4):
-    tests check the layout with it."""
-    n, k, tiles = out_features, in_features, out_features // TILE
-    if t.bits == 8:
-        u8 = t.codes.reshape(tiles, k // 4, TILE, 4).transpose(1, 2).reshape(n, k)
-        return (u8.to(torch.int16) - 128).to(torch.int8)
-    b = t.codes.reshape(tiles, k // 8, TILE, 4)
-    nib = torch.stack([b & 15, b >> 4], dim=-1)  # [T, v, j, b, half]
-    return nib.permute(0, 2, 1, 4, 3).reshape(n, k)
