@@ -245,11 +245,13 @@ async def bad_bodies(
 async def burst(
     s: aiohttp.ClientSession, t: Target, deadline: float, tally: Tally, size: int, every_s: float
 ) -> None:
-    """``size`` requests at once every ``every_s``: past ``--max-waiting`` they get 429."""
+    """``size`` requests at once every ``every_s``: past ``--max-waiting`` they get 429.
+    Each asks for 64 tokens so that the first ones admitted still hold their slots while
+    the rest arrive (with 8 tokens a fast CPU served a burst as quickly as it came)."""
 
     async def one() -> None:
         try:
-            async with s.post(t.url + "/v1/completions", json=good_body(8),
+            async with s.post(t.url + "/v1/completions", json=good_body(64),
                               headers=t.headers(), timeout=TIMEOUT) as r:  # fmt: skip
                 await r.read()
                 tally.add("burst", r.status)
