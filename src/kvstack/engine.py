@@ -26,6 +26,7 @@ from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.press.coordinator import PressCoordinator, PressDefaults
 from kvstack.kv.storage import KVStorage
 from kvstack.kv.tiers.connector import TierConnector, make_connector
+from kvstack.model.drafter import build_drafter
 from kvstack.model.fingerprint import model_fingerprint
 from kvstack.model.generation_config import load_generation_defaults
 from kvstack.model.registry import build_model, load_tokenizer, resolve_model_path
@@ -123,6 +124,9 @@ class LLMEngine:
             token_capacity(num_blocks, self.kv_groups, cc.block_size),
             codec.rolls_back,
         )  # spec/: speculative decoding, or None
+        self.runner.drafter = build_drafter(
+            self.model, config.speculative_config, config.dtype, config.seed
+        )  # draft_model: its forwards (model/drafter.py)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0

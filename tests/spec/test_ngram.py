@@ -94,7 +94,7 @@ def test_config_defaults_follow_vllm() -> None:
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
     assert parse_speculative_config(c) is c and parse_speculative_config(None) is None
     assert isinstance(build_proposer(c), NgramProposer)
-    assert PROPOSERS.names() == ("ngram",)
+    assert PROPOSERS.names() == ("ngram", "draft_model")
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,8 @@ def test_config_defaults_follow_vllm() -> None:
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"num_speculative_tokens": 3}, "method"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "unknown speculative method"),
-        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "unsupported field"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
+         "unsupported field"),
         ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
         ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0,

@@ -31,6 +31,7 @@ from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvstack.kv.press.coordinator import PressCoordinator
+    from kvstack.model.drafter import Drafter
     from kvstack.model.structured.manager import StructuredOutputManager
 
 
@@ -141,11 +142,14 @@ class ModelRunner:
         # Request id -> where to keep the full next-token log-distributions of its prompt
         # (``kvstack eval`` teacher forcing; only requests with prompt_logprobs).
         self.capture_logits: dict[str, LogitCapture] = {}
+        self.drafter: Drafter | None = None  # draft_model speculation (model/drafter.py)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: inputs -> forward -> prompt logprobs and sampling."""
         if out.is_empty:
             return RunnerOutput()
+        if self.drafter is not None:  # the draft model's guesses replace the placeholders
+            self.drafter.fill(self, out.scheduled)
         scheduled, phys = out.scheduled, None
         if self.groups is not None:  # hybrid KV manager: one table per group
             scheduled, phys = virtual_tables(scheduled, self.groups.num_groups)

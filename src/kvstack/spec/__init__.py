@@ -1,4 +1,4 @@
-"""Speculative decoding without a draft model: proposers, limits, counters (layer 1).
+"""Speculative decoding: proposers, limits, counters (layer 1).
 
 ``PROPOSERS`` is the ``speculative_config`` "method" registry (``registry.py``); each
 entry builds a ``Proposer`` (``spec/base.py``) from the ``SpeculativeConfig``. Where
@@ -6,6 +6,8 @@ each part of speculation lives::
 
     spec/config.py        SpeculativeConfig (vLLM's --speculative-config JSON)
     spec/ngram.py         prompt lookup: the n-gram proposer (vLLM's "ngram")
+    spec/draft_model.py   a draft model's placeholder rows (vLLM's "draft_model")
+    model/drafter.py      the draft model's forwards that fill them, in the runner
     spec/speculator.py    engine hooks: who may speculate, proposals, counters
     spec/stats.py         SpecDecodeStats (vLLM's spec_decode_* counters)
     sched/scheduler.py    draft rows in the step's budget; rollback after verification
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvstack.registry import Registry
 from kvstack.spec.base import Proposer
+from kvstack.spec.draft_model import DraftModelProposer
 from kvstack.spec.ngram import NgramProposer
 
 if TYPE_CHECKING:
@@ -32,6 +35,11 @@ PROPOSERS.add(
     "ngram",
     lambda c: NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max),
     "prompt lookup: copy what followed the longest earlier match of the last n tokens",
+)
+PROPOSERS.add(
+    "draft_model",
+    lambda c: DraftModelProposer(),
+    "a draft model (the target's KV shape) guesses greedily, in the runner",
 )
 
 

@@ -9,8 +9,18 @@ and ``LLM(speculative_config={...})``. vLLM's defaults for ``ngram``: with neith
 bound given both are 5; with one given the other equals it; ``num_speculative_tokens``
 is required (vLLM: "num_speculative_tokens was provided but without speculative model"
 when missing a method, and a positive int otherwise). ``"[ngram]"`` is vLLM's old
-spelling of ``"ngram"``. Other vLLM methods (draft models, EAGLE, MTP, suffix) are
-refused by name: only proposers in ``spec.PROPOSERS`` exist here.
+spelling of ``"ngram"``.
+
+A draft model, vLLM's spelling (``method`` is ``"draft_model"`` when a ``model`` is given
+without one; ``quantization`` is how the draft's weights are loaded)::
+
+    --speculative-config '{"model": "default", "quantization": "gguf",
+                           "num_speculative_tokens": 4}'
+
+(``spec/draft_model.py``: here the draft writes its rows into the target's KV cache, so
+it must have the target's KV shape: the same model with other weights or quantization.)
+Other vLLM methods (EAGLE, MTP, suffix) are refused by name: only proposers in
+``spec.PROPOSERS`` exist here.
 
 Plain Python (layer 1): the engine-wide limits (the step's token budget, the context,
 codecs and presses that cannot roll back) are checked where they are known
@@ -26,6 +36,7 @@ from typing import Any
 from kvstack.errors import ConfigError
 
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both bounds ("arbitrarily chosen")
+DRAFT_MODEL = "draft_model"
 _ALIASES = {"[ngram]": "ngram"}
 
 
@@ -34,18 +45,28 @@ class SpeculativeConfig:
     """One speculation method and its parameters (vLLM's field names).
 
     Invariants (``__post_init__``): ``num_speculative_tokens >= 1``;
-    ``1 <= prompt_lookup_min <= prompt_lookup_max``; ``method`` is a registered proposer.
+    ``1 <= prompt_lookup_min <= prompt_lookup_max``; ``method`` is a registered proposer;
+    ``model`` is set exactly when ``method`` is ``draft_model`` (``quantization`` only then).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    model: str | None = None  # draft_model: the draft (name or path)
+    quantization: str | None = None  # draft_model: its --quantization (default none)
 
     def __post_init__(self) -> None:
         from kvstack.spec import PROPOSERS  # the registry imports the proposers
 
         PROPOSERS.get(self.method)  # ConfigError listing the methods
+        if (self.method == DRAFT_MODEL) != (self.model is not None):
+            raise ConfigError(
+                'speculative_config: "model" names the draft of method "draft_model" '
+                f"(got method {self.method!r}, model {self.model!r})"
+            )
+        if self.quantization is not None and self.method != DRAFT_MODEL:
+            raise ConfigError('speculative_config: "quantization" is the draft model\'s')
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ConfigError(
@@ -85,13 +106,25 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if unknown:
         raise ConfigError(
             f"speculative_config: unsupported field(s) {', '.join(unknown)} "
-            f"(kvstack knows {', '.join(sorted(known))}; draft models are not supported)"
+            f"(kvstack knows {', '.join(sorted(known))})"
         )
+    if "method" not in value and "model" in value:  # vLLM: a model without a method
+        value = {**value, "method": DRAFT_MODEL}
     if "method" not in value:
-        raise ConfigError('speculative_config needs a "method" (kvstack: "ngram")')
+        raise ConfigError('speculative_config needs a "method" ("ngram") or a draft "model"')
     method: Any = _ALIASES.get(value["method"], value["method"])
     if "num_speculative_tokens" not in value:
         raise ConfigError("speculative_config needs num_speculative_tokens")
+    model, quant = value.get("model"), value.get("quantization")
+    for name, v in (("model", model), ("quantization", quant)):
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"speculative_config: {name} must be a string, got {v!r}")
+    if method == DRAFT_MODEL:
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
+        if lookup:
+            raise ConfigError(f"speculative_config: {', '.join(lookup)} is for method ngram")
+        k = value["num_speculative_tokens"]
+        return SpeculativeConfig(method, k, model=model, quantization=quant)
     lo: Any = value.get("prompt_lookup_min")
     hi: Any = value.get("prompt_lookup_max")
     if lo is None and hi is None:
@@ -100,4 +133,6 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         lo = hi
     elif hi is None:
         hi = lo
-    return SpeculativeConfig(method, value["num_speculative_tokens"], hi, lo)
+    return SpeculativeConfig(
+        method, value["num_speculative_tokens"], hi, lo, model=model, quantization=quant
+    )
