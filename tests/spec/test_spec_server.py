@@ -79,7 +79,8 @@ def test_a_request_that_cannot_speculate_is_a_400(served: dict[str, Any]) -> Non
     ("value", "needle"),
     [
         ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "unknown speculative method"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', '"model" names the draft'),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown speculative method"),
         ("{oops", "not valid JSON"),
     ],
 )
