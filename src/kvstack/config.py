@@ -356,11 +356,15 @@ class EngineConfig:
     )  # fmt: skip
     speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (a field; frozen)
         None,
-        "speculative decoding without a draft model (vLLM's JSON): "
+        "speculative decoding (vLLM's JSON): "
         '\'{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
         '"prompt_lookup_min": M}\' proposes up to K tokens by prompt lookup (the longest '
-        "earlier match of the last M..N tokens; both default to 5) and verifies them in one "
-        "forward; greedy output is unchanged, sampling keeps the model's distribution",
+        "earlier match of the last M..N tokens; both default to 5); "
+        '\'{"model": D, "quantization": Q, "num_speculative_tokens": K}\' lets draft model D '
+        "(loaded with --quantization Q; it writes into this model's KV cache, so it needs "
+        "this model's KV shape: e.g. the same model with quantized weights) guess K tokens. "
+        "They are verified in one forward; greedy output is unchanged, sampling keeps the "
+        "model's distribution",
         group=ENGINE, metavar="JSON", convert=parse_speculative_config,
     )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)
