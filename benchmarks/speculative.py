@@ -1,4 +1,4 @@
-"""Single-stream decode with and without n-gram speculation (issue 16, part 2).
+"""Single-stream decode with and without speculation: n-gram, or a draft model (issue 16).
 
 One request at a time: a 512-token prompt, 256 new tokens, greedy, ``ignore_eos`` (every
 run decodes exactly 256 tokens), the default model (SmolLM2-135M Q4_1 GGUF, bf16), on
@@ -8,12 +8,14 @@ the issue's two prompts, both in the model's chat template:
   "Repeat the code above exactly:";
 * *non-repetitive*: 512 tokens of random words (fixed seed), then an open question.
 
-kvstack without speculation and with ``--speculative-config`` ngram variants, each an
+kvstack without speculation and with ``--speculative-config`` variants (prompt lookup;
+the model drafted by its own GGUF weights kept packed, ``spec/draft_model.py``), each an
 ``LLMEngine`` built once in this process; repetitions alternate the variants (so a
 burst of load from others hits all of them) and the figures are medians (and minima of
 the decode time) of ``--runs`` runs. Decode tok/s = (tokens - 1) / (time from the first
 token to the last). Also: acceptance rate and mean acceptance length (vLLM's
-definitions, ``spec/stats.py``), the proposer's cost per call, whether the greedy output
+definitions, ``spec/stats.py``), the proposer's cost per call (a draft model's forwards
+included), whether the greedy output
 equals the plain run's, the cores other processes used meanwhile (``LoadMeter``), CPU
 model and ISA flags. Writes ``benchmarks/results/speculative-<date>.json`` and, with
 ``--readme``, the README block ``<!-- bench:speculative -->``.
@@ -53,7 +55,7 @@ WORDS = (  # noqa: SIM905 (a word list reads better as text)
     "feather compass blanket summer ladder kitten puzzle anchor orchard castle saddle "
     "glacier pepper quiet rapid gentle narrow bright hollow ancient broken golden humble"
 ).split()
-VARIANTS: dict[str, dict[str, int] | None] = {
+VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram k4 n2-5": {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram k8 n2-5": {"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
@@ -64,6 +66,9 @@ VARIANTS: dict[str, dict[str, int] | None] = {
         "prompt_lookup_max": 5,
         "max_pause": 0,
     },
+    # The model drafted by its own Q4_1 / Q8_0 weights kept packed (``quant_gemv``).
+    "draft gguf k4": {"model": "default", "quantization": "gguf", "num_speculative_tokens": 4},
+    "draft gguf k6": {"model": "default", "quantization": "gguf", "num_speculative_tokens": 6},
 }
 
 
@@ -166,20 +171,20 @@ def readme_table(result: dict[str, Any]) -> str:
         f"{result['other_cores']:.2f} cores on average). Ratio: the same run's plain median.",
         "",
         "| prompt | variant | decode tok/s | ratio | acceptance | mean accepted length | "
-        "same tokens as plain |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "same tokens as plain | µs per proposal |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for prompt, variants in result["prompts"].items():
         plain = variants["plain"]["decode_tok_s_median"]
         for name, v in variants.items():
             acc = f"{v['acceptance_rate']:.0%}" if "acceptance_rate" in v else "-"
             mal = f"{v['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in v else "-"
+            us = result["propose_us"].get(name)
             lines.append(
                 f"| {prompt} | {name} | {v['decode_tok_s_median']:.1f} | "
-                f"{v['decode_tok_s_median'] / plain:.2f}x | {acc} | {mal} | {v['same_as_plain']} |"
+                f"{v['decode_tok_s_median'] / plain:.2f}x | {acc} | {mal} | {v['same_as_plain']} | "
+                f"{'-' if us is None else f'{us:.0f}'} |"
             )
-    lines.append("")
-    lines.append(f"Proposer cost: {result['propose_us']:.0f} µs per proposal (median of variants).")
     return "\n".join(lines)
 
 
@@ -198,7 +203,7 @@ def main() -> None:
 
     engines: dict[str, LLM] = {}
     for name, spec in VARIANTS.items():
-        cfg = None if spec is None else {"method": "ngram", **spec}
+        cfg = None if spec is None else {**({} if "model" in spec else {"method": "ngram"}), **spec}
         max_pause = None if cfg is None else cfg.pop("max_pause", None)
         engines[name] = LLM("default", dtype=args.dtype, max_model_len=1024,
                             speculative_config=cfg)  # fmt: skip
@@ -246,9 +251,10 @@ def main() -> None:
                     r["decode_tok_s"] for r in runs[p]["plain"])
             )  # fmt: skip
             result["prompts"][p][name] = s
-    costs = [llm.engine.stats().spec_decode.get("propose_us_mean", 0.0)
-             for llm in engines.values() if llm.engine.speculator is not None]  # fmt: skip
-    result["propose_us"] = statistics.median(costs) if costs else 0.0
+    result["propose_us"] = {
+        name: llm.engine.stats().spec_decode.get("propose_us_mean", 0.0)
+        for name, llm in engines.items() if llm.engine.speculator is not None
+    }  # fmt: skip
     out = Path(args.out) if args.out else RESULTS_DIR / f"speculative-{result['date']}.json"
     write_json(result, out)
     log(f"wrote {out}")

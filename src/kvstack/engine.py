@@ -125,8 +125,12 @@ class LLMEngine:
             codec.rolls_back,
         )  # spec/: speculative decoding, or None
         self.runner.drafter = build_drafter(
-            self.model, config.speculative_config, config.dtype, config.seed
-        )  # draft_model: its forwards (model/drafter.py)
+            self.model,
+            config.speculative_config,
+            config.dtype,
+            config.seed,
+            self.speculator.stats if self.speculator is not None else None,
+        )  # fmt: skip  (draft_model: its forwards, model/drafter.py)
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0

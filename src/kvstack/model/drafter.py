@@ -27,6 +27,7 @@ as a decode row's (``ModelRunner._decode_inputs`` / ``_metadata``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ from kvstack.model.group_meta import group_metadata, virtual_tables
 from kvstack.model.runner import StepInputs
 from kvstack.sched.output import ScheduledRequest
 from kvstack.spec.config import DRAFT_MODEL, SpeculativeConfig
+from kvstack.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from kvstack.model.llama import LlamaModel
@@ -47,10 +49,15 @@ logger = logging.getLogger("kvstack.model")
 
 
 def build_drafter(
-    target: LlamaModel, spec: SpeculativeConfig | None, dtype: str, seed: int
+    target: LlamaModel,
+    spec: SpeculativeConfig | None,
+    dtype: str,
+    seed: int,
+    stats: SpecDecodeStats | None = None,
 ) -> Drafter | None:
     """The ``Drafter`` of a ``draft_model`` config (None for other methods): the draft
-    loaded with its ``quantization`` in the target's ``dtype``, checked compatible."""
+    loaded with its ``quantization`` in the target's ``dtype``, checked compatible; its
+    forwards' time is counted in ``stats.propose_seconds`` (a proposal's cost)."""
     if spec is None or spec.method != DRAFT_MODEL:
         return None
     from kvstack.model.registry import build_model
@@ -63,7 +70,7 @@ def build_drafter(
         "written into the target's KV cache", spec.model, spec.quantization or "none",
         spec.num_speculative_tokens,
     )  # fmt: skip
-    return Drafter(draft)
+    return Drafter(draft, stats)
 
 
 def check_compatible(target: LlamaModel, draft: LlamaModel) -> None:
@@ -84,8 +91,9 @@ def check_compatible(target: LlamaModel, draft: LlamaModel) -> None:
 
 
 class Drafter:
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, stats: SpecDecodeStats | None = None) -> None:
         self.model = model
+        self.stats = stats
         self.forwards = 0  # draft forwards run (each one row per drafting request)
 
     def fill(self, runner: ModelRunner, scheduled: Sequence[ScheduledRequest]) -> None:
@@ -93,6 +101,7 @@ class Drafter:
         todo = [s for s in scheduled if s.draft_token_ids]
         if not todo:
             return
+        t0 = time.perf_counter()
         cur = [s.request.all_token_ids[s.num_computed_tokens] for s in todo]
         for j in range(max(len(s.draft_token_ids) for s in todo)):
             live = [i for i, s in enumerate(todo) if len(s.draft_token_ids) > j]
@@ -104,6 +113,8 @@ class Drafter:
             guesses = self._step(runner, rows, [cur[i] for i in live])
             for i, tok in zip(live, guesses, strict=True):
                 todo[i].draft_token_ids[j] = cur[i] = tok
+        if self.stats is not None:
+            self.stats.propose_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
     def _step(self, runner: ModelRunner, rows: list[ScheduledRequest], ids: list[int]) -> list[int]:

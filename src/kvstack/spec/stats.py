@@ -31,7 +31,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_per_pos: list[int] = field(default_factory=list)
-    propose_seconds: float = 0.0  # wall time spent in the proposer
+    propose_seconds: float = 0.0  # wall time spent proposing (a draft model's forwards too)
     num_proposals: int = 0  # proposer calls (empty proposals included)
 
     def __post_init__(self) -> None:
