@@ -51,6 +51,7 @@ SOURCES = (
     "codec_gather.cpp",
     "kivi2_write.cpp",
     "fused_ops.cpp",
+    "decode_stack.cpp",
     "token_mask.cpp",
     "argmax.cpp",
     "amx_linear.cpp",

@@ -37,6 +37,7 @@ import torch
 from kvstack.errors import ModelLoadError
 from kvstack.kv.storage import KVStorage
 from kvstack.model.attention import AttentionMetadata, capture_queries, paged_attention
+from kvstack.model.decode_stack import DecodeStack
 from kvstack.model.kernels import load_kernels
 from kvstack.model.layers import Rotary
 from kvstack.model.ops import HeadShape, LayerOps, select_ops
@@ -133,6 +134,8 @@ class LlamaModel:
         # Per layer: its sliding window, None = every key (model/window.py).
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
+        # Every layer in one C++ call where the step allows (model/decode_stack.py).
+        self.stack = DecodeStack.build(self)
 
     def rotary_for(self, layer: int) -> Rotary:
         """The RoPE tables layer ``layer``'s keys were rotated with."""
@@ -159,6 +162,10 @@ class LlamaModel:
         residual = self.embed[input_ids]
         rope = ops.rope_input(self.rotary, positions, self.dtype)
         h: torch.Tensor | None = None  # the last sub-layer's output, not yet in residual
+        stack = self.stack
+        if stack is not None and stop_after_kv_of is None and stack.usable(t, meta, kv):
+            h, residual = stack.run(residual, rope, meta, kv, heads, self.scale, eps)
+            return self._logits(h, residual, logits_indices, float_logits)
         q_size = heads.q_size
         for li, layer in enumerate(self.layers):
             if h is None:
@@ -181,8 +188,20 @@ class LlamaModel:
             )
             h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         assert h is not None
+        return self._logits(h, residual, logits_indices, float_logits)
+
+    def _logits(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        float_logits: bool,
+    ) -> torch.Tensor:
+        """The final norm (adding the last MLP's ``h``) and the lm_head, on the rows that
+        need logits."""
+        eps = self.config.rms_norm_eps
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
-        x, _ = ops.add_rms_norm(h, residual, self.norm, eps)
+        x, _ = self.ops.add_rms_norm(h, residual, self.norm, eps)
         logits = self.lm_head(x)
         return logits.float() if float_logits else logits

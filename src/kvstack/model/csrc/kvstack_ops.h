@@ -64,3 +64,12 @@ torch::Tensor quant_linear_vnni(torch::Tensor x, torch::Tensor q, torch::Tensor 
 bool quant_gemv_ok(int64_t out_features, int64_t in_features, int64_t group, int64_t bits);
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
                          std::optional<torch::Tensor> min, int64_t group, int64_t bits);
+std::vector<torch::Tensor> decode_stack(
+    torch::Tensor residual, at::TensorList in_norms, at::TensorList post_norms,
+    at::TensorList codes, at::TensorList scales,
+    const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef groups,
+    at::IntArrayRef bits, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+    at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
+    torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
+    torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps);

@@ -1,0 +1,79 @@
+// decode_stack: a step's whole decoder stack in one call, for steps whose every row goes to
+// the C++ paged attention and whose every linear is a tiled quant_gemv weight (issue 16:
+// one request decoding with quantized weights runs ~120 linears and ~250 small ops a
+// token; each Python call and dispatch costs ~1-2 us, ~0.5 ms a token in all).
+//
+// It calls the very kernels the Python loop of model/llama.py calls, in the same order
+// and on the same tensors, so its results are the Python path's bit for bit:
+//
+//   x = rms_norm(res, in_norm[0])                              (layer 0)
+//   per layer l:
+//     x, res = add_rms_norm(h, res, in_norm[l])                (l > 0: res += h, in place)
+//     qkv = gemv(x, W_qkv);  rope_and_cache(qkv -> K/V cache of l at slots)
+//     a = paged_attention(q (a view of qkv), K_l, V_l, tables, index, lens, window_l)
+//     x, res = add_rms_norm(gemv(a, W_o), res, post_norm[l])
+//     h = gemv(silu_and_mul(gemv(x, W_gate_up)), W_down)
+//   returns [h, res]  (the final norm and the lm_head stay in Python)
+//
+// Linear i of layer l is entry 4 l + i of codes / scales / mins / groups / bits (qkv, o,
+// gate_up, down), as quant_gemv takes them.
+#include <optional>
+#include <vector>
+
+#include "kvstack_ops.h"
+
+namespace {
+
+struct Linears {
+  at::TensorList codes, scales;
+  const c10::List<std::optional<at::Tensor>>& mins;
+  at::IntArrayRef groups, bits;
+
+  torch::Tensor operator()(const torch::Tensor& x, size_t i) const {
+    return quant_gemv(x, codes[i], scales[i], mins.get(i), groups[i], bits[i]);
+  }
+};
+
+}  // namespace
+
+std::vector<torch::Tensor> decode_stack(
+    torch::Tensor residual, at::TensorList in_norms, at::TensorList post_norms,
+    at::TensorList codes, at::TensorList scales,
+    const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef groups,
+    at::IntArrayRef bits, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+    at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
+    torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
+    torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps) {
+  const size_t layers = in_norms.size();
+  TORCH_CHECK(layers > 0 && post_norms.size() == layers && k_caches.size() == layers &&
+                  v_caches.size() == layers && windows.size() == layers,
+              "decode_stack: one norm pair, K/V cache and window per layer");
+  TORCH_CHECK(codes.size() == 4 * layers && scales.size() == 4 * layers &&
+                  mins.size() == 4 * layers && groups.size() == 4 * layers &&
+                  bits.size() == 4 * layers,
+              "decode_stack: four linears per layer");
+  const Linears gemv{codes, scales, mins, groups, bits};
+  const int64_t t = residual.size(0);
+  const int64_t q_size = num_heads * head_dim;
+  torch::Tensor h;
+  torch::Tensor x = rms_norm(residual, in_norms[0], eps);
+  for (size_t l = 0; l < layers; ++l) {
+    if (l > 0) {
+      add_rms_norm(h, residual, in_norms[l], eps);
+      x = h;
+    }
+    torch::Tensor qkv = gemv(x, 4 * l);
+    rope_and_cache(qkv, positions, cos, sin, k_caches[l], v_caches[l], slots, num_heads,
+                   num_kv_heads, head_dim);
+    torch::Tensor q =
+        qkv.view({t, num_heads + 2 * num_kv_heads, head_dim}).slice(1, 0, num_heads);
+    torch::Tensor a = paged_attention(q, k_caches[l], v_caches[l], block_tables, table_index,
+                                      context_lens, scale, windows[l]);
+    x = gemv(a.reshape({t, q_size}), 4 * l + 1);
+    add_rms_norm(x, residual, post_norms[l], eps);
+    torch::Tensor act = silu_and_mul(gemv(x, 4 * l + 2));
+    h = gemv(act, 4 * l + 3);
+  }
+  return {h, residual};
+}

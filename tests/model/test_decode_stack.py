@@ -1,0 +1,98 @@
+"""``decode_stack`` (``model/decode_stack.py``, ``csrc/decode_stack.cpp``): every layer of
+a step in one C++ call gives the Python loop's results bit for bit — the same sampled
+tokens and the same logprobs, to the last bit, for int8 and int4 weights in bf16, with
+decodes batched beside short prefill chunks, n-gram verify rows, a sliding-window model;
+and it is not taken where it must not be (float32, an encoded KV cache, long chunks).
+Skipped on CPUs without AVX512-VNNI (no ``quant_gemv``, so no stack)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstack import LLM, SamplingParams
+from kvstack.model.decode_stack import DecodeStack
+from kvstack.testing.families import tiny_family_config
+from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
+
+PROMPTS = [[(7 * i + 3 * j) % 300 + 3 for j in range(n)] for i, n in enumerate((9, 30, 17, 50))]
+SP = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def counted(llm: LLM) -> dict[str, int]:
+    """Count the steps ``llm``'s stack runs (its ``run`` wrapped)."""
+    stack = llm.engine.runner.model.stack
+    if stack is None:
+        pytest.skip("no decode stack on this CPU (quant_gemv needs AVX512-VNNI)")
+    calls = {"n": 0}
+    inner = stack.run
+
+    def run(*a: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        return inner(*a, **kw)
+
+    stack.run = run  # type: ignore[method-assign]
+    return calls
+
+
+def outputs(
+    llm: LLM, stacked: bool, prompts: list[list[int]] = PROMPTS, sp: SamplingParams = SP
+) -> list[tuple[Any, ...]]:
+    model = llm.engine.runner.model
+    saved = model.stack
+    model.stack = saved if stacked else None
+    llm.reset_prefix_cache()
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    finally:
+        model.stack = saved
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = tiny_llama_config()
+    return write_hf_folder(tmp_path_factory.mktemp("tiny") / "hf", cfg, random_llama_weights(cfg))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_one_call_equals_the_python_loop_bit_for_bit(tiny: Path, quantization: str) -> None:
+    llm = LLM(str(tiny), dtype="bfloat16", quantization=quantization, num_blocks=128,
+              max_num_batched_tokens=40, block_size=8)  # fmt: skip
+    calls = counted(llm)
+    want = outputs(llm, stacked=False)
+    assert calls["n"] == 0
+    assert outputs(llm, stacked=True) == want
+    assert calls["n"] > 20  # decodes, alone and beside short chunks
+    llm.engine.check_integrity()
+
+
+def test_verify_rows_and_windows_take_it_too(tmp_path: Path) -> None:
+    cfg = tiny_family_config("mistral", sliding_window=8)
+    path = write_hf_folder(tmp_path / "mistral", cfg, random_llama_weights(cfg, seed=4))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    # One block table for all layers (the hybrid manager's groups take the Python loop).
+    llm = LLM(str(path), dtype="bfloat16", quantization="int8", num_blocks=128,
+              speculative_config=spec, disable_hybrid_kv_cache_manager=True)  # fmt: skip
+    calls = counted(llm)
+    repeating = [p[:6] * 4 for p in PROMPTS]  # prompt lookup finds drafts
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # no logprobs
+    want = outputs(llm, stacked=False, prompts=repeating, sp=greedy)  # (they never draft)
+    assert outputs(llm, stacked=True, prompts=repeating, sp=greedy) == want
+    assert calls["n"] > 10
+    assert llm.engine.stats().spec_decode["num_drafts"] > 0
+
+
+def test_not_taken_where_the_python_loop_must_run(tiny: Path) -> None:
+    fp32 = LLM(str(tiny), dtype="float32", quantization="int8", num_blocks=64)
+    assert fp32.engine.runner.model.stack is None  # quant_linear, not quant_gemv
+    llm = LLM(str(tiny), dtype="bfloat16", quantization="int8", num_blocks=64,
+              kv_cache_dtype="int8")  # fmt: skip
+    calls = counted(llm)
+    llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
+    assert calls["n"] == 0  # an encoded cache: the Python loop
+    dense = LLM(str(tiny), dtype="bfloat16", num_blocks=64)
+    assert dense.engine.runner.model.stack is None
+    assert DecodeStack.build(dense.engine.runner.model) is None
