@@ -1,9 +1,10 @@
 """``decode_stack`` (``model/decode_stack.py``, ``csrc/decode_stack.cpp``): every layer of
 a step in one C++ call gives the Python loop's results bit for bit — the same sampled
-tokens and the same logprobs, to the last bit, for int8 and int4 weights in bf16, with
-decodes batched beside short prefill chunks, n-gram verify rows, a sliding-window model;
-and it is not taken where it must not be (float32, an encoded KV cache, long chunks).
-Skipped on CPUs without AVX512-VNNI (no ``quant_gemv``, so no stack)."""
+tokens and the same logprobs, to the last bit, for bf16 weights (``bf16_linear`` /
+``amx_linear``) and int8 / int4 ones (``quant_gemv``), with decodes batched beside short
+prefill chunks, n-gram verify rows, a sliding-window model; and it is not taken where it
+must not be (float32, an encoded KV cache). Skipped where this CPU has no stack kernel
+(``quant_gemv`` needs AVX512-VNNI; the bf16 kernels AMX, AVX512-BF16 or AVX2)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_folder(tmp_path_factory.mktemp("tiny") / "hf", cfg, random_llama_weights(cfg))
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_one_call_equals_the_python_loop_bit_for_bit(tiny: Path, quantization: str) -> None:
     llm = LLM(str(tiny), dtype="bfloat16", quantization=quantization, num_blocks=128,
               max_num_batched_tokens=40, block_size=8)  # fmt: skip
@@ -93,6 +94,6 @@ def test_not_taken_where_the_python_loop_must_run(tiny: Path) -> None:
     calls = counted(llm)
     llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
     assert calls["n"] == 0  # an encoded cache: the Python loop
-    dense = LLM(str(tiny), dtype="bfloat16", num_blocks=64)
+    dense = LLM(str(tiny), dtype="float32", num_blocks=64)  # F.linear
     assert dense.engine.runner.model.stack is None
     assert DecodeStack.build(dense.engine.runner.model) is None

@@ -6,22 +6,26 @@ dispatches between them (~1-2 us each) were ~0.5 ms of it. ``decode_stack`` runs
 same kernels, in the same order, on the same tensors as ``LlamaModel``'s loop, from one
 C++ function, so its results are the Python loop's bit for bit (tested).
 
-It takes a step when (``usable``) every linear of every layer is a tiled ``QuantLinear``
-(``--quantization`` gguf / int8 / int4 in bf16 on an AVX512-VNNI CPU) that runs
-``quant_gemv`` at this row count, the family adds nothing to q/k/v (no QKV bias, no q/k
-norm: Llama, Mistral), the KV cache is unencoded, and every row goes to the C++ paged
-attention (``AttentionMetadata.kernel_rows``: decodes, speculative verifies and short
-chunks) with no press capturing queries and one KV group. Otherwise the Python loop runs.
+It takes a step when (``usable``) every linear of every layer runs one of kvstack's own
+kernels at this row count — a tiled ``QuantLinear`` (``--quantization`` gguf / int8 /
+int4 in bf16 on an AVX512-VNNI CPU: ``quant_gemv``) or a bf16 ``Linear`` whose packed
+copy goes to ``bf16_linear`` / ``amx_linear`` (``model/packed_linear.py``'s rule by rows;
+beyond it oneDNN runs and so does the Python loop) — the family adds nothing to q/k/v (no
+QKV bias, no q/k norm: Llama, Mistral), the KV cache is unencoded, and every row goes to
+the C++ paged attention (``AttentionMetadata.kernel_rows``: decodes, speculative verifies
+and short chunks) with no press capturing queries and one KV group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstack.model.kernels import Kernels, load_kernels
+from kvstack.model.layers import Linear
 from kvstack.model.quant.linear import QuantLinear
 
 if TYPE_CHECKING:
@@ -32,6 +36,37 @@ if TYPE_CHECKING:
 
 ENABLED = True  # False: always the Python loop (tests compare the two)
 LINEARS = ("qkv", "o", "gate_up", "down")
+QUANT_GEMV, BF16_LINEAR, AMX_LINEAR = 0, 1, 2  # csrc/decode_stack.cpp's kinds
+
+
+@dataclass
+class StackLinear:
+    """One linear as ``decode_stack`` takes it, and the row counts it runs there."""
+
+    kind: int
+    codes: torch.Tensor  # tiled codes, or the packed bf16 weight
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    group: int  # the out_features of a bf16 kind
+    bits: int
+    takes: Callable[[int], bool]  # rows -> whether the Python path runs this kernel too
+
+
+def stack_linear(lin: object) -> StackLinear | None:
+    """``lin`` as ``decode_stack`` runs it, or None (PyTorch / oneDNN would run it)."""
+    if isinstance(lin, QuantLinear) and lin.tiled is not None and lin.dense is None:
+        t, limit = lin.tiled, lin.prefill_rows
+        return StackLinear(QUANT_GEMV, t.codes, t.scale, t.min, t.group, t.bits,
+                           lambda rows: rows <= limit)  # fmt: skip
+    if isinstance(lin, Linear) and lin.tiles is not None and lin._tile is not None:
+        tile, w = lin._tile, lin.weight
+        kind = AMX_LINEAR if tile.name == "amx" else BF16_LINEAR
+
+        def takes(rows: int) -> bool:  # the Python path's own rule (Linear.__call__)
+            return tile.use(torch.empty(rows, w.shape[1], dtype=w.dtype), lin.out_features)
+
+        return StackLinear(kind, lin.tiles, lin.tiles, None, lin.out_features, 0, takes)
+    return None
 
 
 @dataclass
@@ -39,15 +74,19 @@ class DecodeStack:
     kernels: Kernels
     in_norms: list[torch.Tensor]
     post_norms: list[torch.Tensor]
-    codes: list[torch.Tensor]  # 4 per layer: qkv, o, gate_up, down (tiled)
-    scales: list[torch.Tensor]
-    mins: list[torch.Tensor | None]
-    groups: list[int]
-    bits: list[int]
+    linears: list[StackLinear]  # 4 per layer: qkv, o, gate_up, down
     windows: list[int]  # 0: every key
-    max_rows: int  # more rows: some linear leaves quant_gemv
     dtype: torch.dtype
+    _rows_ok: dict[int, bool] = field(default_factory=dict)
     _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
+    _args: tuple[list[Any], ...] = ()  # the linears' columns, as decode_stack takes them
+
+    def __post_init__(self) -> None:
+        ls = self.linears
+        self._args = (
+            [x.codes for x in ls], [x.scale for x in ls], [x.min for x in ls],
+            [x.group for x in ls], [x.bits for x in ls], [x.kind for x in ls],
+        )  # fmt: skip
 
     @staticmethod
     def build(model: LlamaModel) -> DecodeStack | None:
@@ -56,30 +95,31 @@ class DecodeStack:
         k = load_kernels()
         if not ENABLED or k is None or model.ops.name != "kernels":
             return None
-        if not hasattr(k, "decode_stack"):
+        if not hasattr(k, "decode_stack") or cfg.qkv_bias or cfg.qk_norm:
             return None
-        if cfg.qkv_bias or cfg.qk_norm:
+        lins = [stack_linear(getattr(layer, n)) for layer in model.layers for n in LINEARS]
+        if any(lin is None for lin in lins):
             return None
-        lins = [getattr(layer, n) for layer in model.layers for n in LINEARS]
-        tiled = [lin.tiled for lin in lins if isinstance(lin, QuantLinear)]
-        if len(tiled) != len(lins) or any(t is None for t in tiled):
-            return None
-        ts = [t for t in tiled if t is not None]
         return DecodeStack(
             kernels=k,
             in_norms=[layer.input_norm for layer in model.layers],
             post_norms=[layer.post_norm for layer in model.layers],
-            codes=[t.codes for t in ts], scales=[t.scale for t in ts], mins=[t.min for t in ts],
-            groups=[t.group for t in ts], bits=[t.bits for t in ts],
+            linears=[lin for lin in lins if lin is not None],
             windows=[w or 0 for w in model.windows],
-            max_rows=min(lin.prefill_rows for lin in lins if isinstance(lin, QuantLinear)),
             dtype=model.dtype,
-        )  # fmt: skip
+        )
+
+    def takes(self, rows: int) -> bool:
+        """Whether every linear runs its stack kernel at ``rows`` rows (cached)."""
+        ok = self._rows_ok.get(rows)
+        if ok is None:
+            ok = self._rows_ok[rows] = all(lin.takes(rows) for lin in self.linears)
+        return ok
 
     def usable(self, rows: int, meta: AttentionMetadata, kv: KVStorage) -> bool:
         """True when this step's rows can run in one call (see the module docstring)."""
         kr = meta.kernel_rows
-        if kr is None or kr.num_rows != rows or meta.prefills or rows > self.max_rows:
+        if kr is None or kr.num_rows != rows or meta.prefills or not self.takes(rows):
             return False
         if meta.groups is not None or meta.capture_rows or not ENABLED:
             return False
@@ -114,8 +154,8 @@ class DecodeStack:
         kr = meta.kernel_rows
         assert caches is not None and kr is not None  # usable() was True
         h, res = self.kernels.decode_stack(
-            residual, self.in_norms, self.post_norms, self.codes, self.scales, self.mins,
-            self.groups, self.bits, rope.positions, rope.cos, rope.sin, caches[0], caches[1],
+            residual, self.in_norms, self.post_norms, *self._args, rope.positions, rope.cos,
+            rope.sin, caches[0], caches[1],
             meta.slot_mapping, kr.block_tables, kr.table_index, kr.context_lens, scale,
             self.windows, heads.num_heads, heads.num_kv_heads, heads.head_dim, eps,
         )  # fmt: skip

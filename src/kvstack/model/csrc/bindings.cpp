@@ -62,7 +62,7 @@ TORCH_LIBRARY(kvstack, m) {
         "-> Tensor",
         &quant_gemv);
   m.def("decode_stack(Tensor(a!) residual, Tensor[] in_norms, Tensor[] post_norms, "
-        "Tensor[] codes, Tensor[] scales, Tensor?[] mins, int[] groups, int[] bits, "
+        "Tensor[] codes, Tensor[] scales, Tensor?[] mins, int[] groups, int[] bits, int[] kinds, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
         "Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, Tensor? table_index, "
         "Tensor context_lens, float scale, int[] windows, int num_heads, int num_kv_heads, "

@@ -1,5 +1,7 @@
 // decode_stack: a step's whole decoder stack in one call, for steps whose every row goes to
-// the C++ paged attention and whose every linear is a tiled quant_gemv weight (issue 16:
+// the C++ paged attention and whose every linear runs one of kvstack's own kernels at this
+// row count: a tiled quant_gemv weight, or a packed bf16 weight of bf16_linear or
+// amx_linear (issue 16:
 // one request decoding with quantized weights runs ~120 linears and ~250 small ops a
 // token; each Python call and dispatch costs ~1-2 us, ~0.5 ms a token in all).
 //
@@ -15,8 +17,9 @@
 //     h = gemv(silu_and_mul(gemv(x, W_gate_up)), W_down)
 //   returns [h, res]  (the final norm and the lm_head stay in Python)
 //
-// Linear i of layer l is entry 4 l + i of codes / scales / mins / groups / bits (qkv, o,
-// gate_up, down), as quant_gemv takes them.
+// Linear i of layer l is entry 4 l + i of the lists (qkv, o, gate_up, down); kinds[j] says
+// which kernel: 0 quant_gemv(x, codes, scales, mins, groups, bits), 1 bf16_linear(x,
+// codes = the packed weight, groups = out_features), 2 amx_linear (the same arguments).
 #include <optional>
 #include <vector>
 
@@ -27,10 +30,19 @@ namespace {
 struct Linears {
   at::TensorList codes, scales;
   const c10::List<std::optional<at::Tensor>>& mins;
-  at::IntArrayRef groups, bits;
+  at::IntArrayRef groups, bits, kinds;
 
   torch::Tensor operator()(const torch::Tensor& x, size_t i) const {
-    return quant_gemv(x, codes[i], scales[i], mins.get(i), groups[i], bits[i]);
+    switch (kinds[i]) {
+      case 0:
+        return quant_gemv(x, codes[i], scales[i], mins.get(i), groups[i], bits[i]);
+      case 1:
+        return bf16_linear(x, codes[i], groups[i]);
+      case 2:
+        return amx_linear(x, codes[i], groups[i]);
+      default:
+        TORCH_CHECK(false, "decode_stack: unknown linear kind ", kinds[i]);
+    }
   }
 };
 
@@ -40,8 +52,8 @@ std::vector<torch::Tensor> decode_stack(
     torch::Tensor residual, at::TensorList in_norms, at::TensorList post_norms,
     at::TensorList codes, at::TensorList scales,
     const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef groups,
-    at::IntArrayRef bits, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-    at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
+    at::IntArrayRef bits, at::IntArrayRef kinds, torch::Tensor positions, torch::Tensor cos,
+    torch::Tensor sin, at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
     torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
     torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps) {
@@ -51,9 +63,9 @@ std::vector<torch::Tensor> decode_stack(
               "decode_stack: one norm pair, K/V cache and window per layer");
   TORCH_CHECK(codes.size() == 4 * layers && scales.size() == 4 * layers &&
                   mins.size() == 4 * layers && groups.size() == 4 * layers &&
-                  bits.size() == 4 * layers,
+                  bits.size() == 4 * layers && kinds.size() == 4 * layers,
               "decode_stack: four linears per layer");
-  const Linears gemv{codes, scales, mins, groups, bits};
+  const Linears gemv{codes, scales, mins, groups, bits, kinds};
   const int64_t t = residual.size(0);
   const int64_t q_size = num_heads * head_dim;
   torch::Tensor h;
