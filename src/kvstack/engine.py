@@ -124,13 +124,10 @@ class LLMEngine:
             token_capacity(num_blocks, self.kv_groups, cc.block_size),
             codec.rolls_back,
         )  # spec/: speculative decoding, or None
-        self.runner.drafter = build_drafter(
-            self.model,
-            config.speculative_config,
-            config.dtype,
-            config.seed,
-            self.speculator.stats if self.speculator is not None else None,
-        )  # fmt: skip  (draft_model: its forwards, model/drafter.py)
+        stats = self.speculator.stats if self.speculator is not None else None
+        self.runner.drafter = build_drafter(  # draft_model: its forwards (model/drafter.py)
+            self.model, config.speculative_config, config.dtype, config.seed, stats
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.num_steps = 0
