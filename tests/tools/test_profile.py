@@ -106,3 +106,19 @@ def test_profile_of_quantized_weights_counts_their_packed_bytes(
     for name in ("qkv", "gate_up", "down"):
         ratio = weight_bytes(quant, name) / weight_bytes(dense, name)
         assert 0.3125 < ratio < 0.5, (name, ratio)
+
+
+def test_profile_times_each_op_where_decode_steps_run_in_one_call(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """An unencoded bf16 cache: decode steps would run ``decode_stack`` (one C++ call for
+    every layer) where this CPU has its kernels; the profile still times each linear."""
+    out = tmp_path / "auto.json"
+    rc = main([
+        "profile", "--model", str(tiny), "--batch", "3", "--context", "40", "--steps", "3",
+        "--json", str(out), "--png", str(tmp_path / "auto.png"), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0
+    ops = {r["name"]: r for r in json.loads(out.read_text())["phases"]["decode"]["ops"]}
+    for name in ("qkv", "o", "gate_up", "down", "attention"):
+        assert ops[name]["calls"] == 2 * 3, (name, ops[name])

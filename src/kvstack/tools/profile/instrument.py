@@ -176,6 +176,7 @@ def instrument(engine: Any, rec: Recorder) -> Iterator[None]:
     names = ("rms_norm", "add_rms_norm", "rope_and_cache", "silu_and_mul")
     saved_ops = {n: getattr(ops, n) for n in names}
     attn = saved_attn
+    saved_stack, model.stack = model.stack, None  # time the layers op by op, not in one call
     try:
         for ly in model.layers:
             for n in LINEARS:
@@ -202,6 +203,7 @@ def instrument(engine: Any, rec: Recorder) -> Iterator[None]:
             for n, lin in saved.items():
                 setattr(ly, n, lin)
         setattr(model, "lm_head", saved_head)  # noqa: B010
+        model.stack = saved_stack
         for n in names:
             try:
                 delattr(ops, n)  # the instance attribute that shadowed the method
