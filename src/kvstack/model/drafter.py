@@ -36,7 +36,7 @@ import torch
 
 from kvstack.errors import ConfigError
 from kvstack.model.group_meta import group_metadata, virtual_tables
-from kvstack.model.runner import StepInputs
+from kvstack.model.runner import StepInputs, _tokens
 from kvstack.sched.output import ScheduledRequest
 from kvstack.spec.config import DRAFT_MODEL, SpeculativeConfig
 from kvstack.spec.stats import SpecDecodeStats
@@ -102,7 +102,7 @@ class Drafter:
         if not todo:
             return
         t0 = time.perf_counter()
-        cur = [s.request.all_token_ids[s.num_computed_tokens] for s in todo]
+        cur = [_tokens(s.request, s.num_computed_tokens, 1)[0] for s in todo]
         for j in range(max(len(s.draft_token_ids) for s in todo)):
             live = [i for i, s in enumerate(todo) if len(s.draft_token_ids) > j]
             rows = [
