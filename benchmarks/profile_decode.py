@@ -5,8 +5,10 @@ One request, the ``latency.py`` prompts (512 tokens), ``--new-tokens`` greedy to
 ignored. Each engine stage is wrapped with a timer (``LLMEngine.step`` -> scheduler,
 ``ModelRunner.execute`` (inputs, ``LlamaModel.forward``, sampling), update and output
 processing); ``--torch-profile`` adds a torch.profiler table of the decode steps (top ops
-by self CPU time). ``--clock thread --threads 1`` measures CPU time instead of wall
-time (a loaded machine stalls OpenMP barriers). Timings are medians over ``--runs`` runs;
+by self CPU time); ``--compare-team`` alternates runs with ``decode_team`` off (the step
+as ``decode_stack``'s separate kernel calls) and prints the ratio. ``--clock thread
+--threads 1`` measures CPU time instead of wall time (a loaded machine stalls OpenMP
+barriers). Timings are medians over ``--runs`` runs;
 the machine is shared, so other processes' CPU use during the runs is printed with them.
 
     cd benchmarks && PYTHONPATH=../src python profile_decode.py \
@@ -41,6 +43,14 @@ def _wrap(obj: Any, name: str, bucket: str, acc: dict[str, float]) -> None:
             acc[bucket] += clock() - t
 
     setattr(obj, name, timed)
+
+
+def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over runs, and the time of the runner and the engine outside the model."""
+    med: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+    med["runner_other"] = round(med["execute"] - med["forward"] - med.get("sample", 0), 3)
+    med["engine_other"] = round(med["total"] - med["execute"] - med["schedule"], 3)
+    return med
 
 
 def profile_variant(kwargs: dict[str, Any], prompt: list[int], args: argparse.Namespace) -> dict:
@@ -81,14 +91,21 @@ def profile_variant(kwargs: dict[str, Any], prompt: list[int], args: argparse.Na
         per["tokens_per_step"] = (tokens - 1) / steps
         return per
 
+    from kvstack.model import decode_stack
+
     one(16)  # warm-up
-    runs = []
+    teams = (True, False) if args.compare_team else (True,)
+    runs: dict[bool, list[dict[str, float]]] = {t: [] for t in teams}
     with LoadMeter() as meter:
         for _ in range(args.runs):
-            runs.append(one(args.new_tokens))
-    med = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
-    med["runner_other"] = round(med["execute"] - med["forward"] - med.get("sample", 0), 3)
-    med["engine_other"] = round(med["total"] - med["execute"] - med["schedule"], 3)
+            for team in teams:  # alternating: a drift of the machine hits both alike
+                decode_stack.TEAM = team
+                runs[team].append(one(args.new_tokens))
+    decode_stack.TEAM = True
+    med = summary(runs[True])
+    if args.compare_team:
+        med["stack_without_team"] = summary(runs[False])
+        med["team_speedup"] = round(med["stack_without_team"]["total"] / med["total"], 3)
     med["others_cores"] = round(meter.other_cores, 2)
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
@@ -111,6 +128,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument(
+        "--compare-team",
+        action="store_true",
+        help="alternate each run with decode_team off (decode_stack's kernel calls) and "
+        "print both and their ratio",
+    )
     ap.add_argument(
         "--clock",
         default="wall",

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvstack.model.ops import HeadShape, RopeInput
 
 ENABLED = True  # False: always the Python loop (tests compare the two)
+TEAM = True  # False: decode_stack even where decode_team could run (tests compare them)
 LINEARS = ("qkv", "o", "gate_up", "down")
 QUANT_GEMV, BF16_LINEAR, AMX_LINEAR = 0, 1, 2  # csrc/decode_stack.cpp's kinds
 
@@ -77,6 +78,7 @@ class DecodeStack:
     linears: list[StackLinear]  # 4 per layer: qkv, o, gate_up, down
     windows: list[int]  # 0: every key
     dtype: torch.dtype
+    team: bool = False  # decode_team takes these layers (csrc/decode_team.cpp)
     _rows_ok: dict[int, bool] = field(default_factory=dict)
     _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
     _args: tuple[list[Any], ...] = ()  # the linears' columns, as decode_stack takes them
@@ -100,6 +102,13 @@ class DecodeStack:
         lins = [stack_linear(getattr(layer, n)) for layer in model.layers for n in LINEARS]
         if any(lin is None for lin in lins):
             return None
+        kinds = [lin.kind for lin in lins if lin is not None]
+        team = (
+            model.dtype == torch.bfloat16
+            and hasattr(k, "decode_team")
+            and bool(k.decode_team_supported(kinds, cfg.num_heads, cfg.num_kv_heads,
+                                             cfg.head_dim))
+        )  # fmt: skip
         return DecodeStack(
             kernels=k,
             in_norms=[layer.input_norm for layer in model.layers],
@@ -107,6 +116,7 @@ class DecodeStack:
             linears=[lin for lin in lins if lin is not None],
             windows=[w or 0 for w in model.windows],
             dtype=model.dtype,
+            team=team,
         )
 
     def takes(self, rows: int) -> bool:
@@ -153,7 +163,8 @@ class DecodeStack:
         caches = self._kv(kv)
         kr = meta.kernel_rows
         assert caches is not None and kr is not None  # usable() was True
-        h, res = self.kernels.decode_stack(
+        op = self.kernels.decode_team if self.team and TEAM else self.kernels.decode_stack
+        h, res = op(
             residual, self.in_norms, self.post_norms, *self._args, rope.positions, rope.cos,
             rope.sin, caches[0], caches[1],
             meta.slot_mapping, kr.block_tables, kr.table_index, kr.context_lens, scale,

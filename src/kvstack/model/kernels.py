@@ -52,6 +52,7 @@ SOURCES = (
     "kivi2_write.cpp",
     "fused_ops.cpp",
     "decode_stack.cpp",
+    "decode_team.cpp",
     "token_mask.cpp",
     "argmax.cpp",
     "amx_linear.cpp",

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "kvstack_ops.h"
+#include "team_slices.h"
 
 #include "dpbf16.h"
 #include "fma512_bf16.h"
@@ -208,4 +209,16 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   });
 #endif
   return y;
+}
+
+// Column blocks [nb_begin, nb_end) of y[M, N] = x[M, K] @ W^T for decode_team.cpp
+// (team_slices.h): the loop bf16_linear runs on each thread.
+void team::bf16_columns(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w,
+                        int64_t nb_begin, int64_t nb_end, c10::BFloat16* y, int64_t N) {
+#if defined(KVSTACK_AVX512_BF16)
+  ::bf16_columns(x, K, M, K, w, nb_begin, nb_end, y, N);
+#else
+  (void)x, (void)M, (void)K, (void)w, (void)nb_begin, (void)nb_end, (void)y, (void)N;
+  TORCH_CHECK(false, "decode_team: bf16 linears need AVX512-BF16");
+#endif
 }

@@ -68,6 +68,16 @@ TORCH_LIBRARY(kvstack, m) {
         "Tensor context_lens, float scale, int[] windows, int num_heads, int num_kv_heads, "
         "int head_dim, float eps) -> Tensor[]",
         &decode_stack);
+  m.def("decode_team(Tensor(a!) residual, Tensor[] in_norms, Tensor[] post_norms, "
+        "Tensor[] codes, Tensor[] scales, Tensor?[] mins, int[] groups, int[] bits, int[] kinds, "
+        "Tensor positions, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
+        "Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, Tensor? table_index, "
+        "Tensor context_lens, float scale, int[] windows, int num_heads, int num_kv_heads, "
+        "int head_dim, float eps) -> Tensor[]",
+        &decode_team);
+  m.def("decode_team_supported(int[] kinds, int num_heads, int num_kv_heads, int head_dim) "
+        "-> bool",
+        &decode_team_supported);
   m.def("quant_gemv_ok(int out_features, int in_features, int group, int bits) -> bool",
         &quant_gemv_ok);
 }

@@ -80,19 +80,26 @@ void add_row(T* r, const T* x, int64_t n) {
   for (; i < n; ++i) r[i] = static_cast<T>(to_f(r[i]) + to_f(x[i]));
 }
 
+// Rows [b, e) of rms_norm (residual null) or add_rms_norm (residual += x first).
+template <typename T>
+void norm_rows(const T* x, const T* w, T* out, int64_t b, int64_t e, int64_t n, float eps,
+               T* residual) {
+  for (int64_t r = b; r < e; ++r) {
+    const T* src = x + r * n;
+    if (residual != nullptr) {
+      add_row(residual + r * n, src, n);
+      src = residual + r * n;
+    }
+    const float inv = 1.f / std::sqrt(sum_squares(src, n) / static_cast<float>(n) + eps);
+    scale_row(src, w, out + r * n, n, inv);
+  }
+}
+
 template <typename T>
 void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps,
                    T* residual) {
   at::parallel_for(0, rows, grain_for(n), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* src = x + r * n;
-      if (residual != nullptr) {
-        add_row(residual + r * n, src, n);
-        src = residual + r * n;
-      }
-      const float inv = 1.f / std::sqrt(sum_squares(src, n) / static_cast<float>(n) + eps);
-      scale_row(src, w, out + r * n, n, inv);
-    }
+    norm_rows(x, w, out, b, e, n, eps, residual);
   });
 }
 
@@ -112,36 +119,41 @@ inline __m512 recip(__m512 d) {
 
 // out = T(T(silu(g)) * u): silu rounded to T first, as PyTorch's silu then mul.
 template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t b, int64_t e, int64_t n) {
+  for (int64_t r = b; r < e; ++r) {
+    const T* g = gu + r * 2 * n;
+    const T* u = g + n;
+    T* o = out + r * n;
+    int64_t i = 0;
+#if defined(KVSTACK_AVX512)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 gv = load16(g + i);
+      const __m512 den = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+      const __m512 s = round_to<T>(_mm512_mul_ps(gv, recip<T>(den)));
+      store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+#elif defined(KVSTACK_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 gv = load8(g + i);
+      const __m256 den = _mm256_add_ps(one, exp256(_mm256_xor_ps(gv, neg)));
+      const __m256 s = round_to8<T>(_mm256_div_ps(gv, den));
+      store8(o + i, _mm256_mul_ps(s, load8(u + i)));
+    }
+#endif
+    for (; i < n; ++i) {
+      const float gv = to_f(g[i]);
+      const float s = round_f<T>(gv / (1.f + std::exp(-gv)));
+      o[i] = static_cast<T>(s * to_f(u[i]));
+    }
+  }
+}
+
+template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, grain_for(2 * n), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = gu + r * 2 * n;
-      const T* u = g + n;
-      T* o = out + r * n;
-      int64_t i = 0;
-#if defined(KVSTACK_AVX512)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= n; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 den = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-        const __m512 s = round_to<T>(_mm512_mul_ps(gv, recip<T>(den)));
-        store16(o + i, _mm512_mul_ps(s, load16(u + i)));
-      }
-#elif defined(KVSTACK_AVX2)
-      const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
-      for (; i + 8 <= n; i += 8) {
-        const __m256 gv = load8(g + i);
-        const __m256 den = _mm256_add_ps(one, exp256(_mm256_xor_ps(gv, neg)));
-        const __m256 s = round_to8<T>(_mm256_div_ps(gv, den));
-        store8(o + i, _mm256_mul_ps(s, load8(u + i)));
-      }
-#endif
-      for (; i < n; ++i) {
-        const float gv = to_f(g[i]);
-        const float s = round_f<T>(gv / (1.f + std::exp(-gv)));
-        o[i] = static_cast<T>(s * to_f(u[i]));
-      }
-    }
+    silu_mul_rows(gu, out, b, e, n);
   });
 }
 
@@ -185,21 +197,29 @@ void rope_head(T* x, const float* cos, const float* sin, int64_t half) {
 }
 
 template <typename T>
+void rope_cache_rows(T* qkv, const int64_t* pos, const float* cos, const float* sin, T* kc,
+                     T* vc, const int64_t* slots, int64_t b, int64_t e, int64_t H, int64_t KVH,
+                     int64_t HD) {
+  const int64_t width = (H + 2 * KVH) * HD, kv_width = KVH * HD;
+  for (int64_t r = b; r < e; ++r) {
+    const int64_t p = pos[r];  // bounds checked by the caller
+    T* row = qkv + r * width;
+    for (int64_t h = 0; h < H + KVH; ++h)
+      rope_head(row + h * HD, cos + p * HD, sin + p * HD, HD / 2);
+    if (kc == nullptr) continue;
+    const int64_t slot = slots[r];
+    std::memcpy(kc + slot * kv_width, row + H * HD, kv_width * sizeof(T));
+    std::memcpy(vc + slot * kv_width, row + (H + KVH) * HD, kv_width * sizeof(T));
+  }
+}
+
+template <typename T>
 void rope_cache_impl(T* qkv, const int64_t* pos, const float* cos, const float* sin,
                      T* kc, T* vc, const int64_t* slots, int64_t rows, int64_t H, int64_t KVH,
                      int64_t HD) {
-  const int64_t width = (H + 2 * KVH) * HD, kv_width = KVH * HD;
+  const int64_t width = (H + 2 * KVH) * HD;
   at::parallel_for(0, rows, grain_for(width), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const int64_t p = pos[r];  // bounds checked by rope_and_cache
-      T* row = qkv + r * width;
-      for (int64_t h = 0; h < H + KVH; ++h)
-        rope_head(row + h * HD, cos + p * HD, sin + p * HD, HD / 2);
-      if (kc == nullptr) continue;
-      const int64_t slot = slots[r];
-      std::memcpy(kc + slot * kv_width, row + H * HD, kv_width * sizeof(T));
-      std::memcpy(vc + slot * kv_width, row + (H + KVH) * HD, kv_width * sizeof(T));
-    }
+    rope_cache_rows(qkv, pos, cos, sin, kc, vc, slots, b, e, H, KVH, HD);
   });
 }
 
@@ -299,3 +319,23 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
                        num_kv_heads, head_dim);
   });
 }
+
+// Row slices for decode_team.cpp (team_slices.h): the same row functions as the ops above.
+namespace team {
+using BF = c10::BFloat16;
+
+void norm_rows(const BF* x, const BF* w, BF* out, int64_t b, int64_t e, int64_t n, float eps,
+               BF* residual) {
+  ::norm_rows<BF>(x, w, out, b, e, n, eps, residual);
+}
+
+void silu_mul_rows(const BF* gu, BF* out, int64_t b, int64_t e, int64_t n) {
+  ::silu_mul_rows<BF>(gu, out, b, e, n);
+}
+
+void rope_cache_rows(BF* qkv, const int64_t* pos, const float* cos, const float* sin, BF* kc,
+                     BF* vc, const int64_t* slots, int64_t b, int64_t e, int64_t H, int64_t KVH,
+                     int64_t HD) {
+  ::rope_cache_rows<BF>(qkv, pos, cos, sin, kc, vc, slots, b, e, H, KVH, HD);
+}
+}  // namespace team

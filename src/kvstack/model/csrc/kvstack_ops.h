@@ -74,3 +74,14 @@ std::vector<torch::Tensor> decode_stack(
     torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
     torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps);
+std::vector<torch::Tensor> decode_team(
+    torch::Tensor residual, at::TensorList in_norms, at::TensorList post_norms,
+    at::TensorList codes, at::TensorList scales,
+    const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef groups,
+    at::IntArrayRef bits, at::IntArrayRef kinds, torch::Tensor positions, torch::Tensor cos,
+    torch::Tensor sin, at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
+    torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
+    torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps);
+bool decode_team_supported(at::IntArrayRef kinds, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim);

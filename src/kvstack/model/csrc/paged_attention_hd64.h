@@ -1,6 +1,7 @@
 // The head_dim-64 AVX-512 path of the paged decode attention (paged_attention.cpp):
 // decode_fast() runs it for head_dim 64 and GQA groups of 1-8 q heads, else returns false
-// and the caller takes the generic kernel. Included by paged_attention.cpp only.
+// and the caller takes the generic kernel. Included by paged_attention.cpp and by
+// decode_team.cpp (which runs decode_part_hd64 and merge_hd64 inside its own region).
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -182,6 +183,31 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
     for (int c = 0; c < 4; ++c) _mm512_store_ps(parts[g].acc + 16 * c, acc[g][c]);
 }
 
+// Items w in [begin, end) (row d = w / H, q head h = w % H): the row's partitions of head
+// h merged into out[d, h, :] (the formula above).
+template <typename T>
+static void merge_hd64(const Partial* parts, const int64_t* first, int64_t H, int64_t begin,
+                       int64_t end, T* out) {
+  constexpr int64_t HD = 64;
+  for (int64_t w = begin; w < end; ++w) {
+    const int64_t d = w / H, h = w % H;
+    float mx = -INFINITY;
+    for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    float l = 0.f;
+    for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) {
+      const Partial& pt = parts[pi * H + h];
+      const float wgt = std::exp(pt.m - mx);
+      l += wgt * pt.l;
+      for (int c = 0; c < 4; ++c)
+        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * c), acc[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / l);
+    for (int c = 0; c < 4; ++c) store16(out + (d * H + h) * HD + 16 * c, _mm512_mul_ps(acc[c], inv));
+  }
+}
+
 template <typename T, int G>
 static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64_t* tables,
                                const int64_t* tidx, const int64_t* lens, T* out, int64_t D,
@@ -197,23 +223,7 @@ static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64
                            sp.t0[pi], sp.t1[pi], scale, parts.data() + pi * H + kh * G);
   });
   at::parallel_for(0, D * H, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t d = w / H, h = w % H;
-      float mx = -INFINITY;
-      for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-      float l = 0.f;
-      for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) {
-        const Partial& pt = parts[pi * H + h];
-        const float wgt = std::exp(pt.m - mx);
-        l += wgt * pt.l;
-        for (int c = 0; c < 4; ++c)
-          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * c), acc[c]);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / l);
-      for (int c = 0; c < 4; ++c) store16(out + (d * H + h) * HD + 16 * c, _mm512_mul_ps(acc[c], inv));
-    }
+    merge_hd64(parts.data(), first.data(), H, begin, end, out);
   });
 }
 

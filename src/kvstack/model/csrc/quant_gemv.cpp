@@ -25,6 +25,7 @@
 #include "kvstack_ops.h"
 #include "quant_act.h"
 #include "simd.h"
+#include "team_slices.h"
 
 namespace {
 
@@ -35,22 +36,17 @@ constexpr int kRows = 16;  // output rows per tile: one zmm of int32 / float lan
 constexpr int kMT = 4;     // activation rows per pass over a tile
 constexpr int kPrefetch = 2048;  // software prefetch distance in code bytes
 
-struct Act {  // one call's activations: int8 codes, chunk scales dx and dx * sum(codes)
-  std::vector<int32_t> xq;  // [M, K/4]: 4 codes per int32, the broadcast unit
-  std::vector<float> dx, xs;  // [M, K/32]
-};
+using Act = team::GemvAct;  // int8 codes, chunk scales dx and dx * sum(codes)
 
+// Rows [b, e) of x [M, K] quantized into a.
 template <typename T>
-Act quantize_act(const T* x, int64_t M, int64_t K) {
-  const int64_t chunks = M * K / 32;
-  Act a{std::vector<int32_t>(M * K / 4), std::vector<float>(chunks), std::vector<float>(chunks)};
-  auto* codes = reinterpret_cast<int8_t*>(a.xq.data());
-  for (int64_t i = 0; i < chunks; ++i) {
+void quantize_rows(const T* x, int64_t b, int64_t e, int64_t K, const Act& a) {
+  auto* codes = reinterpret_cast<int8_t*>(a.xq);
+  for (int64_t i = b * K / 32; i < e * K / 32; ++i) {
     const auto [d, sum] = kvstack_quant::quantize_chunk(x + 32 * i, codes + 32 * i);
     a.dx[i] = d;
     a.xs[i] = d * static_cast<float>(sum);
   }
-  return a;
 }
 
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
@@ -93,7 +89,7 @@ void tile_rows(const uint8_t* tile, const S* sc, const S* mn, int64_t K, int64_t
     const __m512 mw =
         BITS == 4 ? load_scales(mn + g * kRows) : _mm512_mul_ps(s, _mm512_set1_ps(-128.f));
     for (int m = 0; m < MT; ++m) {
-      const int32_t* xi = a.xq.data() + (m0 + m) * (K / 4) + 8 * c;
+      const int32_t* xi = a.xq + (m0 + m) * (K / 4) + 8 * c;
       __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xi[0]));
       __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xi[1]));
       for (int i = 2; i < 8; i += 2) {
@@ -120,21 +116,31 @@ void run_rows(int64_t mt, const uint8_t* tile, const S* sc, const S* mn, int64_t
   }
 }
 
+// Output tiles [b, e) (rows 16 b .. 16 e - 1 of the weight) for every activation row.
+template <int BITS, typename S, typename T>
+void gemv_tiles(const Act& a, T* out, int64_t M, int64_t N, int64_t K, int64_t G,
+                const uint8_t* codes, const S* sc, const S* mn, int64_t b, int64_t e) {
+  const int64_t tile_bytes = K * BITS / 8 * kRows, tile_scales = K / G * kRows;
+  __m512 acc[kMT];
+  for (int64_t t = b; t < e; ++t) {
+    const S* tmn = mn != nullptr ? mn + t * tile_scales : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kMT) {
+      const int64_t mt = std::min<int64_t>(kMT, M - m0);
+      run_rows<BITS>(mt, codes + t * tile_bytes, sc + t * tile_scales, tmn, K, G, a, m0, acc);
+      for (int64_t i = 0; i < mt; ++i) store16(out + (m0 + i) * N + t * kRows, acc[i]);
+    }
+  }
+}
+
 template <int BITS, typename S, typename T>
 void gemv_impl(const T* x, T* out, int64_t M, int64_t N, int64_t K, int64_t G,
                const uint8_t* codes, const S* sc, const S* mn) {
-  const Act a = quantize_act(x, M, K);
-  const int64_t tile_bytes = K * BITS / 8 * kRows, tile_scales = K / G * kRows;
+  std::vector<int32_t> xq(M * K / 4);
+  std::vector<float> dx(M * K / 32), xs(M * K / 32);
+  const Act a{xq.data(), dx.data(), xs.data()};
+  quantize_rows(x, 0, M, K, a);
   at::parallel_for(0, N / kRows, 1, [&](int64_t b, int64_t e) {
-    __m512 acc[kMT];
-    for (int64_t t = b; t < e; ++t) {
-      const S* tmn = mn != nullptr ? mn + t * tile_scales : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kMT) {
-        const int64_t mt = std::min<int64_t>(kMT, M - m0);
-        run_rows<BITS>(mt, codes + t * tile_bytes, sc + t * tile_scales, tmn, K, G, a, m0, acc);
-        for (int64_t i = 0; i < mt; ++i) store16(out + (m0 + i) * N + t * kRows, acc[i]);
-      }
-    }
+    gemv_tiles<BITS>(a, out, M, N, K, G, codes, sc, mn, b, e);
   });
 }
 
@@ -200,3 +206,35 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 #endif
   return out;
 }
+
+// Slices for decode_team.cpp (team_slices.h): bf16 activations, a TiledWeight's arrays.
+namespace team {
+
+void gemv_quantize_rows(const c10::BFloat16* x, int64_t b, int64_t e, int64_t K,
+                        const GemvAct& a) {
+#if defined(KVSTACK_GEMV_VNNI)
+  quantize_rows(x, b, e, K, a);
+#else
+  (void)x, (void)b, (void)e, (void)K, (void)a;
+  TORCH_CHECK(false, "quant_gemv needs AVX512-VNNI");
+#endif
+}
+
+void gemv_tiles(const GemvAct& a, c10::BFloat16* out, const GemvWeight& w, int64_t M,
+                int64_t b, int64_t e) {
+#if defined(KVSTACK_GEMV_VNNI)
+  const auto run = [&](const auto* sc, const auto* mn) {
+    w.bits == 4 ? ::gemv_tiles<4>(a, out, M, w.N, w.K, w.group, w.codes, sc, mn, b, e)
+                : ::gemv_tiles<8>(a, out, M, w.N, w.K, w.group, w.codes, sc, mn, b, e);
+  };
+  if (w.half_scales)
+    run(static_cast<const c10::Half*>(w.scale), static_cast<const c10::Half*>(w.min));
+  else
+    run(static_cast<const float*>(w.scale), static_cast<const float*>(w.min));
+#else
+  (void)a, (void)out, (void)w, (void)M, (void)b, (void)e;
+  TORCH_CHECK(false, "quant_gemv needs AVX512-VNNI");
+#endif
+}
+
+}  // namespace team
