@@ -192,6 +192,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="the target's weights (kvstack's --quantization: none, int8, int4, gguf)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--readme", action="store_true")
     ap.add_argument("--wait-idle", type=float, default=60.0)
@@ -206,7 +211,7 @@ def main() -> None:
         cfg = None if spec is None else {**({} if "model" in spec else {"method": "ngram"}), **spec}
         max_pause = None if cfg is None else cfg.pop("max_pause", None)
         engines[name] = LLM("default", dtype=args.dtype, max_model_len=1024,
-                            speculative_config=cfg)  # fmt: skip
+                            quantization=args.quantization, speculative_config=cfg)  # fmt: skip
         if max_pause is not None:
             assert engines[name].engine.speculator is not None
             engines[name].engine.speculator.max_pause = max_pause
@@ -232,6 +237,7 @@ def main() -> None:
         "machine": machine(),
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "runs": args.runs,
         "waited_for_idle_s": round(waited, 1),
         "other_cores": load.other_cores,

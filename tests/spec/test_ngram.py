@@ -122,23 +122,26 @@ def test_bad_configs_are_one_clear_error(value: object, match: str) -> None:
 
 
 def test_the_draft_length_follows_what_was_accepted() -> None:
-    """``next_draft_len``: all kept gives k again, else one more than kept; the
-    speculator asks the proposer for that many on the request's next step."""
+    """``next_draft_len``: all kept doubles the draft (at most k), else one more than
+    kept; the speculator asks the proposer for that many on the request's next step."""
     from kvstack.request import Request, SamplingParams
     from kvstack.sched.output import ScheduledRequest
     from kvstack.spec.speculator import Speculator, next_draft_len
 
     assert [next_draft_len(8, a, 8) for a in (0, 3, 7, 8)] == [1, 4, 8, 8]
-    assert next_draft_len(2, 2, 8) == 8 and next_draft_len(1, 1, 8) == 8
+    assert [next_draft_len(n, n, 8) for n in (1, 2, 3, 4, 5)] == [2, 4, 6, 8, 8]
     spec = Speculator(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 8}))
     req = Request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, SamplingParams(temperature=0.0))
     step = ScheduledRequest(req, 29, 9, [0], [1, 2, 3, 4, 5, 6, 7, 8])
     spec.after_step([step], {"r": []}, [req])  # nothing of 8 kept: next draft 1 token
     assert req.spec_draft_len == 1 and len(req.spec_token_ids) == 1
     step = ScheduledRequest(req, 29, 2, [0], req.spec_token_ids)
-    spec.after_step([step], {"r": list(req.spec_token_ids)}, [req])  # all kept: k again
-    assert req.spec_draft_len == 8 and len(req.spec_token_ids) == 8
-    assert spec.stats.num_draft_tokens == 9 and spec.stats.num_accepted_tokens == 1
+    spec.after_step([step], {"r": list(req.spec_token_ids)}, [req])  # all kept: twice
+    assert req.spec_draft_len == 2 and len(req.spec_token_ids) == 2
+    step = ScheduledRequest(req, 29, 3, [0], req.spec_token_ids)
+    spec.after_step([step], {"r": list(req.spec_token_ids)}, [req])
+    assert req.spec_draft_len == 4 and len(req.spec_token_ids) == 4
+    assert spec.stats.num_draft_tokens == 11 and spec.stats.num_accepted_tokens == 3
 
 
 def test_repeated_misses_pause_proposals() -> None:

@@ -15,21 +15,22 @@ propose what followed them there. vLLM's rule (``v1/spec_decode/ngram_proposer.p
              ^^^^^^^ earliest match     ^^^^^^^ suffix
                      ^^^^^^ draft (k = 3): x y a
 
-vLLM finds the match with a KMP scan of the reversed tokens (numba). Here numpy finds
-the earlier occurrences of the last token, then extends all of them backwards at once,
-one vectorized compare per length up to ``max_n``; the longest (capped at ``max_n``)
-wins, the earliest among equals: the same answer (``tests/spec/test_ngram.py`` checks it
-against a transcription of vLLM's scan). Cost: one pass over the ``L`` tokens plus
-``max_n`` compares of the candidates, ~10-30 us at L = 800 (``propose_us_mean`` in
-``benchmarks/speculative.py``). vLLM also caps ``k`` by the room left
-in ``max_model_len``; here the scheduler cuts every draft to the request's room.
+vLLM finds the match with a KMP scan of the reversed tokens (numba). Here ``list.index``
+(a C scan) walks the earlier occurrences of the last token from the first on, and each is
+extended backwards while it equals the suffix, up to ``max_n``; the first occurrence
+reaching a length stays (the earliest among equals), and reaching ``max_n`` ends the
+scan: the same answer (``tests/spec/test_ngram.py`` checks it against a transcription of
+vLLM's scan). Cost: a scan of the ``L`` tokens plus a few compares per occurrence,
+4.6 us at L = 520-768 on the open prompt of ``benchmarks/latency.py`` and 6.0 us on its
+repetitive one (a numpy version, vectorized over the occurrences: 9.0 and 15.6 us, its
+per-op overhead; ``propose_us_mean`` in ``benchmarks/speculative.py``). vLLM also caps
+``k`` by the room left in ``max_model_len``; here the scheduler cuts every draft to the
+request's room.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
 
 
 class NgramProposer:
@@ -47,22 +48,19 @@ class NgramProposer:
         total = len(token_ids)
         if k <= 0 or total < max(self.min_n, 2):  # a match needs an earlier occurrence
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        # Candidate occurrences end where the last token occurs earlier (position e <=
-        # total - 2); extend each backwards while it still equals the suffix, up to max_n.
-        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-        if ends.size == 0:
-            return []
-        length = np.ones(ends.size, dtype=np.int64)
-        alive = np.ones(ends.size, dtype=bool)
-        for j in range(1, self.max_n):
-            alive &= ends >= j
-            if not alive.any():
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        last, max_n, find = tokens[-1], self.max_n, tokens.index
+        best, best_end, end = 0, -1, -1
+        while best < max_n:  # the earliest occurrence of the longest length found first
+            try:  # the next earlier occurrence of the last token (a C scan), e <= total - 2
+                end = find(last, end + 1, total - 1)
+            except ValueError:
                 break
-            alive &= tokens[np.where(alive, ends - j, 0)] == tokens[total - 1 - j]
-            length += alive
-        best = int(length.max())
+            n = 1  # extend it backwards while it equals the suffix, up to max_n
+            while n < max_n and n <= end and tokens[end - n] == tokens[total - 1 - n]:
+                n += 1
+            if n > best:  # strictly longer: among equals the earliest stays
+                best, best_end = n, end
         if best < self.min_n:
             return []
-        end = int(ends[np.flatnonzero(length == best)[0]])  # the earliest of the longest
-        return tokens[end + 1 : end + 1 + k].tolist()
+        return tokens[best_end + 1 : best_end + 1 + k]

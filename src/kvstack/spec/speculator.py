@@ -77,12 +77,18 @@ def no_speculation_reason(req: Request) -> str | None:
 
 
 def next_draft_len(proposed: int, accepted: int, k: int) -> int:
-    """The next draft's length after ``accepted`` of ``proposed`` drafts were kept: ``k``
-    when all were, else one more than were kept. Deviation from vLLM's n-gram proposer,
-    which always asks for ``k``: a request whose drafts keep failing (prompt lookup
-    matching spurious 2-grams in new text) verifies 2 rows a step instead of ``k + 1``;
-    the tokens are the same either way."""
-    return k if accepted == proposed else max(1, accepted + 1)
+    """The next draft's length after ``accepted`` of ``proposed`` drafts were kept: twice
+    ``proposed`` (at most ``k``) when all were, else one more than were kept. Deviation
+    from vLLM's n-gram proposer, which always asks for ``k``: a request whose drafts keep
+    failing (prompt lookup matching spurious 2-grams in new text) verifies 2 rows a step
+    instead of ``k + 1``, and one lucky match grows the next draft to 2, 4, 8 rows rather
+    than straight back to ``k`` -- a verify of M rows costs more than M times nothing: the
+    GGUF linears took 1.05x / 1.21x / 2.27x a one-row step's time at M = 2 / 4 / 9 (2-core
+    AMD EPYC Zen 5), and on latency.py's open prompt prompt lookup keeps ~16 % of its
+    drafts. Measured there (one process, 7 alternating runs, gguf, k 8): plain 1.0, jump
+    to k 0.942x, doubling 0.967x; repetitive prompt 2.00x and 2.04x. The tokens are the
+    same either way."""
+    return min(k, 2 * proposed) if accepted == proposed else max(1, accepted + 1)
 
 
 MAX_PAUSE = 8
