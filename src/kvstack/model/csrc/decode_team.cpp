@@ -12,7 +12,8 @@
 //   rows:   x = rms_norm(res) | res += h; x = rms_norm(res);  quantize x      barrier
 //   tiles:  qkv = x W_qkv^T          (16-output tiles / 16-column blocks)     barrier
 //   rows:   RoPE on q, k; k, v into layer l's cache at the rows' slots        barrier
-//   items:  (partition, KV head) attention partials, dynamic, longest first   barrier
+//   items:  (partition, KV head) attention partials, dynamic, longest first,  barrier
+//           a request's rows' items for one partition index and head together
 //   items:  (row, q head) partials merged into a                              barrier
 //   rows:   quantize a                                     (quant_gemv only)  barrier
 //   tiles:  o = a W_o^T                                                       barrier
@@ -66,6 +67,36 @@ PartFn part_fn(int64_t group) {
   }
 }
 
+// A split's attention items (p * KVH + kh, longest first) in families: the items of rows
+// that read one block table (a request's verify rows or chunk rows) with the same
+// partition index and KV head, which then run on one thread back to back, so the rows
+// after the first read that K/V partition from the thread's own L2. Who runs an item
+// never changes its result.
+struct Plan {
+  DecodeSplit split;
+  std::vector<int64_t> start;  // [families + 1] into items
+  std::vector<int64_t> items;
+};
+
+Plan plan_items(DecodeSplit split, const int64_t* tidx, int64_t KVH) {
+  Plan p{std::move(split), {0}, {}};
+  const DecodeSplit& sp = p.split;
+  std::map<std::pair<int64_t, int64_t>, size_t> family;  // (table, index * KVH + kh)
+  std::vector<std::vector<int64_t>> members;
+  for (const int64_t w : sp.order) {
+    const int64_t pi = w / KVH, d = sp.row[pi];
+    const auto key = std::make_pair(table_row(tidx, d), (pi - sp.first[d]) * KVH + w % KVH);
+    const auto [it, fresh] = family.emplace(key, members.size());
+    if (fresh) members.emplace_back();
+    members[it->second].push_back(w);
+  }
+  for (const auto& m : members) {
+    p.items.insert(p.items.end(), m.begin(), m.end());
+    p.start.push_back(static_cast<int64_t>(p.items.size()));
+  }
+  return p;
+}
+
 struct Lin {
   int64_t kind;  // 0 quant_gemv, 1 bf16_linear
   team::GemvWeight q;  // kind 0
@@ -80,7 +111,7 @@ struct Step {
   std::vector<Lin> lins;  // 4 per layer: qkv, o, gate_up, down
   std::vector<const BF*> in_norm, post_norm;
   std::vector<BF*> kc, vc;
-  std::vector<const DecodeSplit*> split;  // per layer (by window)
+  std::vector<const Plan*> plan;  // per layer (by window)
   const int64_t *pos, *slots, *tables, *tidx, *lens;
   const float *cos, *sin;
   BF *res, *x, *qkv, *attn, *o, *gu, *act, *h;  // activations of the step
@@ -113,13 +144,16 @@ void quantize(const Step& s, const Lin& w, const BF* x, Share rows) {
 }
 
 void attention(const Step& s, size_t l) {
-  const DecodeSplit& sp = *s.split[l];
-  const int64_t items = static_cast<int64_t>(sp.order.size()), G = s.H / s.KVH;
+  const Plan& p = *s.plan[l];
+  const DecodeSplit& sp = p.split;
+  const int64_t families = static_cast<int64_t>(p.start.size()) - 1, G = s.H / s.KVH;
   const int64_t width = (s.H + 2 * s.KVH) * s.HD;
-  for (int64_t i = s.next[l].fetch_add(1); i < items; i = s.next[l].fetch_add(1)) {
-    const int64_t w = sp.order[i], pi = w / s.KVH, kh = w % s.KVH, d = sp.row[pi];
-    s.part(s.qkv + d * width, s.kc[l], s.vc[l], s.tables + table_row(s.tidx, d) * s.MB, s.KVH,
-           s.BS, kh, sp.t0[pi], sp.t1[pi], s.scale, s.parts + pi * s.H + kh * G);
+  for (int64_t f = s.next[l].fetch_add(1); f < families; f = s.next[l].fetch_add(1)) {
+    for (int64_t j = p.start[f]; j < p.start[f + 1]; ++j) {
+      const int64_t w = p.items[j], pi = w / s.KVH, kh = w % s.KVH, d = sp.row[pi];
+      s.part(s.qkv + d * width, s.kc[l], s.vc[l], s.tables + table_row(s.tidx, d) * s.MB,
+             s.KVH, s.BS, kh, sp.t0[pi], sp.t1[pi], s.scale, s.parts + pi * s.H + kh * G);
+    }
   }
 }
 
@@ -144,7 +178,7 @@ void layer(const Step& s, size_t l, int tid, int nt) {
   attention(s, l);
 #pragma omp barrier
   const Share items = share(s.M * s.H, tid, nt);
-  merge_hd64(s.parts, s.split[l]->first.data(), s.H, items.b, items.e, s.attn);
+  merge_hd64(s.parts, s.plan[l]->split.first.data(), s.H, items.b, items.e, s.attn);
 #pragma omp barrier
   if (w[1].kind == 0) {
     quantize(s, w[1], s.attn, rows);
@@ -285,16 +319,19 @@ void add_rows(Step& s, std::vector<torch::Tensor>& keep, const torch::Tensor& po
   check_indices(s, tables, lens, cos.size(0), num_blocks);
 }
 
-// Layer l's attention partitions, as paged_attention cuts them at this thread count (one
-// split per distinct window, owned by splits); returns the most partitions of any.
-int64_t add_splits(Step& s, std::map<int64_t, std::unique_ptr<DecodeSplit>>& splits,
-                   at::IntArrayRef windows) {
+// Layer l's attention partitions, as paged_attention cuts them at this thread count, and
+// their families (one plan per distinct window, owned by plans); returns the most
+// partitions of any.
+int64_t add_plans(Step& s, std::map<int64_t, std::unique_ptr<Plan>>& plans,
+                  at::IntArrayRef windows) {
   int64_t most = 0;
   for (const int64_t w : windows) {
-    auto& sp = splits[w];
-    if (!sp) sp = std::make_unique<DecodeSplit>(split_decode_rows(s.lens, s.M, w, s.KVH, kPartTokens));
-    s.split.push_back(sp.get());
-    most = std::max(most, sp->parts());
+    auto& p = plans[w];
+    if (!p)
+      p = std::make_unique<Plan>(
+          plan_items(split_decode_rows(s.lens, s.M, w, s.KVH, kPartTokens), s.tidx, s.KVH));
+    s.plan.push_back(p.get());
+    most = std::max(most, p->split.parts());
   }
   return most;
 }
@@ -363,8 +400,8 @@ std::vector<torch::Tensor> decode_team(
   std::vector<torch::Tensor> keep;
   add_rows(s, keep, positions, cos, sin, slots, block_tables, table_index, context_lens,
            k_caches[0].size(0));
-  std::map<int64_t, std::unique_ptr<DecodeSplit>> splits;
-  std::vector<Partial> parts(add_splits(s, splits, windows) * s.H);
+  std::map<int64_t, std::unique_ptr<Plan>> plans;
+  std::vector<Partial> parts(add_plans(s, plans, windows) * s.H);
   s.parts = parts.data();
   std::vector<std::atomic<int64_t>> next(layers);
   for (auto& n : next) n.store(0);
