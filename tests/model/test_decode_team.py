@@ -16,7 +16,10 @@ import torch
 
 from kvstack import LLM, SamplingParams
 from kvstack.model import decode_stack
+from kvstack.model.decode_stack import AMX_LINEAR, BF16_LINEAR, QUANT_GEMV
 from kvstack.model.kernels import load_kernels
+from kvstack.model.packed_linear import tile_kernel
+from kvstack.model.quant.linear import GEMV
 from kvstack.testing.families import tiny_family_config
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
@@ -47,18 +50,22 @@ class Counting:
 
 
 def team_of(llm: LLM, quantization: str) -> Counting:
-    """The counted kernels of ``llm``'s stack; skipped only where the kernels say this CPU
-    cannot run the team for these weights."""
+    """The counted kernels of ``llm``'s stack. Skipped only where the kernels themselves
+    say this CPU cannot run the team for these weights; where they can, the stack must
+    exist and take the team."""
     k = load_kernels()
-    if k is None or not hasattr(k, "decode_team"):
-        pytest.skip("no C++ kernels with decode_team")
+    if k is None:
+        pytest.skip("no C++ kernels built")
+    tile = tile_kernel()
+    if quantization == "none":  # the bf16 linears' kernel (packed_linear.tile_kernel)
+        kind = AMX_LINEAR if tile is not None and tile.name == "amx" else BF16_LINEAR
+        able = tile is not None
+    else:
+        kind, able = QUANT_GEMV, GEMV and bool(k.quant_gemv_ok(16, 32, 32, 4))
+    if not (able and k.decode_team_supported([kind] * 8, 6, 2, 64)):
+        pytest.skip(f"the kernels cannot run decode_team for {quantization} weights here")
     stack = llm.engine.runner.model.stack
-    if stack is None:
-        pytest.skip(f"no decode_stack for {quantization} weights on this CPU")
-    kinds = [lin.kind for lin in stack.linears]
-    if not k.decode_team_supported(kinds, 6, 2, 64):
-        pytest.skip(f"decode_team_supported is False for {quantization} weights on this CPU")
-    assert stack.team
+    assert stack is not None and stack.team, f"{quantization}: the team is supported, not used"
     counting = Counting(stack.kernels)
     stack.kernels = counting
     return counting

@@ -235,10 +235,8 @@ Lin make_lin(size_t j, at::TensorList codes, at::TensorList scales,
 }
 
 // Every index the step reads is inside its tensor: positions, slots, tables, lengths.
-void check_indices(const Step& s, const at::Tensor& tables, const at::Tensor& lens,
-                   int64_t positions, int64_t NB) {
-  const int64_t S = tables.size(0);
-  const int64_t* L = lens.data_ptr<int64_t>();
+void check_indices(const Step& s, int64_t S, int64_t positions, int64_t NB) {
+  const int64_t* L = s.lens;
   std::vector<int64_t> need(S, 0);
   for (int64_t r = 0; r < s.M; ++r) {
     TORCH_CHECK(s.pos[r] >= 0 && s.pos[r] < positions, "position ", s.pos[r], " outside [0, ",
@@ -307,7 +305,6 @@ void add_rows(Step& s, std::vector<torch::Tensor>& keep, const torch::Tensor& po
   };
   s.pos = i64(positions, "position"), s.slots = i64(slots, "slot");
   s.lens = i64(context_lens, "context length");
-  const torch::Tensor lens = keep.back();
   keep.push_back(block_tables.to(torch::kInt64).contiguous());
   const torch::Tensor tables = keep.back();
   TORCH_CHECK(tables.dim() == 2, "decode_team: block tables must be 2-D");
@@ -316,7 +313,7 @@ void add_rows(Step& s, std::vector<torch::Tensor>& keep, const torch::Tensor& po
   else
     TORCH_CHECK(tables.size(0) == s.M, "decode_team: one block table per row");
   s.tables = tables.data_ptr<int64_t>(), s.MB = tables.size(1);
-  check_indices(s, tables, lens, cos.size(0), num_blocks);
+  check_indices(s, tables.size(0), cos.size(0), num_blocks);
 }
 
 // Layer l's attention partitions, as paged_attention cuts them at this thread count, and
