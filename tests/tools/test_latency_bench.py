@@ -34,3 +34,34 @@ def test_fixed_prompts_are_512_tokens() -> None:
     text = load_tokenizer("default").decode(prompts["repetitive"])
     assert text.endswith("Repeat the code above exactly:\n") and "BLAKE2b" in text
     assert latency.build_prompts() == prompts  # seeded: the same prompts every run
+
+
+def test_a_speculating_variant_is_compared_with_its_base_run_by_run() -> None:
+    def result(name: str, tok_s: list[float]) -> dict:
+        med = sorted(tok_s)[len(tok_s) // 2]
+        open_ = {"decode_tok_s": med, "decode_tok_s_all": tok_s, "ttft_s": 0.1}
+        return {"name": name, "prompts": {"open": open_}}
+
+    # run 3 of the base and runs 2-3 of the variant fell in fast minutes: the ratio of
+    # medians (1.25) hides that the variant was slower in two of three side-by-side runs
+    results = [result("gguf", [100.0, 100.0, 130.0]), result("gguf+ngram", [97.0, 125.0, 126.0])]
+    latency.add_ratios(results)
+    p = results[1]["prompts"]["open"]
+    assert p["decode_vs_base"] == 1.25
+    assert p["decode_vs_base_runs"] == [0.97, 1.25, 0.969]
+    assert p["decode_vs_base_paired"] == 0.97
+    assert "decode_vs_base" not in results[0]["prompts"]["open"]
+    table = latency.markdown(
+        {
+            "results": [{**r, "info": {}, "engine": "kvstack"} for r in results],
+            "machine": {},
+            "date": "d",
+            "threads": 2,
+            "new_tokens": 4,
+            "runs": 3,
+            "loadavg_before": 0,
+            "loadavg_after": 0,
+            "file": "f",
+        }
+    )
+    assert "1.250x (0.970x)" in table
