@@ -125,6 +125,28 @@ def test_cpp_decode_kernel_matches_fallback(
     assert (out.float() - ref.float()).abs().max() < tol
 
 
+@pytest.mark.parametrize(
+    ("h", "kvh"),
+    # q heads per KV head 1..8; an item takes min(kvh, 16 // group) KV heads
+    # (paged_attention_hd64.h): one item for all heads, two equal, and a short last one
+    [(8, 8), (20, 20), (32, 8), (24, 3), (6, 3), (35, 5)],
+)
+def test_cpp_decode_kernel_splits_kv_heads_into_items(kernels: Kernels, h: int, kvh: int) -> None:
+    g = torch.Generator().manual_seed(h * 100 + kvh)
+    d, hd, bs, nb = 3, 64, 16, 64
+    kc, vc = (torch.randn(nb, bs, kvh, hd, generator=g) for _ in range(2))
+    q = torch.randn(d, h, hd, generator=g)
+    lens = torch.tensor([1, 77, 600])  # one key; one partition; two (two threads' worth)
+    mb = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(d)])
+    bias = torch.zeros(d, mb * bs)
+    bias[torch.arange(mb * bs)[None] >= lens[:, None]] = float("-inf")
+    keys, vals = kc[tables].view(d, -1, kvh, hd), vc[tables].view(d, -1, kvh, hd)
+    ref = decode_attention(q, keys, vals, bias[:, None, None, :], hd**-0.5)
+    out = kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5)
+    assert (out - ref).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_decode_row_does_not_depend_on_its_batch_mates(
     kernels: Kernels, dtype: torch.dtype

@@ -240,7 +240,7 @@ static void decode8(const CodecView& cv, const T* q, const int64_t* tables, cons
       if (cv.signs) rotate(qall.data() + w * HD, cv.signs, HD, false);
     }
   });
-  run_decode_items(sp, KVH, [&](int64_t pi, int64_t kh) {
+  run_decode_items(sp, [&](int64_t pi, int64_t kh) {
     const int64_t r = sp.row[pi], own = (lens[r] - 1) / cv.BS, o = pi * H + kh * G;
     const int64_t* table = tables + (tidx ? tidx[r] : r) * MB;
     part8<R>(cv, qall.data() + (r * H + kh * G) * HD, static_cast<int>(G), table, kh, sp.t0[pi],

@@ -1,5 +1,5 @@
 // How the decode kernels (paged_attention_hd64.h, paged_attention_codecs.cpp) cut a
-// step's rows into context partitions and hand (partition, KV head) items to threads
+// step's rows into context partitions and hand (partition, KV head(s)) items to threads
 // (flash-decoding's split-K, Dao et al. 2023).
 //
 // A row attending n keys [s0, L) is cut into p equal partitions (sizes differ by at most
@@ -11,7 +11,8 @@
 //         | part 0        | part 1        | ... | part p-1    |
 //
 // so one long row (a single user's decode: one row, few KV heads) still gives every
-// thread about two items, and no partition holds more than max_part keys (the kernels'
+// thread work (two items each where an item is one KV head, one where it takes them all:
+// paged_attention_hd64.h), and no partition holds more than max_part keys (the kernels'
 // score buffers). p depends on the row's own n, the thread count and the model only, never
 // on the other rows of the step: a row's result does not depend on its batch mates.
 // Items run longest first, each thread taking the next one from a shared counter (dynamic
@@ -32,7 +33,8 @@ struct DecodeSplit {
   std::vector<int64_t> first;  // [R + 1] first partition of each row
   std::vector<int64_t> t0, t1;  // [P] keys [t0, t1) of partition p
   std::vector<int64_t> row;  // [P] the row partition p belongs to
-  std::vector<int64_t> order;  // [P * KVH] items p * KVH + kh, longest first
+  std::vector<int64_t> order;  // [P * units] items p * units + u, longest first
+  int64_t units = 0;  // items per partition: KV heads, or groups of them (hd64 kernel)
 
   int64_t parts() const { return static_cast<int64_t>(t0.size()); }
 };
@@ -40,8 +42,9 @@ struct DecodeSplit {
 // Partitions of rows with contexts lens[0..R) under window W (0: none; keys
 // [max(0, L - W), L)), at most max_part keys each.
 static inline DecodeSplit split_decode_rows(const int64_t* lens, int64_t R, int64_t W,
-                                            int64_t KVH, int64_t max_part) {
+                                            int64_t KVH, int64_t max_part, int64_t units = 0) {
   DecodeSplit s;
+  s.units = units > 0 ? units : KVH;
   s.first.assign(R + 1, 0);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t occupy = (2 * threads + KVH - 1) / KVH;  // partitions that fill the threads
@@ -62,23 +65,23 @@ static inline DecodeSplit split_decode_rows(const int64_t* lens, int64_t R, int6
   auto part_keys = [&](int64_t r) { return s.t1[s.first[r]] - s.t0[s.first[r]]; };
   std::stable_sort(rows.begin(), rows.end(),
                    [&](int64_t a, int64_t b) { return part_keys(a) > part_keys(b); });
-  s.order.reserve(s.parts() * KVH);
+  s.order.reserve(s.parts() * s.units);
   for (const int64_t r : rows)
     for (int64_t p = s.first[r]; p < s.first[r + 1]; ++p)
-      for (int64_t kh = 0; kh < KVH; ++kh) s.order.push_back(p * KVH + kh);
+      for (int64_t u = 0; u < s.units; ++u) s.order.push_back(p * s.units + u);
   return s;
 }
 
 // Runs fn(partition, kv_head) for every item of s, longest first, over the thread pool.
 template <typename F>
-static inline void run_decode_items(const DecodeSplit& s, int64_t KVH, F&& fn) {
+static inline void run_decode_items(const DecodeSplit& s, F&& fn) {
   const int64_t items = static_cast<int64_t>(s.order.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, std::max<int64_t>(1, at::get_num_threads()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t w = s.order[i];
-      fn(w / KVH, w % KVH);
+      fn(w / s.units, w % s.units);
     }
   });
 }

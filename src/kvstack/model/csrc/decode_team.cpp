@@ -12,8 +12,8 @@
 //   rows:   x = rms_norm(res) | res += h; x = rms_norm(res);  quantize x      barrier
 //   tiles:  qkv = x W_qkv^T          (16-output tiles / 16-column blocks)     barrier
 //   rows:   RoPE on q, k; k, v into layer l's cache at the rows' slots        barrier
-//   items:  (partition, KV head) attention partials, dynamic, longest first,  barrier
-//           a request's rows' items for one partition index and head together
+//   items:  (partition, KV heads) attention partials, dynamic, longest first, barrier
+//           a request's rows' items for one partition index and heads together
 //   items:  (row, q head) partials merged into a                              barrier
 //   rows:   quantize a                                     (quant_gemv only)  barrier
 //   tiles:  o = a W_o^T                                                       barrier
@@ -52,7 +52,7 @@ namespace {
 
 using team::BF;
 using PartFn = void (*)(const BF*, const BF*, const BF*, const int64_t*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float, Partial*);
+                        int64_t, int64_t, int64_t, int64_t, float, Partial*);
 
 PartFn part_fn(int64_t group) {
   switch (group) {
@@ -67,25 +67,26 @@ PartFn part_fn(int64_t group) {
   }
 }
 
-// A split's attention items (p * KVH + kh, longest first) in families: the items of rows
-// that read one block table (a request's verify rows or chunk rows) with the same
-// partition index and KV head, which then run on one thread back to back, so the rows
-// after the first read that K/V partition from the thread's own L2. Who runs an item
-// never changes its result.
+// A split's attention items (p * units + u: partition p, KV heads of group u, longest
+// first) in families: the items of rows that read one block table (a request's verify
+// rows or chunk rows) with the same partition index and head group, which then run on one
+// thread back to back, so the rows after the first read that K/V partition from the
+// thread's own L2. Who runs an item never changes its result.
 struct Plan {
   DecodeSplit split;
   std::vector<int64_t> start;  // [families + 1] into items
   std::vector<int64_t> items;
 };
 
-Plan plan_items(DecodeSplit split, const int64_t* tidx, int64_t KVH) {
+Plan plan_items(DecodeSplit split, const int64_t* tidx) {
   Plan p{std::move(split), {0}, {}};
   const DecodeSplit& sp = p.split;
-  std::map<std::pair<int64_t, int64_t>, size_t> family;  // (table, index * KVH + kh)
+  std::map<std::pair<int64_t, int64_t>, size_t> family;  // (table, index * units + u)
   std::vector<std::vector<int64_t>> members;
   for (const int64_t w : sp.order) {
-    const int64_t pi = w / KVH, d = sp.row[pi];
-    const auto key = std::make_pair(table_row(tidx, d), (pi - sp.first[d]) * KVH + w % KVH);
+    const int64_t pi = w / sp.units, d = sp.row[pi];
+    const int64_t index = (pi - sp.first[d]) * sp.units + w % sp.units;
+    const auto key = std::make_pair(table_row(tidx, d), index);
     const auto [it, fresh] = family.emplace(key, members.size());
     if (fresh) members.emplace_back();
     members[it->second].push_back(w);
@@ -105,7 +106,7 @@ struct Lin {
 };
 
 struct Step {
-  int64_t M, Hd, H, KVH, HD, I, BS, MB;
+  int64_t M, Hd, H, KVH, HD, I, BS, MB, heads_per_item;
   float eps, scale;
   PartFn part;
   std::vector<Lin> lins;  // 4 per layer: qkv, o, gate_up, down
@@ -146,13 +147,14 @@ void quantize(const Step& s, const Lin& w, const BF* x, Share rows) {
 void attention(const Step& s, size_t l) {
   const Plan& p = *s.plan[l];
   const DecodeSplit& sp = p.split;
-  const int64_t families = static_cast<int64_t>(p.start.size()) - 1, G = s.H / s.KVH;
-  const int64_t width = (s.H + 2 * s.KVH) * s.HD;
+  const int64_t families = static_cast<int64_t>(p.start.size()) - 1;
+  const int64_t width = (s.H + 2 * s.KVH) * s.HD, per = s.heads_per_item;
   for (int64_t f = s.next[l].fetch_add(1); f < families; f = s.next[l].fetch_add(1)) {
     for (int64_t j = p.start[f]; j < p.start[f + 1]; ++j) {
-      const int64_t w = p.items[j], pi = w / s.KVH, kh = w % s.KVH, d = sp.row[pi];
+      const int64_t w = p.items[j], pi = w / sp.units, u = w % sp.units, d = sp.row[pi];
       s.part(s.qkv + d * width, s.kc[l], s.vc[l], s.tables + table_row(s.tidx, d) * s.MB,
-             s.KVH, s.BS, kh, sp.t0[pi], sp.t1[pi], s.scale, s.parts + pi * s.H + kh * G);
+             s.KVH, s.BS, u * per, std::min(s.KVH, (u + 1) * per), sp.t0[pi], sp.t1[pi],
+             s.scale, s.parts + pi * s.H);
     }
   }
 }
@@ -326,7 +328,9 @@ int64_t add_plans(Step& s, std::map<int64_t, std::unique_ptr<Plan>>& plans,
     auto& p = plans[w];
     if (!p)
       p = std::make_unique<Plan>(
-          plan_items(split_decode_rows(s.lens, s.M, w, s.KVH, kPartTokens), s.tidx, s.KVH));
+          plan_items(split_decode_rows(s.lens, s.M, w, s.KVH, kPartTokens,
+                                       (s.KVH + s.heads_per_item - 1) / s.heads_per_item),
+                     s.tidx));
     s.plan.push_back(p.get());
     most = std::max(most, p->split.parts());
   }
@@ -391,6 +395,7 @@ std::vector<torch::Tensor> decode_team(
   s.M = residual.size(0), s.Hd = residual.size(1), s.H = num_heads, s.KVH = num_kv_heads;
   s.HD = head_dim, s.eps = static_cast<float>(eps), s.scale = static_cast<float>(scale);
   s.part = part_fn(num_heads / num_kv_heads);
+  s.heads_per_item = hd64_heads_per_item(num_kv_heads, num_heads / num_kv_heads);
   add_layers(s, in_norms, post_norms, codes, scales, mins, groups, bits, kinds, k_caches,
              v_caches, windows);
   s.BS = k_caches[0].size(1);

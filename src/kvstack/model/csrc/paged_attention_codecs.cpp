@@ -262,7 +262,7 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
       if (cv.signs) rotate(qall.data() + w * 64, cv.signs, 64, false);
     }
   });
-  run_decode_items(sp, KVH, [&](int64_t pi, int64_t kh) {
+  run_decode_items(sp, [&](int64_t pi, int64_t kh) {
     const int64_t r = sp.row[pi], t0 = sp.t0[pi], t1 = sp.t1[pi], own = (lens[r] - 1) / cv.BS;
     const float* qf = qall.data() + (r * H + kh * G) * 64;
     const int64_t* table = tables + codec_table_of(tidx, r) * MB;
