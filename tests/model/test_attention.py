@@ -114,15 +114,29 @@ def test_cpp_decode_kernel_matches_fallback(
     q = torch.randn(d, h, hd, generator=g).to(dtype)
     lens = torch.randint(1, max_len, (d,), generator=g)
     lens[0] = 1  # a single key
+    out, ref = _kernel_and_reference(kernels, q, kc, vc, lens, g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - ref.float()).abs().max() < tol
+
+
+def _kernel_and_reference(
+    kernels: Kernels,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    lens: torch.Tensor,
+    g: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ decode kernel's output and the PyTorch fallback's for rows of ``lens`` keys
+    over random block tables of the cache ``kc``/``vc`` ``[blocks, bs, kvh, hd]``."""
+    d, (nb, bs, kvh, hd) = q.shape[0], kc.shape
     mb = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(d)])
     bias = torch.zeros(d, mb * bs)
     bias[torch.arange(mb * bs)[None] >= lens[:, None]] = float("-inf")
     keys, vals = kc[tables].view(d, -1, kvh, hd), vc[tables].view(d, -1, kvh, hd)
     ref = decode_attention(q, keys, vals, bias[:, None, None, :], hd**-0.5)
-    out = kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (out.float() - ref.float()).abs().max() < tol
+    return kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5), ref
 
 
 @pytest.mark.parametrize(
@@ -137,13 +151,7 @@ def test_cpp_decode_kernel_splits_kv_heads_into_items(kernels: Kernels, h: int, 
     kc, vc = (torch.randn(nb, bs, kvh, hd, generator=g) for _ in range(2))
     q = torch.randn(d, h, hd, generator=g)
     lens = torch.tensor([1, 77, 600])  # one key; one partition; two (two threads' worth)
-    mb = int((lens.max() + bs - 1) // bs)
-    tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(d)])
-    bias = torch.zeros(d, mb * bs)
-    bias[torch.arange(mb * bs)[None] >= lens[:, None]] = float("-inf")
-    keys, vals = kc[tables].view(d, -1, kvh, hd), vc[tables].view(d, -1, kvh, hd)
-    ref = decode_attention(q, keys, vals, bias[:, None, None, :], hd**-0.5)
-    out = kernels.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5)
+    out, ref = _kernel_and_reference(kernels, q, kc, vc, lens, g)
     assert (out - ref).abs().max() < 1e-5
 
 
