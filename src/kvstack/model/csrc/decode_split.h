@@ -40,7 +40,8 @@ struct DecodeSplit {
 };
 
 // Partitions of rows with contexts lens[0..R) under window W (0: none; keys
-// [max(0, L - W), L)), at most max_part keys each.
+// [max(0, L - W), L)), at most max_part keys each, and units items per partition (0: one
+// per KV head). The partitions never depend on units.
 static inline DecodeSplit split_decode_rows(const int64_t* lens, int64_t R, int64_t W,
                                             int64_t KVH, int64_t max_part, int64_t units = 0) {
   DecodeSplit s;
@@ -72,7 +73,8 @@ static inline DecodeSplit split_decode_rows(const int64_t* lens, int64_t R, int6
   return s;
 }
 
-// Runs fn(partition, kv_head) for every item of s, longest first, over the thread pool.
+// Runs fn(partition, unit) for every item of s, longest first, over the thread pool (the
+// unit is the KV head where s.units == KVH, the default).
 template <typename F>
 static inline void run_decode_items(const DecodeSplit& s, F&& fn) {
   const int64_t items = static_cast<int64_t>(s.order.size());
