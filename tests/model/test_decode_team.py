@@ -17,7 +17,7 @@ import torch
 from kvstack import LLM, SamplingParams
 from kvstack.model import decode_stack
 from kvstack.model.decode_stack import AMX_LINEAR, BF16_LINEAR, QUANT_GEMV
-from kvstack.model.kernels import load_kernels
+from kvstack.model.kernels import Kernels
 from kvstack.model.packed_linear import tile_kernel
 from kvstack.model.quant.linear import GEMV
 from kvstack.testing.families import tiny_family_config
@@ -49,13 +49,11 @@ class Counting:
         return counted
 
 
-def team_of(llm: LLM, quantization: str) -> Counting:
-    """The counted kernels of ``llm``'s stack. Skipped only where the kernels themselves
-    say this CPU cannot run the team for these weights; where they can, the stack must
-    exist and take the team."""
-    k = load_kernels()
-    if k is None:
-        pytest.skip("no C++ kernels built")
+def team_of(llm: LLM, quantization: str, k: Kernels) -> Counting:
+    """The counted kernels of ``llm``'s stack (``k``: the ``kernels`` fixture, whose failed
+    build fails the test). Skipped only where the kernels themselves say this CPU cannot
+    run the team for these weights; where they can, the stack must exist and take the
+    team."""
     tile = tile_kernel()
     if quantization == "none":  # the bf16 linears' kernel (packed_linear.tile_kernel)
         kind = AMX_LINEAR if tile is not None and tile.name == "amx" else BF16_LINEAR
@@ -86,12 +84,14 @@ def run(llm: LLM, path: str, prompts: list[list[int]], sp: SamplingParams) -> li
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_team_equals_the_stack_and_the_python_loop(tmp_path: Path, quantization: str) -> None:
+def test_team_equals_the_stack_and_the_python_loop(
+    tmp_path: Path, quantization: str, kernels: Kernels
+) -> None:
     cfg = tiny_llama_config(**SHAPE)
     path = write_hf_folder(tmp_path / "hf", cfg, random_llama_weights(cfg, seed=3))
     llm = LLM(str(path), dtype="bfloat16", quantization=quantization, num_blocks=160,
               max_num_batched_tokens=48, block_size=8)  # fmt: skip
-    calls = team_of(llm, quantization)
+    calls = team_of(llm, quantization, kernels)
     want = run(llm, "python", PROMPTS, SP)
     assert run(llm, "stack", PROMPTS, SP) == want
     assert calls.n["decode_team"] == 0 and calls.n["decode_stack"] > 10
@@ -99,13 +99,13 @@ def test_team_equals_the_stack_and_the_python_loop(tmp_path: Path, quantization:
     assert calls.n["decode_team"] > 10  # decodes, alone and beside short chunks
 
 
-def test_verify_rows_and_a_window(tmp_path: Path) -> None:
+def test_verify_rows_and_a_window(tmp_path: Path, kernels: Kernels) -> None:
     cfg = tiny_family_config("mistral", sliding_window=40, **SHAPE)
     path = write_hf_folder(tmp_path / "mistral", cfg, random_llama_weights(cfg, seed=4))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = LLM(str(path), dtype="bfloat16", quantization="int4", num_blocks=160,
               speculative_config=spec, disable_hybrid_kv_cache_manager=True)  # fmt: skip
-    calls = team_of(llm, "int4")
+    calls = team_of(llm, "int4", kernels)
     repeating = [p[:6] * 12 for p in PROMPTS]  # prompt lookup finds drafts
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     want = run(llm, "python", repeating, greedy)
@@ -114,11 +114,11 @@ def test_verify_rows_and_a_window(tmp_path: Path) -> None:
     assert llm.engine.stats().spec_decode["num_drafts"] > 0
 
 
-def test_bad_indices_are_refused_before_any_write(tmp_path: Path) -> None:
+def test_bad_indices_are_refused_before_any_write(tmp_path: Path, kernels: Kernels) -> None:
     cfg = tiny_llama_config(**SHAPE)
     path = write_hf_folder(tmp_path / "hf", cfg, random_llama_weights(cfg, seed=5))
     llm = LLM(str(path), dtype="bfloat16", quantization="int8", num_blocks=32, block_size=8)
-    team_of(llm, "int8")
+    team_of(llm, "int8", kernels)
     stack = llm.engine.runner.model.stack
     caches = [torch.zeros(32, 8, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
     cos = torch.ones(64, 64)
