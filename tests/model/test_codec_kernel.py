@@ -69,6 +69,10 @@ CASES = [
     (torch.float32, 32, (4, 2)),
     (torch.bfloat16, 32, (4, 2)),
     (torch.bfloat16, 256, (4, 1)),
+    # a work item takes min(kvh, 16 // group) KV heads (decode_split.h's kv_heads_per_item,
+    # the first head's prefetches taking the others' rows): items of 2, 2 and 1 heads; two of 4
+    (torch.bfloat16, 64, (35, 5)),
+    (torch.bfloat16, 64, (32, 8)),
 ]
 
 

@@ -51,6 +51,7 @@ void fp8_scores(const CodecView& cv, const float* q, const int64_t* table, int64
   auto prefetch = [&](int64_t r) {
     _mm_prefetch(reinterpret_cast<const char*>(cv.kc + r * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cv.vc + r * 64), _MM_HINT_T1);
+    prefetch_item_heads(cv, r);
   };
   for (int64_t j = 0; j < std::min(kAhead, n); ++j) prefetch(rows[j]);
   alignas(64) uint16_t kb[16][64];

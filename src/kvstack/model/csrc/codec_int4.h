@@ -74,6 +74,7 @@ void int4_scores(const CodecView& cv, const float* q, const int64_t* table, int6
     _mm_prefetch(reinterpret_cast<const char*>(cv.kc + r * 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cv.kp + r * cols), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cv.vc + r * 32), _MM_HINT_T1);
+    prefetch_item_heads(cv, r);
   };
   for (int64_t j = 0; j < std::min(kAhead, n); ++j) prefetch(rows[j]);
   // Lanes of y[0] / y[1] (group_sums16) -> rows of the 16-row scale arrays s[0..1][16].

@@ -64,6 +64,7 @@ static inline float query_int16(const float* q, __m512i* q16) {
 static inline void prefetch_int8_row(const CodecView& cv, int64_t r) {
   _mm_prefetch(reinterpret_cast<const char*>(cv.kc + r * 64), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(cv.vc + r * 64), _MM_HINT_T1);
+  prefetch_item_heads(cv, r);
 }
 
 // Scores of tokens [t0, t1) (one partition, n <= kPart) of KV head kh for G q heads (q: G

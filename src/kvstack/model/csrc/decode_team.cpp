@@ -395,7 +395,7 @@ std::vector<torch::Tensor> decode_team(
   s.M = residual.size(0), s.Hd = residual.size(1), s.H = num_heads, s.KVH = num_kv_heads;
   s.HD = head_dim, s.eps = static_cast<float>(eps), s.scale = static_cast<float>(scale);
   s.part = part_fn(num_heads / num_kv_heads);
-  s.heads_per_item = hd64_heads_per_item(num_kv_heads, num_heads / num_kv_heads);
+  s.heads_per_item = kv_heads_per_item(num_kv_heads, num_heads / num_kv_heads);
   add_layers(s, in_norms, post_norms, codes, scales, mins, groups, bits, kinds, k_caches,
              v_caches, windows);
   s.BS = k_caches[0].size(1);

@@ -58,6 +58,7 @@ inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t 
     const int64_t r = (blk * cv.BS + i) * cv.KVH + kh;
     _mm_prefetch(reinterpret_cast<const char*>(codes + r * cv.code_bytes), static_cast<_mm_hint>(Hint));
     if (cols) _mm_prefetch(reinterpret_cast<const char*>(params + r * cols), static_cast<_mm_hint>(Hint));
+    if (is_k) prefetch_item_heads(cv, r);
   }
 }
 
@@ -246,12 +247,29 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
   }
 }
 
+// codec_part64 for one KV head, G picked at compile time for the common GQA ratios (bf16
+// queries), at run time otherwise and for float32 queries (float32 dots).
+template <Codec C, typename T>
+void codec_head64(const CodecView& cv, const float* qf, const int64_t* table, int64_t kh,
+                  int64_t t0, int64_t t1, int64_t own, int g, float scale, CodecPartial* pp) {
+  if (!std::is_same_v<T, c10::BFloat16>) return codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+  switch (g) {
+    case 1: return codec_part64<C, 1>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+    case 2: return codec_part64<C, 2>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+    case 3: return codec_part64<C, 3>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+    case 4: return codec_part64<C, 4>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+    case 8: return codec_part64<C, 8>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+    default: return codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+  }
+}
+
 template <Codec C, typename T>
 void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const int64_t* tidx,
                   const int64_t* lens, T* out, int64_t R, int64_t H, int64_t MB, float scale,
                   int64_t W) {
   const int64_t KVH = cv.KVH, G = H / KVH;
-  const DecodeSplit sp = split_decode_rows(lens, R, W, KVH, kCodecPart);
+  const int64_t per = kv_heads_per_item(KVH, G);  // KV heads per work item
+  const DecodeSplit sp = split_decode_rows(lens, R, W, KVH, kCodecPart, (KVH + per - 1) / per);
   const std::vector<int64_t>& first = sp.first;
   const int64_t P = sp.parts();
   std::vector<CodecPartial> parts(P * H);
@@ -262,23 +280,15 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
       if (cv.signs) rotate(qall.data() + w * 64, cv.signs, 64, false);
     }
   });
-  run_decode_items(sp, [&](int64_t pi, int64_t kh) {
+  run_decode_items(sp, [&](int64_t pi, int64_t u) {
     const int64_t r = sp.row[pi], t0 = sp.t0[pi], t1 = sp.t1[pi], own = (lens[r] - 1) / cv.BS;
-    const float* qf = qall.data() + (r * H + kh * G) * 64;
     const int64_t* table = tables + codec_table_of(tidx, r) * MB;
-    CodecPartial* pp = parts.data() + pi * H + kh * G;
-    const int g = static_cast<int>(G);
-    if (!std::is_same_v<T, c10::BFloat16>) {  // float32 queries: float32 dots
-      codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
-      return;
-    }
-    switch (g) {  // the common GQA ratios with G in registers; others at run time
-      case 1: codec_part64<C, 1>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-      case 2: codec_part64<C, 2>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-      case 3: codec_part64<C, 3>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-      case 4: codec_part64<C, 4>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-      case 8: codec_part64<C, 8>(cv, qf, table, kh, t0, t1, own, g, scale, pp); break;
-      default: codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
+    const int64_t kh0 = u * per, kh1 = std::min(KVH, kh0 + per);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {  // the first head's prefetches take all heads' rows
+      CodecView c = cv;
+      c.span = kh == kh0 ? kh1 - kh0 : 1;
+      codec_head64<C, T>(c, qall.data() + (r * H + kh * G) * 64, table, kh, t0, t1, own,
+                         static_cast<int>(G), scale, parts.data() + pi * H + kh * G);
     }
   });
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {

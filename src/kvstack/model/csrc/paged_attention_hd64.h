@@ -96,17 +96,10 @@ struct QReg<c10::BFloat16> {
 #endif
 };
 
-// KV heads per work item. A token's K (V) rows of all KV heads are one contiguous run in
-// the cache ([block, token, kv head, 64]: 384 B for SmolLM2's 3 heads in bf16), so an
-// item takes the heads of a partition together, up to kItemQHeads q heads (the score
-// buffer's rows). Which heads share an item never changes a head's result. Measured on
-// the 2-core Zen 5 (2026-12-05): a gather of one head's 128-B rows (every 384 B) read 27
-// GB/s and of whole 384-B token rows 40-47; this op (32 rows x 300 keys, one layer from
-// DRAM) 0.27 -> 0.25 ms, and a batch-32 decode_team step 0.962-0.967x (in-process A/B).
-constexpr int64_t kItemQHeads = 16;
-inline int64_t hd64_heads_per_item(int64_t KVH, int64_t G) {
-  return std::max<int64_t>(1, std::min<int64_t>(KVH, kItemQHeads / G));
-}
+// KV heads per work item: kv_heads_per_item (decode_split.h), up to kItemQHeads q heads,
+// the score buffer's rows. Measured on the 2-core Zen 5 (2026-12-05): this op (32 rows x
+// 300 keys, one layer from DRAM) 0.27 -> 0.25 ms with all heads in one item, and a
+// batch-32 decode_team step 0.962-0.967x (in-process A/B).
 
 // Lines [0, bytes) from row, prefetched (Locality as in prefetch_row).
 template <int Locality>
@@ -243,7 +236,7 @@ static void decode_kernel_hd64(const T* q, const T* kc, const T* vc, const int64
                                int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t W) {
   constexpr int64_t HD = 64;
   const int64_t H = KVH * G;
-  const int64_t per = hd64_heads_per_item(KVH, G);
+  const int64_t per = kv_heads_per_item(KVH, G);
   const DecodeSplit sp = split_decode_rows(lens, D, W, KVH, kPartTokens, (KVH + per - 1) / per);
   const std::vector<int64_t>& first = sp.first;
   std::vector<Partial> parts(sp.parts() * H);
