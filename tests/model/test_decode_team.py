@@ -99,6 +99,29 @@ def test_team_equals_the_stack_and_the_python_loop(
     assert calls.n["decode_team"] > 10  # decodes, alone and beside short chunks
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4", "rotated4", "kivi2"])
+def test_team_takes_a_per_token_codec_bit_for_bit(
+    tmp_path: Path, codec: str, kernels: Kernels
+) -> None:
+    """A per-token codec's step in the team (csrc/team_codec.h: the codec's write and its
+    C++ attention as phases of the region) gives the Python loop's tokens and logprobs to
+    the last bit; decode_stack does not take a codec, nor does the team take kivi2 (its
+    residual pool is kept in Python)."""
+    cfg = tiny_llama_config(**SHAPE)
+    path = write_hf_folder(tmp_path / "hf", cfg, random_llama_weights(cfg, seed=6))
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_dtype=codec, num_blocks=160,
+              max_num_batched_tokens=48, block_size=16)  # fmt: skip
+    calls = team_of(llm, "none", kernels)
+    want = run(llm, "python", PROMPTS, SP)
+    assert run(llm, "stack", PROMPTS, SP) == want
+    assert calls.n["decode_stack"] == 0  # the Python loop ran those steps
+    assert run(llm, "team", PROMPTS, SP) == want
+    if codec == "kivi2":
+        assert calls.n["decode_team"] == 0
+    else:
+        assert calls.n["decode_team"] > 10  # decodes, alone and beside short chunks
+
+
 def test_verify_rows_and_a_window(tmp_path: Path, kernels: Kernels) -> None:
     cfg = tiny_family_config("mistral", sliding_window=40, **SHAPE)
     path = write_hf_folder(tmp_path / "mistral", cfg, random_llama_weights(cfg, seed=4))
@@ -132,7 +155,7 @@ def test_bad_indices_are_refused_before_any_write(tmp_path: Path, kernels: Kerne
         stack.kernels.decode_team(
             torch.ones(1, 128, dtype=torch.bfloat16), stack.in_norms, stack.post_norms,
             *stack._args, a["positions"], cos, cos, caches, caches, a["slots"], a["tables"],
-            None, a["lens"], 0.125, [0, 0], 6, 2, 64, 1e-5,
+            None, a["lens"], 0.125, [0, 0], 6, 2, 64, 1e-5, "", 0, [], [], None,
         )  # fmt: skip
 
     call()

@@ -11,7 +11,8 @@ kernels at this row count — a tiled ``QuantLinear`` (``--quantization`` gguf /
 int4 in bf16 on an AVX512-VNNI CPU: ``quant_gemv``) or a bf16 ``Linear`` whose packed
 copy goes to ``bf16_linear`` / ``amx_linear`` (``model/packed_linear.py``'s rule by rows;
 beyond it oneDNN runs and so does the Python loop) — the family adds nothing to q/k/v (no
-QKV bias, no q/k norm: Llama, Mistral), the KV cache is unencoded, and every row goes to
+QKV bias, no q/k norm: Llama, Mistral), the KV cache is unencoded (for ``decode_team``, or
+a per-token codec's, below), and every row goes to
 the C++ paged attention (``AttentionMetadata.kernel_rows``: decodes, speculative verifies
 and short chunks) with no press capturing queries and one KV group.
 
@@ -20,7 +21,11 @@ linear a ``quant_gemv`` or ``bf16_linear`` weight, an AVX-512 build), the same s
 ``decode_team`` (``csrc/decode_team.cpp``): one parallel region for all layers, the
 threads meeting at barriers between a layer's phases instead of each kernel opening its
 own region, allocating its output and re-checking its inputs — bit for bit
-``decode_stack``'s results (tested); 1.07-1.09x a token on the 2-core Zen 5.
+``decode_stack``'s results (tested); 1.07-1.09x a token on the 2-core Zen 5. The team
+also takes a cache of era 5's per-token codecs (int8, fp8, int4, rotated4: the codec's
+write and its C++ attention as phases of the region, ``csrc/team_codec.h``), bit for bit
+the Python loop's ``codec_write`` and ``paged_attention_codec``; ``decode_stack`` itself
+takes unencoded caches only.
 """
 
 from __future__ import annotations
@@ -78,6 +83,20 @@ def stack_linear(lin: object) -> StackLinear | None:
 
 
 @dataclass
+class StackCaches:
+    """Every layer's KV storage as the stack takes it: the raw K/V caches (``codec`` empty),
+    or a per-token codec's codes and parameters (``KernelView``), decode_team only."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    codec: str = ""
+    group: int = 0
+    k_params: list[torch.Tensor] = field(default_factory=list)
+    v_params: list[torch.Tensor] = field(default_factory=list)
+    signs: torch.Tensor | None = None
+
+
+@dataclass
 class DecodeStack:
     kernels: Kernels
     in_norms: list[torch.Tensor]
@@ -86,8 +105,9 @@ class DecodeStack:
     windows: list[int]  # 0: every key
     dtype: torch.dtype
     team: bool = False  # decode_team takes these layers (csrc/decode_team.cpp)
+    heads: tuple[int, int, int] = (0, 0, 0)  # q heads, KV heads, head_dim
     _rows_ok: dict[int, bool] = field(default_factory=dict)
-    _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
+    _caches: tuple[object, StackCaches | None] | None = None
     _args: tuple[list[Any], ...] = ()  # the linears' columns, as decode_stack takes them
 
     def __post_init__(self) -> None:
@@ -124,6 +144,7 @@ class DecodeStack:
             windows=[w or 0 for w in model.windows],
             dtype=model.dtype,
             team=team,
+            heads=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
         )
 
     def takes(self, rows: int) -> bool:
@@ -142,18 +163,34 @@ class DecodeStack:
             return False
         return self._kv(kv) is not None
 
-    def _kv(self, kv: KVStorage) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Every layer's raw K and V cache (None: encoded, or another dtype)."""
+    def _kv(self, kv: KVStorage) -> StackCaches | None:
+        """Every layer's storage as the stack takes it (None: another dtype, or a codec the
+        team cannot take, or the team is off), cached per storage."""
         first = kv.layer(0)
-        if self._caches is not None and self._caches[0] is first.k:
-            return self._caches[1], self._caches[2]
-        caches = [kv.layer(i) for i in range(len(self.in_norms))]
-        if any(c.k is None or c.v is None or c.k.dtype != self.dtype for c in caches):
+        key = first.k if first.k is not None else first.codec
+        if self._caches is None or self._caches[0] is not key:
+            self._caches = (key, self._storage(kv))
+        caches = self._caches[1]
+        if caches is not None and caches.codec and not (self.team and TEAM):
             return None
-        ks = [c.k for c in caches if c.k is not None]
-        vs = [c.v for c in caches if c.v is not None]
-        self._caches = (first.k, ks, vs)
-        return ks, vs
+        return caches
+
+    def _storage(self, kv: KVStorage) -> StackCaches | None:
+        caches = [kv.layer(i) for i in range(len(self.in_norms))]
+        if all(c.k is not None and c.v is not None and c.k.dtype == self.dtype for c in caches):
+            return StackCaches([c.k for c in caches if c.k is not None],
+                               [c.v for c in caches if c.v is not None])  # fmt: skip
+        views = [c.per_token_view for c in caches]
+        if not self.team or any(v is None for v in views):
+            return None
+        vs = [v for v in views if v is not None]
+        kinds = [lin.kind for lin in self.linears]
+        if not self.kernels.decode_team_supported(kinds, *self.heads, vs[0].layout, vs[0].group):
+            return None
+        return StackCaches(
+            [v.k_codes for v in vs], [v.v_codes for v in vs], vs[0].layout, vs[0].group,
+            [v.k_params for v in vs], [v.v_params for v in vs], vs[0].rotation_signs,
+        )  # fmt: skip
 
     def run(
         self,
@@ -170,11 +207,17 @@ class DecodeStack:
         caches = self._kv(kv)
         kr = meta.kernel_rows
         assert caches is not None and kr is not None  # usable() was True
-        op = self.kernels.decode_team if self.team and TEAM else self.kernels.decode_stack
-        h, res = op(
+        args = (
             residual, self.in_norms, self.post_norms, *self._args, rope.positions, rope.cos,
-            rope.sin, caches[0], caches[1],
+            rope.sin, caches.k, caches.v,
             meta.slot_mapping, kr.block_tables, kr.table_index, kr.context_lens, scale,
             self.windows, heads.num_heads, heads.num_kv_heads, heads.head_dim, eps,
         )  # fmt: skip
+        if self.team and TEAM:
+            h, res = self.kernels.decode_team(
+                *args, caches.codec, caches.group, caches.k_params, caches.v_params,
+                caches.signs,
+            )  # fmt: skip
+        else:
+            h, res = self.kernels.decode_stack(*args)
         return h, res

@@ -73,10 +73,11 @@ TORCH_LIBRARY(kvstack, m) {
         "Tensor positions, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
         "Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, Tensor? table_index, "
         "Tensor context_lens, float scale, int[] windows, int num_heads, int num_kv_heads, "
-        "int head_dim, float eps) -> Tensor[]",
+        "int head_dim, float eps, str codec, int codec_group, Tensor(d!)[] k_params, "
+        "Tensor(e!)[] v_params, Tensor? rotation_signs) -> Tensor[]",
         &decode_team);
-  m.def("decode_team_supported(int[] kinds, int num_heads, int num_kv_heads, int head_dim) "
-        "-> bool",
+  m.def("decode_team_supported(int[] kinds, int num_heads, int num_kv_heads, int head_dim, "
+        "str codec=\"\", int codec_group=0) -> bool",
         &decode_team_supported);
   m.def("quant_gemv_ok(int out_features, int in_features, int group, int bits) -> bool",
         &quant_gemv_ok);

@@ -46,90 +46,10 @@
 #include "kvstack_ops.h"
 #include "paged_attention_hd64.h"
 #include "team_slices.h"
+#include "team_step.h"
 
 #if defined(__AVX512F__)
 namespace {
-
-using team::BF;
-using PartFn = void (*)(const BF*, const BF*, const BF*, const int64_t*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, float, Partial*);
-
-PartFn part_fn(int64_t group) {
-  switch (group) {
-#define KVSTACK_G(g) \
-  case g:            \
-    return &decode_part_hd64<BF, g>;
-    KVSTACK_G(1) KVSTACK_G(2) KVSTACK_G(3) KVSTACK_G(4)
-    KVSTACK_G(5) KVSTACK_G(6) KVSTACK_G(7) KVSTACK_G(8)
-#undef KVSTACK_G
-    default:
-      return nullptr;
-  }
-}
-
-// A split's attention items (p * units + u: partition p, KV heads of group u, longest
-// first) in families: the items of rows that read one block table (a request's verify
-// rows or chunk rows) with the same partition index and head group, which then run on one
-// thread back to back, so the rows after the first read that K/V partition from the
-// thread's own L2. Who runs an item never changes its result.
-struct Plan {
-  DecodeSplit split;
-  std::vector<int64_t> start;  // [families + 1] into items
-  std::vector<int64_t> items;
-};
-
-Plan plan_items(DecodeSplit split, const int64_t* tidx) {
-  Plan p{std::move(split), {0}, {}};
-  const DecodeSplit& sp = p.split;
-  std::map<std::pair<int64_t, int64_t>, size_t> family;  // (table, index * units + u)
-  std::vector<std::vector<int64_t>> members;
-  for (const int64_t w : sp.order) {
-    const int64_t pi = w / sp.units, d = sp.row[pi];
-    const int64_t index = (pi - sp.first[d]) * sp.units + w % sp.units;
-    const auto key = std::make_pair(table_row(tidx, d), index);
-    const auto [it, fresh] = family.emplace(key, members.size());
-    if (fresh) members.emplace_back();
-    members[it->second].push_back(w);
-  }
-  for (const auto& m : members) {
-    p.items.insert(p.items.end(), m.begin(), m.end());
-    p.start.push_back(static_cast<int64_t>(p.items.size()));
-  }
-  return p;
-}
-
-struct Lin {
-  int64_t kind;  // 0 quant_gemv, 1 bf16_linear
-  team::GemvWeight q;  // kind 0
-  const BF* packed;  // kind 1
-  int64_t N, K;
-};
-
-struct Step {
-  int64_t M, Hd, H, KVH, HD, I, BS, MB, heads_per_item;
-  float eps, scale;
-  PartFn part;
-  std::vector<Lin> lins;  // 4 per layer: qkv, o, gate_up, down
-  std::vector<const BF*> in_norm, post_norm;
-  std::vector<BF*> kc, vc;
-  std::vector<const Plan*> plan;  // per layer (by window)
-  const int64_t *pos, *slots, *tables, *tidx, *lens;
-  const float *cos, *sin;
-  BF *res, *x, *qkv, *attn, *o, *gu, *act, *h;  // activations of the step
-  team::GemvAct qa;  // the next quant_gemv's quantized input
-  Partial* parts;
-  std::atomic<int64_t>* next;  // per layer: the next attention item
-};
-
-struct Share {
-  int64_t b, e;
-};
-
-// Thread tid's contiguous share of n items.
-inline Share share(int64_t n, int tid, int nt) {
-  const int64_t per = (n + nt - 1) / nt;
-  return {std::min(n, tid * per), std::min(n, (tid + 1) * per)};
-}
 
 void linear(const Step& s, const Lin& w, const BF* x, BF* y, int tid, int nt) {
   const Share t = share(w.N / 16, tid, nt);
@@ -152,9 +72,17 @@ void attention(const Step& s, size_t l) {
   for (int64_t f = s.next[l].fetch_add(1); f < families; f = s.next[l].fetch_add(1)) {
     for (int64_t j = p.start[f]; j < p.start[f + 1]; ++j) {
       const int64_t w = p.items[j], pi = w / sp.units, u = w % sp.units, d = sp.row[pi];
-      s.part(s.qkv + d * width, s.kc[l], s.vc[l], s.tables + table_row(s.tidx, d) * s.MB,
-             s.KVH, s.BS, u * per, std::min(s.KVH, (u + 1) * per), sp.t0[pi], sp.t1[pi],
-             s.scale, s.parts + pi * s.H);
+      const int64_t* table = s.tables + table_row(s.tidx, d) * s.MB;
+      const int64_t kh0 = u * per, kh1 = std::min(s.KVH, (u + 1) * per);
+#if defined(KVSTACK_CODEC_AVX512)
+      if (s.codec) {
+        team_codec::item(*s.codec, l, table, d, s.lens[d], kh0, kh1, sp.t0[pi], sp.t1[pi], s.H,
+                         s.H / s.KVH, s.scale, s.codec->parts.data() + pi * s.H);
+        continue;
+      }
+#endif
+      s.part(s.qkv + d * width, s.kc[l], s.vc[l], table, s.KVH, s.BS, kh0, kh1, sp.t0[pi],
+             sp.t1[pi], s.scale, s.parts + pi * s.H);
     }
   }
 }
@@ -173,14 +101,26 @@ void layer(const Step& s, size_t l, int tid, int nt) {
 #pragma omp barrier
   linear(s, w[0], s.x, s.qkv, tid, nt);
 #pragma omp barrier
-  if (rows.b < rows.e)
-    team::rope_cache_rows(s.qkv, s.pos, s.cos, s.sin, s.kc[l], s.vc[l], s.slots, rows.b,
-                          rows.e, s.H, s.KVH, s.HD);
+  if (rows.b < rows.e) {
+    const bool raw = s.codec == nullptr;  // else the codec stores K and V (team_codec.h)
+    team::rope_cache_rows(s.qkv, s.pos, s.cos, s.sin, raw ? s.kc[l] : nullptr,
+                          raw ? s.vc[l] : nullptr, s.slots, rows.b, rows.e, s.H, s.KVH, s.HD);
+#if defined(KVSTACK_CODEC_AVX512)
+    if (!raw) team_codec::write_rows(*s.codec, l, s.qkv, s.slots, rows.b, rows.e, s.H, s.KVH);
+#endif
+  }
 #pragma omp barrier
   attention(s, l);
 #pragma omp barrier
   const Share items = share(s.M * s.H, tid, nt);
-  merge_hd64(s.parts, s.plan[l]->split.first.data(), s.H, items.b, items.e, s.attn);
+  const int64_t* first = s.plan[l]->split.first.data();
+#if defined(KVSTACK_CODEC_AVX512)
+  if (s.codec)
+    codec64::codec_merge_rows(s.codec->parts.data(), first, s.H, s.codec->signs, items.b,
+                              items.e, s.attn);
+  else
+#endif
+    merge_hd64(s.parts, first, s.H, items.b, items.e, s.attn);
 #pragma omp barrier
   if (w[1].kind == 0) {
     quantize(s, w[1], s.attn, rows);
@@ -277,6 +217,8 @@ void add_layers(Step& s, at::TensorList in_norms, at::TensorList post_norms,
                   "decode_team: norm weights must be contiguous bf16 [hidden]");
     s.in_norm.push_back(in_norms[l].data_ptr<BF>());
     s.post_norm.push_back(post_norms[l].data_ptr<BF>());
+    TORCH_CHECK(windows[l] >= 0, "window ", windows[l], " is negative (0: no window)");
+    if (s.codec) continue;  // team_codec::setup checks the codes
     const at::Tensor &k = k_caches[l], &v = v_caches[l];
     TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() &&
                     k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16 &&
@@ -286,7 +228,6 @@ void add_layers(Step& s, at::TensorList in_norms, at::TensorList post_norms,
                 s.KVH, ", ", s.HD, "], one shape for every layer");
     s.kc.push_back(k.data_ptr<BF>());
     s.vc.push_back(v.data_ptr<BF>());
-    TORCH_CHECK(windows[l] >= 0, "window ", windows[l], " is negative (0: no window)");
   }
 }
 
@@ -355,19 +296,26 @@ std::vector<torch::Tensor> add_buffers(Step& s, const torch::Tensor& residual) {
 #endif
 
 bool decode_team_supported(at::IntArrayRef kinds, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim) {
+                           int64_t head_dim, std::string codec, int64_t codec_group) {
 #if defined(__AVX512F__)
   const bool bf16 = bf16_linear_isa() == "avx512_bf16", vnni = quant_gemv_ok(16, 32, 32, 4);
   for (const int64_t k : kinds)
     if (!((k == 0 && vnni) || (k == 1 && bf16))) return false;
-  return head_dim == 64 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-         part_fn(num_heads / num_kv_heads) != nullptr;
+  if (head_dim != 64 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
+      part_fn(num_heads / num_kv_heads) == nullptr)
+    return false;
+  if (codec.empty()) return true;
+#if defined(KVSTACK_CODEC_AVX512)
+  static_assert(codec64::kCodecPart == kPartTokens, "the codec and bf16 kernels cut rows alike");
+  return team_codec::supported(codec, codec_group, num_heads / num_kv_heads);
 #else
-  (void)kinds, (void)num_heads, (void)num_kv_heads, (void)head_dim;
+  return false;
+#endif
+#else
+  (void)kinds, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)codec, (void)codec_group;
   return false;
 #endif
 }
-
 
 std::vector<torch::Tensor> decode_team(
     torch::Tensor residual, at::TensorList in_norms, at::TensorList post_norms,
@@ -377,9 +325,11 @@ std::vector<torch::Tensor> decode_team(
     torch::Tensor sin, at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
     torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
     torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps) {
-  TORCH_CHECK(decode_team_supported(kinds, num_heads, num_kv_heads, head_dim),
-              "decode_team: this model's layers or this CPU are outside its scope");
+    int64_t num_kv_heads, int64_t head_dim, double eps, std::string codec, int64_t codec_group,
+    at::TensorList k_params, at::TensorList v_params,
+    std::optional<torch::Tensor> rotation_signs) {
+  TORCH_CHECK(decode_team_supported(kinds, num_heads, num_kv_heads, head_dim, codec, codec_group),
+              "decode_team: this model's layers, KV codec or this CPU are outside its scope");
 #if defined(__AVX512F__)
   const size_t layers = in_norms.size();
   TORCH_CHECK(layers > 0 && post_norms.size() == layers && k_caches.size() == layers &&
@@ -396,6 +346,15 @@ std::vector<torch::Tensor> decode_team(
   s.HD = head_dim, s.eps = static_cast<float>(eps), s.scale = static_cast<float>(scale);
   s.part = part_fn(num_heads / num_kv_heads);
   s.heads_per_item = kv_heads_per_item(num_kv_heads, num_heads / num_kv_heads);
+#if defined(KVSTACK_CODEC_AVX512)
+  team_codec::Layers codec_layers;  // an encoded cache: its views, float queries, partials
+  torch::Tensor signs;
+  if (!codec.empty()) {
+    s.codec = &codec_layers;
+    team_codec::setup(codec_layers, codec, codec_group, k_caches, v_caches, k_params, v_params,
+                      rotation_signs, signs, s.M, s.H, s.KVH);
+  }
+#endif
   add_layers(s, in_norms, post_norms, codes, scales, mins, groups, bits, kinds, k_caches,
              v_caches, windows);
   s.BS = k_caches[0].size(1);
@@ -405,6 +364,9 @@ std::vector<torch::Tensor> decode_team(
   std::map<int64_t, std::unique_ptr<Plan>> plans;
   std::vector<Partial> parts(add_plans(s, plans, windows) * s.H);
   s.parts = parts.data();
+#if defined(KVSTACK_CODEC_AVX512)
+  if (s.codec) codec_layers.parts.resize(parts.size());
+#endif
   std::vector<std::atomic<int64_t>> next(layers);
   for (auto& n : next) n.store(0);
   s.next = next.data();

@@ -82,6 +82,7 @@ std::vector<torch::Tensor> decode_team(
     torch::Tensor sin, at::TensorList k_caches, at::TensorList v_caches, torch::Tensor slots,
     torch::Tensor block_tables, std::optional<torch::Tensor> table_index,
     torch::Tensor context_lens, double scale, at::IntArrayRef windows, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps);
+    int64_t num_kv_heads, int64_t head_dim, double eps, std::string codec, int64_t codec_group,
+    at::TensorList k_params, at::TensorList v_params, std::optional<torch::Tensor> rotation_signs);
 bool decode_team_supported(at::IntArrayRef kinds, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim);
+                           int64_t head_dim, std::string codec, int64_t codec_group);
