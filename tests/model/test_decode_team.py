@@ -150,12 +150,12 @@ def test_bad_indices_are_refused_before_any_write(tmp_path: Path, kernels: Kerne
         "tables": torch.tensor([[0, 1]]), "lens": torch.tensor([4]),
     }  # fmt: skip
 
-    def call(**bad: Any) -> None:
+    def call(codec: tuple[Any, ...] = ("", 0, [], [], None), kv: Any = caches, **bad: Any) -> None:
         a = {**good, **bad}
         stack.kernels.decode_team(
             torch.ones(1, 128, dtype=torch.bfloat16), stack.in_norms, stack.post_norms,
-            *stack._args, a["positions"], cos, cos, caches, caches, a["slots"], a["tables"],
-            None, a["lens"], 0.125, [0, 0], 6, 2, 64, 1e-5, "", 0, [], [], None,
+            *stack._args, a["positions"], cos, cos, kv, kv, a["slots"], a["tables"],
+            None, a["lens"], 0.125, [0, 0], 6, 2, 64, 1e-5, *codec,
         )  # fmt: skip
 
     call()
@@ -171,3 +171,11 @@ def test_bad_indices_are_refused_before_any_write(tmp_path: Path, kernels: Kerne
         with pytest.raises(RuntimeError, match=match):
             call(**bad)
         assert all(c.abs().sum() == 0 for c in caches)  # nothing written
+    # a codec's storage: kivi2 is outside the team; codes of another head count are refused
+    codes = [torch.zeros(32, 8, 3, 64, dtype=torch.uint8) for _ in range(2)]
+    params = [torch.zeros(32, 8, 3, 1, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="outside its scope"):
+        call(("kivi2", 0, params, params, None), codes)
+    with pytest.raises(RuntimeError, match="codes hold 3 KV heads"):
+        call(("int8", 0, params, params, None), codes)
+    assert all(c.abs().sum() == 0 for c in codes)

@@ -32,6 +32,9 @@
 // heads per KV head on an AVX-512 build (the attention of paged_attention_hd64.h), every
 // linear a quant_gemv tile weight (AVX512-VNNI) or a bf16_linear packed weight
 // (AVX512-BF16). Otherwise (amx_linear, other head shapes, AVX2 builds) decode_stack runs.
+// A per-token codec's cache (int8, fp8, int4, rotated4) takes the team too: its write,
+// attention and merge phases are team_codec.h's (`codec` names its kernel layout, its
+// codes come as k_caches / v_caches and its parameters as k_params / v_params).
 #include <ATen/Parallel.h>
 #include <omp.h>
 
