@@ -193,21 +193,7 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
     to_order<C>(qv[g]);
   }
   scores<C, GT>(cv, q, qv, G, table, kh, t0, t1, own, scale, sc);
-  for (int g = 0; g < G; ++g) {  // softmax numerators, max and sum
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[g] + j));
-    const float m = _mm512_reduce_max_ps(mv);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < np; j += 16) {
-      const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(
-          live, exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + j), _mm512_set1_ps(m))));
-      _mm512_store_ps(sc[g] + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    parts[g].m = m;
-    parts[g].l = _mm512_reduce_add_ps(sum);
-  }
+  for (int g = 0; g < G; ++g) softmax_numerators(sc[g], n, np, &parts[g].m, &parts[g].l);
   __m512 acc[kMaxG][4];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();

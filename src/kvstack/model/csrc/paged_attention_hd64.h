@@ -169,21 +169,8 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
       }
     }
   }
-  for (int64_t i = 0; i < nh * G; ++i) {
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sc[i] + j));
-    const float m = _mm512_reduce_max_ps(mv);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < np; j += 16) {
-      const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(
-          live, exp512(_mm512_sub_ps(_mm512_load_ps(sc[i] + j), _mm512_set1_ps(m))));
-      _mm512_store_ps(sc[i] + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    parts[kh0 * G + i].m = m;
-    parts[kh0 * G + i].l = _mm512_reduce_add_ps(sum);
-  }
+  for (int64_t i = 0; i < nh * G; ++i)
+    softmax_numerators(sc[i], n, np, &parts[kh0 * G + i].m, &parts[kh0 * G + i].l);
   for (int64_t hk = 0; hk < nh; ++hk) {
     const T* vh = vc + hk * HD;
     __m512 acc[G][4];

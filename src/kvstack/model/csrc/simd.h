@@ -82,6 +82,24 @@ static inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
+
+// Softmax numerators of one row of n scores in place (s[0 .. np), np = n rounded up to 16,
+// lanes past n -inf on entry): s = exp(s - m) with 0 past n; returns m = max and l = sum.
+// The decode kernels' second pass (paged_attention_hd64.h, codec_decode64.h).
+static inline void softmax_numerators(float* s, int64_t n, int64_t np, float* m, float* l) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < np; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(s + j));
+  *m = _mm512_reduce_max_ps(mv);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < np; j += 16) {
+    const __mmask16 live = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp512(_mm512_sub_ps(_mm512_load_ps(s + j), _mm512_set1_ps(*m))));
+    _mm512_store_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  *l = _mm512_reduce_add_ps(sum);
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
