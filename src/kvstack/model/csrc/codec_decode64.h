@@ -41,12 +41,6 @@ inline void prefetch_block(const CodecView& cv, bool is_k, int64_t blk, int64_t 
   }
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16Dot = true;
-#else
-constexpr bool kHasBf16Dot = false;
-#endif
-
 // Where a pass is: block bi of the table, token i in it, the block's residual slot (kivi2:
 // only in the row's own block, table index own) and its key parameters.
 template <Codec C>

@@ -48,12 +48,6 @@ struct Partial {  // one (request, partition, q head): m, l, acc[64]
   alignas(64) float acc[64];
 };
 
-#if defined(__AVX512BF16__)
-constexpr bool kBf16DotHd64 = true;
-#else
-constexpr bool kBf16DotHd64 = false;
-#endif
-
 // Query of one q head, kept in registers: bf16 pairs for vdpbf16ps, or float32.
 template <typename T>
 struct QReg;
@@ -130,7 +124,7 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
   for (int64_t j = n; j < np; ++j) offs[j] = offs[0];  // padding rows: masked below
   // Without VDPBF16PS, bf16 K rows are widened to float32 once per row into an L1 tile
   // that the G q heads then read (widening per head cost G times the conversions).
-  constexpr bool kWiden = std::is_same_v<T, c10::BFloat16> && !kBf16DotHd64;
+  constexpr bool kWiden = std::is_same_v<T, c10::BFloat16> && !kHasBf16Dot;
   alignas(64) float kf[kWiden ? 16 : 1][64];
   // Rows sit scattered over blocks, so the hardware prefetcher cannot follow them: K rows
   // kAhead ahead into L1 (a DRAM miss outlasts ~16 rows of scoring), V rows into L2 for

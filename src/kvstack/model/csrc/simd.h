@@ -83,6 +83,13 @@ static inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
+// Whether this build scores bf16 pairs with VDPBF16PS (AVX512-BF16).
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
 // Softmax numerators of one row of n scores in place (s[0 .. np), np = n rounded up to 16,
 // lanes past n -inf on entry): s = exp(s - m) with 0 past n; returns m = max and l = sum.
 // The decode kernels' second pass (paged_attention_hd64.h, codec_decode64.h).
