@@ -13,6 +13,7 @@
 #include "codec_int4.h"
 #include "codec_int8.h"
 #include "codec_rows.h"
+#include "decode_split.h"
 
 namespace codec64 {
 
@@ -21,11 +22,6 @@ constexpr int kMaxG = 8;  // q heads per KV head on the fast path
 constexpr int64_t kAheadBlocks = 3;  // blocks of K prefetched ahead while scoring
 
 #if defined(KVSTACK_CODEC_AVX512)
-struct CodecPartial {  // one (row, partition, q head): max m, sum l, unnormalized acc
-  float m, l;
-  alignas(64) float acc[64];
-};
-
 // Prefetches the K or V rows (codes and per-row parameters) of head kh in block blk into
 // L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
 template <int Hint>
@@ -177,7 +173,7 @@ void scores(const CodecView& cv, const float* q, __m512 (*qv)[4], int G, const i
 template <Codec C, int GT>
 void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int64_t kh,
                   int64_t t0, int64_t t1, int64_t own, int g_rt, float scale,
-                  CodecPartial* parts) {
+                  Partial* parts) {
   const int G = GT > 0 ? GT : g_rt;
   const int64_t n = t1 - t0, np = (n + 15) / 16 * 16;
   alignas(64) float sc[kMaxG][kCodecPart];
@@ -210,7 +206,7 @@ void codec_part64(const CodecView& cv, const float* q, const int64_t* table, int
 // queries), at run time otherwise and for float32 queries (float32 dots).
 template <Codec C, typename T>
 void codec_head64(const CodecView& cv, const float* qf, const int64_t* table, int64_t kh,
-                  int64_t t0, int64_t t1, int64_t own, int g, float scale, CodecPartial* pp) {
+                  int64_t t0, int64_t t1, int64_t own, int g, float scale, Partial* pp) {
   if (!std::is_same_v<T, c10::BFloat16>) return codec_part64<C, 0>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
   switch (g) {
     case 1: return codec_part64<C, 1>(cv, qf, table, kh, t0, t1, own, g, scale, pp);
@@ -226,25 +222,15 @@ void codec_head64(const CodecView& cv, const float* qf, const int64_t* table, in
 // h merged (as paged_attention_hd64.h's merge_hd64), turned back by R^T for rotated4
 // (signs), into out[r, h, :].
 template <typename T>
-void codec_merge_rows(const CodecPartial* parts, const int64_t* first, int64_t H,
+void codec_merge_rows(const Partial* parts, const int64_t* first, int64_t H,
                       const float* signs, int64_t begin, int64_t end, T* out) {
   for (int64_t w = begin; w < end; ++w) {
-    const int64_t r = w / H, h = w % H;
-    float mx = -INFINITY, l = 0.f;
-    for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) {
-      const CodecPartial& pt = parts[pi * H + h];
-      const float wgt = std::exp(pt.m - mx);
-      l += wgt * pt.l;
-      for (int k = 0; k < 4; ++k)
-        acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * k), acc[k]);
-    }
+    __m512 acc[4];
+    merge_partials(parts, first, H, w / H, w % H, acc);
     alignas(64) float o[64];
-    for (int k = 0; k < 4; ++k) _mm512_store_ps(o + 16 * k, _mm512_mul_ps(acc[k], _mm512_set1_ps(1.f / l)));
+    for (int k = 0; k < 4; ++k) _mm512_store_ps(o + 16 * k, acc[k]);
     if (signs) rotate(o, signs, 64, true);
-    for (int k = 0; k < 4; ++k) store16(out + (r * H + h) * 64 + 16 * k, _mm512_load_ps(o + 16 * k));
+    for (int k = 0; k < 4; ++k) store16(out + w * 64 + 16 * k, _mm512_load_ps(o + 16 * k));
   }
 }
 

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "simd.h"
+
 // Fewest keys a partition gets when a row is split only to occupy threads.
 constexpr int64_t kMinPartKeys = 128;
 
@@ -99,3 +101,32 @@ static inline void run_decode_items(const DecodeSplit& s, F&& fn) {
     }
   });
 }
+
+// One (row, partition, q head) of a split decode: the partition's max score m, its sum of
+// exp(score - m) l and its unnormalized head_dim-64 output acc (the hd64 and codec kernels).
+struct Partial {
+  float m, l;
+  alignas(64) float acc[64];
+};
+
+#if defined(__AVX512F__)
+// Row r's partitions [first[r], first[r + 1]) of q head h (parts[p * H + h]) merged into o
+// (flash-decoding's combine):
+//
+//   o = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
+static inline void merge_partials(const Partial* parts, const int64_t* first, int64_t H,
+                                  int64_t r, int64_t h, __m512* o) {
+  float mx = -INFINITY, l = 0.f;
+  for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
+  for (int c = 0; c < 4; ++c) o[c] = _mm512_setzero_ps();
+  for (int64_t pi = first[r]; pi < first[r + 1]; ++pi) {
+    const Partial& pt = parts[pi * H + h];
+    const float wgt = std::exp(pt.m - mx);
+    l += wgt * pt.l;
+    for (int c = 0; c < 4; ++c)
+      o[c] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * c), o[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / l);
+  for (int c = 0; c < 4; ++c) o[c] = _mm512_mul_ps(o[c], inv);
+}
+#endif

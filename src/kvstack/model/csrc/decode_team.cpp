@@ -80,7 +80,7 @@ void attention(const Step& s, size_t l) {
 #if defined(KVSTACK_CODEC_AVX512)
       if (s.codec) {
         team_codec::item(*s.codec, l, table, d, s.lens[d], kh0, kh1, sp.t0[pi], sp.t1[pi], s.H,
-                         s.H / s.KVH, s.scale, s.codec->parts.data() + pi * s.H);
+                         s.H / s.KVH, s.scale, s.parts + pi * s.H);
         continue;
       }
 #endif
@@ -119,8 +119,7 @@ void layer(const Step& s, size_t l, int tid, int nt) {
   const int64_t* first = s.plan[l]->split.first.data();
 #if defined(KVSTACK_CODEC_AVX512)
   if (s.codec)
-    codec64::codec_merge_rows(s.codec->parts.data(), first, s.H, s.codec->signs, items.b,
-                              items.e, s.attn);
+    codec64::codec_merge_rows(s.parts, first, s.H, s.codec->signs, items.b, items.e, s.attn);
   else
 #endif
     merge_hd64(s.parts, first, s.H, items.b, items.e, s.attn);
@@ -367,9 +366,6 @@ std::vector<torch::Tensor> decode_team(
   std::map<int64_t, std::unique_ptr<Plan>> plans;
   std::vector<Partial> parts(add_plans(s, plans, windows) * s.H);
   s.parts = parts.data();
-#if defined(KVSTACK_CODEC_AVX512)
-  if (s.codec) codec_layers.parts.resize(parts.size());
-#endif
   std::vector<std::atomic<int64_t>> next(layers);
   for (auto& n : next) n.store(0);
   s.next = next.data();

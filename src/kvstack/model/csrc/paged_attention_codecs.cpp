@@ -46,7 +46,7 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
   const DecodeSplit sp = split_decode_rows(lens, R, W, KVH, kCodecPart, (KVH + per - 1) / per);
   const std::vector<int64_t>& first = sp.first;
   const int64_t P = sp.parts();
-  std::vector<CodecPartial> parts(P * H);
+  std::vector<Partial> parts(P * H);
   std::vector<float> qall(R * H * 64);  // float queries (rotated4: q R), once per row
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {

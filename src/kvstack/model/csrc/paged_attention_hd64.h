@@ -43,11 +43,6 @@ static inline void prefetch_row(const T* row) {
   for (size_t b = 0; b < 64 * sizeof(T); b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
-struct Partial {  // one (request, partition, q head): m, l, acc[64]
-  float m, l;
-  alignas(64) float acc[64];
-};
-
 // Query of one q head, kept in registers: bf16 pairs for vdpbf16ps, or float32.
 template <typename T>
 struct QReg;
@@ -193,21 +188,9 @@ static void merge_hd64(const Partial* parts, const int64_t* first, int64_t H, in
                        int64_t end, T* out) {
   constexpr int64_t HD = 64;
   for (int64_t w = begin; w < end; ++w) {
-    const int64_t d = w / H, h = w % H;
-    float mx = -INFINITY;
-    for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) mx = std::max(mx, parts[pi * H + h].m);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    float l = 0.f;
-    for (int64_t pi = first[d]; pi < first[d + 1]; ++pi) {
-      const Partial& pt = parts[pi * H + h];
-      const float wgt = std::exp(pt.m - mx);
-      l += wgt * pt.l;
-      for (int c = 0; c < 4; ++c)
-        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(wgt), _mm512_load_ps(pt.acc + 16 * c), acc[c]);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / l);
-    for (int c = 0; c < 4; ++c) store16(out + (d * H + h) * HD + 16 * c, _mm512_mul_ps(acc[c], inv));
+    __m512 o[4];
+    merge_partials(parts, first, H, w / H, w % H, o);
+    for (int c = 0; c < 4; ++c) store16(out + w * HD + 16 * c, o[c]);
   }
 }
 

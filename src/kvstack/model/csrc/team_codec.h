@@ -28,10 +28,9 @@ struct Layers;
 #if defined(KVSTACK_CODEC_AVX512)
 namespace team_codec {
 
-using codec64::CodecPartial;
 using team::BF;
 using HeadFn = void (*)(const CodecView&, const float*, const int64_t*, int64_t, int64_t,
-                        int64_t, int64_t, int, float, CodecPartial*);
+                        int64_t, int64_t, int, float, Partial*);
 
 // Whether decode_team takes codec `kind` (kv/codecs' kernel layout names) with `group`
 // channels per (scale, zero) pair (0: the whole head) at G q heads per KV head: the
@@ -42,7 +41,8 @@ inline bool supported(const std::string& kind, int64_t group, int64_t G) {
   return G >= 1 && G <= codec64::kMaxG && g % 16 == 0 && 64 % g == 0;
 }
 
-// A step's codec state: one view per layer, the float queries and the partials.
+// A step's codec state: one view per layer and the float queries (the partials are the
+// step's own, decode_team's Step::parts).
 struct Layers {
   Codec kind = Codec::kInt8;
   const float* signs = nullptr;  // rotated4's [64] signs, or null
@@ -51,7 +51,6 @@ struct Layers {
   std::vector<uint8_t*> kw, vw;  // per layer: the codes the write phase stores into
   std::vector<BF*> kpw, vpw;
   std::vector<float> qf;  // [M, H, 64]
-  std::vector<CodecPartial> parts;
 };
 
 inline HeadFn head_fn(Codec c) {
@@ -134,7 +133,7 @@ inline void write_rows(Layers& c, size_t l, const BF* qkv, const int64_t* slots,
 // another, the first head's prefetches taking every head's rows (as codec_rows64).
 inline void item(const Layers& c, size_t l, const int64_t* table, int64_t d, int64_t len,
                  int64_t kh0, int64_t kh1, int64_t t0, int64_t t1, int64_t H, int64_t G,
-                 float scale, CodecPartial* parts) {
+                 float scale, Partial* parts) {
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     CodecView v = c.views[l];
     v.span = kh == kh0 ? kh1 - kh0 : 1;
