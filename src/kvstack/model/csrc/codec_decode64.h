@@ -218,6 +218,28 @@ void codec_head64(const CodecView& cv, const float* qf, const int64_t* table, in
   }
 }
 
+// Query head w of a row as float32 into qf (rotated4: q R, signs given), once per row.
+template <typename T>
+inline void query_float64(const T* q, const float* signs, float* qf) {
+  for (int64_t i = 0; i < 64; ++i) qf[i] = static_cast<float>(q[i]);
+  if (signs) rotate(qf, signs, 64, false);
+}
+
+// One work item: KV heads [kh0, kh1) of a row (qf: its float q heads, G per KV head)
+// against keys [t0, t1), one head after another through head (codec_head64 of a codec),
+// the first head's prefetches taking every head's rows (CodecView::span); parts: the
+// row's partials of this partition.
+template <typename Head>
+inline void codec_item64(Head head, const CodecView& cv, const float* qf, const int64_t* table,
+                         int64_t kh0, int64_t kh1, int64_t t0, int64_t t1, int64_t own, int G,
+                         float scale, Partial* parts) {
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    CodecView v = cv;
+    v.span = kh == kh0 ? kh1 - kh0 : 1;
+    head(v, qf + kh * G * 64, table, kh, t0, t1, own, G, scale, parts + kh * G);
+  }
+}
+
 // Items w in [begin, end) (row r = w / H, q head h = w % H): the row's partitions of head
 // h merged (as paged_attention_hd64.h's merge_hd64), turned back by R^T for rotated4
 // (signs), into out[r, h, :].

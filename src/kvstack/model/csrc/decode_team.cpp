@@ -79,8 +79,10 @@ void attention(const Step& s, size_t l) {
       const int64_t kh0 = u * per, kh1 = std::min(s.KVH, (u + 1) * per);
 #if defined(KVSTACK_CODEC_AVX512)
       if (s.codec) {
-        team_codec::item(*s.codec, l, table, d, s.lens[d], kh0, kh1, sp.t0[pi], sp.t1[pi], s.H,
-                         s.H / s.KVH, s.scale, s.parts + pi * s.H);
+        const team_codec::Layers& c = *s.codec;
+        codec64::codec_item64(c.head, c.views[l], c.qf.data() + d * s.H * 64, table, kh0, kh1,
+                              sp.t0[pi], sp.t1[pi], (s.lens[d] - 1) / s.BS,
+                              static_cast<int>(s.H / s.KVH), s.scale, s.parts + pi * s.H);
         continue;
       }
 #endif

@@ -49,21 +49,14 @@ void codec_rows64(const CodecView& cv, const T* q, const int64_t* tables, const 
   std::vector<Partial> parts(P * H);
   std::vector<float> qall(R * H * 64);  // float queries (rotated4: q R), once per row
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t i = 0; i < 64; ++i) qall[w * 64 + i] = static_cast<float>(q[w * 64 + i]);
-      if (cv.signs) rotate(qall.data() + w * 64, cv.signs, 64, false);
-    }
+    for (int64_t w = begin; w < end; ++w) query_float64(q + w * 64, cv.signs, qall.data() + w * 64);
   });
   run_decode_items(sp, [&](int64_t pi, int64_t u) {
-    const int64_t r = sp.row[pi], t0 = sp.t0[pi], t1 = sp.t1[pi], own = (lens[r] - 1) / cv.BS;
-    const int64_t* table = tables + codec_table_of(tidx, r) * MB;
-    const int64_t kh0 = u * per, kh1 = std::min(KVH, kh0 + per);
-    for (int64_t kh = kh0; kh < kh1; ++kh) {  // the first head's prefetches take all heads' rows
-      CodecView c = cv;
-      c.span = kh == kh0 ? kh1 - kh0 : 1;
-      codec_head64<C, T>(c, qall.data() + (r * H + kh * G) * 64, table, kh, t0, t1, own,
-                         static_cast<int>(G), scale, parts.data() + pi * H + kh * G);
-    }
+    const int64_t r = sp.row[pi], kh0 = u * per;
+    codec_item64(&codec_head64<C, T>, cv, qall.data() + r * H * 64,
+                 tables + codec_table_of(tidx, r) * MB, kh0, std::min(KVH, kh0 + per), sp.t0[pi],
+                 sp.t1[pi], (lens[r] - 1) / cv.BS, static_cast<int>(G), scale,
+                 parts.data() + pi * H);
   });
   at::parallel_for(0, R * H, 16, [&](int64_t begin, int64_t end) {
     codec_merge_rows(parts.data(), first.data(), H, cv.signs, begin, end, out);

@@ -5,7 +5,7 @@
 //
 //   rows:  RoPE on q, k (no bf16 cache); K and V rows encoded at the rows' slots
 //          (codec_encode.h, as codec_write); q as float32 (rotated4: q R)         barrier
-//   items: (partition, KV heads): codec_head64 per head (codec_decode64.h)        barrier
+//   items: (partition, KV heads): codec_item64 (codec_decode64.h)               barrier
 //   items: (row, q head): codec_merge_rows (rotated4: turned back by R^T)         barrier
 //
 // The same functions on the same partitions as paged_attention_codec's fast path
@@ -121,24 +121,8 @@ inline void write_rows(Layers& c, size_t l, const BF* qkv, const int64_t* slots,
                                  (which ? c.vw[l] : c.kw[l]) + at * v.code_bytes,
                                  (which ? c.vpw[l] : c.kpw[l]) + at * v.k_cols);
       }
-    for (int64_t w = r * H; w < (r + 1) * H; ++w) {
-      float* q = c.qf.data() + w * HD;
-      for (int64_t i = 0; i < HD; ++i) q[i] = static_cast<float>(row[(w - r * H) * HD + i]);
-      if (c.signs) rotate(q, c.signs, HD, false);
-    }
-  }
-}
-
-// One attention item: row d's keys [t0, t1) against KV heads [kh0, kh1), one head after
-// another, the first head's prefetches taking every head's rows (as codec_rows64).
-inline void item(const Layers& c, size_t l, const int64_t* table, int64_t d, int64_t len,
-                 int64_t kh0, int64_t kh1, int64_t t0, int64_t t1, int64_t H, int64_t G,
-                 float scale, Partial* parts) {
-  for (int64_t kh = kh0; kh < kh1; ++kh) {
-    CodecView v = c.views[l];
-    v.span = kh == kh0 ? kh1 - kh0 : 1;
-    c.head(v, c.qf.data() + (d * H + kh * G) * 64, table, kh, t0, t1, (len - 1) / v.BS,
-           static_cast<int>(G), scale, parts + kh * G);
+    for (int64_t h = 0; h < H; ++h)
+      codec64::query_float64(row + h * HD, c.signs, c.qf.data() + (r * H + h) * HD);
   }
 }
 
