@@ -378,13 +378,16 @@ class ModelRunner:
     def _forward(
         self, inputs: StepInputs, meta: AttentionMetadata, logit_rows: list[int]
     ) -> torch.Tensor:
-        """Logits of ``logit_rows`` (the forward pass writes every row's KV either way)."""
+        """Logits of ``logit_rows`` (the forward pass writes every row's KV either way).
+        Rows ``0 .. n - 1`` of an n-row step (a decode-only step) go as None: no gather."""
+        n = len(inputs.ids)
+        every = len(logit_rows) == n and logit_rows == list(range(n))
         return self.model.forward(
             torch.tensor(inputs.ids),
             torch.tensor(inputs.positions),
             meta,
             self.kv,
-            torch.tensor(logit_rows, dtype=torch.long),
+            None if every else torch.tensor(logit_rows, dtype=torch.long),
             float_logits=False,
         )
 
