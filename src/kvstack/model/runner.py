@@ -381,7 +381,7 @@ class ModelRunner:
         """Logits of ``logit_rows`` (the forward pass writes every row's KV either way).
         Rows ``0 .. n - 1`` of an n-row step (a decode-only step) go as None: no gather."""
         n = len(inputs.ids)
-        every = len(logit_rows) == n and logit_rows == list(range(n))
+        every = logit_rows == list(range(n))
         return self.model.forward(
             torch.tensor(inputs.ids),
             torch.tensor(inputs.positions),
