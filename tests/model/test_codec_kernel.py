@@ -22,9 +22,12 @@ SEQS = [(4, 1), (299, 1), (40, 1), (0, 12), (21, 11), (1290, 10), (30, 3)]
 BS = 16
 
 
-def _fill(codec: KVCodec, g: torch.Generator, dtype: torch.dtype, kvh: int, hd: int):
+def _fill(
+    codec: KVCodec, g: torch.Generator, dtype: torch.dtype, kvh: int, hd: int, v_scale: float = 1.0
+):
     """Each sequence's K/V written in two steps (all but the last 3 tokens, then those),
-    as prefill then decode steps do: KIVI blocks fill, quantize or stay residual."""
+    as prefill then decode steps do: KIVI blocks fill, quantize or stay residual; values
+    times ``v_scale``."""
     perm = torch.randperm(codec.shape.num_blocks, generator=g)
     tables, offset, tails = [], 0, []
     for before, n in SEQS:
@@ -35,7 +38,7 @@ def _fill(codec: KVCodec, g: torch.Generator, dtype: torch.dtype, kvh: int, hd: 
         tables.append(table)
         slots = table[torch.arange(total) // BS] * BS + torch.arange(total) % BS
         k = (torch.randn(total, kvh, hd, generator=g) * 2).to(dtype)
-        v = torch.randn(total, kvh, hd, generator=g).to(dtype)
+        v = (torch.randn(total, kvh, hd, generator=g) * v_scale).to(dtype)
         k[:, :, 3] += 6.0  # an outlier channel, as real keys have
         codec.write(0, slots[:-3], k[:-3], v[:-3])
         tails.append((slots[-3:], k[-3:], v[-3:]))
@@ -104,6 +107,28 @@ def test_kernel_matches_the_reference_path(
         ref = _reference(codec, q[r : r + n], tables[i], before, n)
         err = (out[r : r + n].float() - ref.float()).abs().max().item()
         assert err < tol, f"{name} rows of sequence {i} ({before}+{n}): max error {err}"
+        r += n
+
+
+@pytest.mark.parametrize("v_scale", [1e-3, 3e5])
+def test_fp8_values_far_from_one_match_the_reference(kernels: Kernels, v_scale: float) -> None:
+    """e4m3 V rows go to the P.V pass as float32 bits of value * 2^-120 while the row's
+    scale is below 2^7 (codec_rows.h ``e4m3_row64_scaled``), through fp16 above it: tiny
+    values (subnormal codes) and huge ones (scale ~3,000) both match the reference."""
+    g = torch.Generator().manual_seed(11)
+    codec = _codec("fp8", torch.bfloat16, 3, 64)
+    tables = _fill(codec, g, torch.bfloat16, 3, 64, v_scale)
+    view = codec.kernel_view(0)
+    assert view is not None
+    rows = _rows(tables)
+    q = torch.randn(rows.num_rows, 9, 64, generator=g).to(torch.bfloat16)
+    out = codec_attention(kernels, q, view, rows, 64**-0.5)
+    assert torch.isfinite(out.float()).all()
+    r = 0
+    for i, (before, n) in enumerate(SEQS):
+        ref = _reference(codec, q[r : r + n], tables[i], before, n)
+        err = (out[r : r + n].float() - ref.float()).abs().max().item()
+        assert err < 6e-2 * v_scale, f"rows of sequence {i}: max error {err} at {v_scale}"
         r += n
 
 
