@@ -380,16 +380,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits of ``logit_rows`` (the forward pass writes every row's KV either way).
         Rows ``0 .. n - 1`` of an n-row step (a decode-only step) go as None: no gather."""
-        n = len(inputs.ids)
-        every = logit_rows == list(range(n))
-        return self.model.forward(
-            torch.tensor(inputs.ids),
-            torch.tensor(inputs.positions),
-            meta,
-            self.kv,
-            None if every else torch.tensor(logit_rows, dtype=torch.long),
-            float_logits=False,
-        )
+        every = logit_rows == list(range(len(inputs.ids)))
+        rows = None if every else torch.tensor(logit_rows, dtype=torch.long)
+        ids, positions = torch.tensor(inputs.ids), torch.tensor(inputs.positions)
+        return self.model.forward(ids, positions, meta, self.kv, rows, float_logits=False)
 
     def _sample(self, logits: torch.Tensor, plan: LogitPlan, result: RunnerOutput) -> None:
         if not plan.sample_reqs:
