@@ -125,11 +125,12 @@ static void decode_part_hd64(const T* q, const T* kc, const T* vc, const int64_t
   constexpr bool kWiden = std::is_same_v<T, c10::BFloat16> && !kHasBf16Dot;
   alignas(64) float kf[kWiden ? 16 : 1][64];
   // Rows sit scattered over blocks, so the hardware prefetcher cannot follow them: K and V
-  // rows kAheadL2 ahead into L2 (the L2 miss queue keeps more lines in flight than L1's),
-  // then K rows kAheadL1 ahead into L1 for the scoring loop; V is read from L2 by the
-  // second pass. Measured on the 2-core Zen 5 (2026-12-05, batch-32 decode_team steps,
-  // in-process A/B): both kinds 48 rows ahead into their levels 1.000, L2 192-512 ahead
-  // with L1 16 ahead 0.970-0.973 (L1 8: 0.987, 12-24: 0.969-0.976).
+  // rows kAheadL2 ahead into L2 (far enough to keep DRAM busy; a guess at why: L2 keeps
+  // more misses in flight than L1), then K rows kAheadL1 ahead into L1 for the scoring
+  // loop; V is read from L2 by the second pass. Measured on the 2-core Zen 5 (2026-12-05,
+  // batch-32 decode_team steps, in-process A/B): both kinds 48 rows ahead into their
+  // levels 1.000, L2 192-512 ahead with L1 16 ahead 0.970-0.973 (L1 8: 0.987, 12-24:
+  // 0.969-0.976).
   for (int64_t j = 0; j < std::min(kAheadL2, n); ++j) {
     prefetch_span<2>(kc + offs[j], span);
     prefetch_span<2>(vc + offs[j], span);
