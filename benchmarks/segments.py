@@ -13,8 +13,13 @@ computed per request (standalone segment prefills and repair rows included), KV 
 (a request's block table, prefix-cache blocks it adopted, the segment store), and
 quality against ``full``: teacher-forced KL(full || mode) and top-1 agreement on the
 answer ``full`` generates greedily (``LLM.score``), and greedy agreement (tokens equal
-before the first difference). Not measured here: attention time alone, tool-call
-argument validity with ``tool_choice`` auto (the 135M default model rarely calls tools).
+before the first difference); attention time (the model's ``paged_attention`` calls of a
+request, every layer, timed around each call); and tool calls (``agent-tools-shuffled``):
+with ``tool_choice`` auto, the share of outputs that are valid calls (hermes parser, a
+listed tool, arguments valid against its schema: jsonschema), and with ``tool_choice``
+required (the server's own grammar, one call) the share whose function and arguments
+equal ``full``'s call. All requests of a tool pass run as one batch (a result does not
+depend on its batch mates).
 
 Prints the CPU model and ISA flags; writes ``benchmarks/results/segments-<date><tag>.json``.
 """
@@ -22,16 +27,22 @@ Prints the CPU model and ISA flags; writes ``benchmarks/results/segments-<date><
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+import jsonschema
 import torch
 
+import kvstack.model.llama as llama_mod
 from bench_common import RESULTS_DIR, log, write_json
 from kvstack import LLM, SamplingParams
+from kvstack.serve.protocol_tools import ToolDef
+from kvstack.serve.tool_calls import ToolPlan
+from kvstack.serve.tool_parsers import TOOL_PARSERS
 from kvstack.tools.workloads import make_workload
 from kvstack.tools.workloads.spec import WorkloadRequest
 from offline_throughput import machine_info
@@ -58,24 +69,49 @@ def spans(req: WorkloadRequest, mode: str) -> list[tuple[int, int]] | None:
     return [(s, e) for s, e in req.segments]
 
 
+class AttentionTimer:
+    """Wall time inside the model's ``paged_attention`` (every layer), while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.inner = llama_mod.paged_attention
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __enter__(self) -> AttentionTimer:
+        llama_mod.paged_attention = self  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        llama_mod.paged_attention = self.inner
+
+
 def one_pass(llm: LLM, work: list[WorkloadRequest], mode: str) -> dict[str, Any]:
-    """Every request alone, in order: TTFT, computed tokens and blocks per request."""
+    """Every request alone, in order: TTFT, attention time, computed tokens and blocks."""
     eng = llm.engine
     bs = eng.kv_manager.block_size
-    ttft, computed, adopted = [], [], []
+    ttft, attn, computed, adopted = [], [], [], []
     for req in work:
         before = eng.stats().prefill_tokens_computed
-        t0 = time.perf_counter()
-        out = llm.generate(
-            prompt_token_ids=[req.prompt_token_ids], sampling_params=ONE,
-            segments=[spans(req, mode)], use_tqdm=False,
-        )[0]  # fmt: skip
-        ttft.append(time.perf_counter() - t0)
+        with AttentionTimer() as timer:
+            t0 = time.perf_counter()
+            out = llm.generate(
+                prompt_token_ids=[req.prompt_token_ids], sampling_params=ONE,
+                segments=[spans(req, mode)], use_tqdm=False,
+            )[0]  # fmt: skip
+            ttft.append(time.perf_counter() - t0)
+        attn.append(timer.seconds)
         computed.append(eng.stats().prefill_tokens_computed - before)
         adopted.append(out.num_cached_tokens // bs)
     seg = eng.scheduler.segments
     return {
         "ttft_s": statistics.median(ttft),
+        "attention_s": statistics.median(attn),
         "computed_tokens": statistics.mean(computed),
         "request_blocks": statistics.mean(math.ceil(len(r.prompt_token_ids) / bs) for r in work),
         "adopted_blocks": statistics.mean(adopted),
@@ -111,6 +147,61 @@ def quality(
     }
 
 
+def tool_defs(req: WorkloadRequest) -> list[ToolDef]:
+    return [ToolDef.model_validate(t) for t in (req.body_extra or {}).get("tools", [])]
+
+
+def tool_calls(
+    llm: LLM, work: list[WorkloadRequest], mode: str, choice: str, max_tokens: int
+) -> list[list[tuple[str, Any]]]:
+    """Each request's parsed calls ``(name, arguments)`` under ``tool_choice`` ``choice``
+    (auto: free text, parsed; required: one call, the server's grammar); invalid calls
+    (unknown tool, arguments not valid against its schema) are dropped."""
+    parser = TOOL_PARSERS["hermes"]()
+    params = []
+    for req in work:
+        plan = ToolPlan.build(tool_defs(req), choice, False, "hermes")
+        assert plan is not None
+        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                     structured_outputs=plan.constraint()))  # fmt: skip
+    outs = llm.generate(
+        prompt_token_ids=[r.prompt_token_ids for r in work], sampling_params=params,
+        segments=[spans(r, mode) for r in work], use_tqdm=False,
+    )  # fmt: skip
+    found: list[list[tuple[str, Any]]] = []
+    for req, out in zip(work, outs, strict=True):
+        schemas = {t.function.name: t.function.parameters or {} for t in tool_defs(req)}
+        calls = []
+        for call in parser.extract(out.outputs[0].text, set(schemas)).tool_calls:
+            args = json.loads(call.arguments)
+            try:
+                jsonschema.validate(args, schemas[call.name])
+            except (jsonschema.ValidationError, KeyError):
+                continue
+            calls.append((call.name, args))
+        found.append(calls)
+    return found
+
+
+def tool_quality(
+    llm: LLM, work: list[WorkloadRequest], mode: str, ref: list[list[tuple[str, Any]]] | None
+) -> tuple[dict[str, float], list[list[tuple[str, Any]]]]:
+    """Valid calls under auto; under required, of the requests where ``ref`` (``full``)
+    made a valid call, the share whose call (function, or function and arguments) is
+    ``ref``'s."""
+    auto = tool_calls(llm, work, mode, "auto", 96)
+    forced = tool_calls(llm, work, mode, "required", 256)
+    ref = forced if ref is None else ref
+    pairs = [(a, b) for a, b in zip(forced, ref, strict=True) if b]  # full made a valid call
+    n, m = len(work), max(1, len(pairs))
+    return {
+        "auto_valid_calls": sum(bool(c) for c in auto) / n,
+        "required_valid_calls": sum(bool(c) for c in forced) / n,
+        "required_same_function": sum(bool(a) and a[0][0] == b[0][0] for a, b in pairs) / m,
+        "required_same_call": sum(a == b for a, b in pairs) / m,
+    }, forced  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="agent-tools-shuffled",
@@ -138,6 +229,7 @@ def main() -> None:
     del probe
     results: dict[str, Any] = {}
     refs: list[torch.Tensor] = []
+    ref_calls: list[list[tuple[str, Any]]] | None = None
     ratios = tuple(float(r) for r in args.ratios.split(","))
     for mode, kw in modes(args.first, ratios).items():
         passes = []
@@ -149,10 +241,15 @@ def main() -> None:
         row = {k: statistics.median(p[k] for p in passes) for k in ("ttft_s", "computed_tokens")}
         row |= {k: passes[-1][k] for k in passes[-1] if k not in row}
         row["ttft_runs_s"] = [p["ttft_s"] for p in passes]
+        row["attention_s"] = statistics.median(p["attention_s"] for p in passes)
         if mode == "full":
             refs = [llm.score(r.prompt_token_ids + a, start=len(r.prompt_token_ids))
                     for r, a in zip(work, answers, strict=True)]  # fmt: skip
         row |= quality(llm, work, mode, answers, refs)
+        if args.workload == "agent-tools-shuffled":
+            tools, calls = tool_quality(llm, work, mode, ref_calls)
+            ref_calls = calls if mode == "full" else ref_calls
+            row["tools"] = tools
         results[mode] = row
         log(f"{mode}: {row}")
     summary = summarize(results)
@@ -169,14 +266,21 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Ratios to prefix caching, the default ratio (smallest with top-1 >= 0.95)."""
     pre = results["prefix"]
     table = [
-        "| mode | TTFT ms | vs prefix | tokens computed | vs prefix | KL | top-1 | greedy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | TTFT ms | vs prefix | attention ms | vs prefix | tokens computed | vs prefix "
+        "| own blocks | store blocks | KL | top-1 | greedy | calls (auto) | same call (required) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, r in results.items():
+        tools = r.get("tools", {})
+        own = r["request_blocks"] - r["adopted_blocks"]
         table.append(
             f"| {mode} | {r['ttft_s'] * 1e3:.0f} | {pre['ttft_s'] / r['ttft_s']:.2f}x | "
+            f"{r['attention_s'] * 1e3:.0f} | {pre['attention_s'] / r['attention_s']:.2f}x | "
             f"{r['computed_tokens']:.0f} | {r['computed_tokens'] / pre['computed_tokens']:.2f} | "
-            f"{r['kl']:.4f} | {r['top1']:.3f} | {r['greedy_agreement']:.2f} |"
+            f"{own:.1f} | {r['segment_store_blocks']} | {r['kl']:.4f} | {r['top1']:.3f} | "
+            f"{r['greedy_agreement']:.2f} | "
+            f"{tools.get('auto_valid_calls', float('nan')):.2f} | "
+            f"{tools.get('required_same_call', float('nan')):.2f} |"
         )
     ok = [m for m in results if m.startswith("seg") and results[m]["top1"] >= 0.95]
     best = min(ok, key=lambda m: int(m.split("-r")[1])) if ok else None

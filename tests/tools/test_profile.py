@@ -71,6 +71,9 @@ def test_plan_reads_the_profile(profile_json: Path, capsys: pytest.CaptureFixtur
     [
         (["--model", "/no/such/model.gguf"], "not found"),
         (["--context", "300"], "exceeds the model's context 256"),
+        # checked before the KV cache is sized for it (which would fail to allocate)
+        (["--context", str(2**40)], "exceeds the model's context 256"),
+        (["--batch", str(2**36)], "cannot allocate the KV cache"),
         (["--batch", "4", "--kv-cache-memory", "32KiB"], "KV blocks, the KV budget holds"),
     ],
 )

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvstack.errors import ConfigError
 from kvstack.kv.codecs import CacheShape, IdentityCodec, KernelView, KVCodec, codec_class
 from kvstack.kv.groups import KVGroups
 from kvstack.model_config import ModelConfig
@@ -129,7 +130,17 @@ class KVStorage:
         self._slots = groups.layer_slots() if groups is not None else None
         self._layer_groups = groups.layer_groups() if groups is not None else None
         self.shape = self.cache_shape(config, num_blocks, block_size, groups)
-        self.codec: KVCodec = codec_class(codec)(self.shape, dtype, max_num_seqs)
+        try:
+            self.codec: KVCodec = codec_class(codec)(self.shape, dtype, max_num_seqs)
+        except (MemoryError, OSError, RuntimeError) as e:  # ENOMEM from mmap / the allocator
+            if isinstance(e, RuntimeError) and "allocate" not in str(e):
+                raise
+            need = self.bytes_per_block(config, block_size, dtype, codec) * num_blocks
+            raise ConfigError(
+                f"cannot allocate the KV cache: {num_blocks} blocks of {block_size} tokens "
+                f"= {need / 2**30:.2f} GiB ({type(e).__name__}: {e}); give a smaller "
+                "--kv-cache-memory / --num-blocks"
+            ) from e
         ident = isinstance(self.codec, IdentityCodec) and self.codec.identity
         self._k = self.codec.k if ident else None  # type: ignore[attr-defined]
         self._v = self.codec.v if ident else None  # type: ignore[attr-defined]

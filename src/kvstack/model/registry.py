@@ -18,13 +18,13 @@ import torch
 
 from kvstack.errors import ConfigError, ModelLoadError
 from kvstack.model.gemma3 import model_class
-from kvstack.model.gguf import GGUF_MAGIC, load_gguf
+from kvstack.model.gguf import GGUF_MAGIC, load_gguf, read_gguf_config
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.quant.gguf_blocks import packed_gguf_weights
 from kvstack.model.quant.packed import PackedWeight
 from kvstack.model.quant.schemes import QUANTIZATIONS, LinearBuilder
-from kvstack.model.safetensors import load_hf_folder
+from kvstack.model.safetensors import config_from_hf, load_hf_folder, read_hf_config
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.model_config import ModelConfig
 
@@ -126,6 +126,15 @@ def model_format(path: Path) -> str:
     if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
         return "gguf"
     raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+
+
+def read_model_config(model: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of ``model`` (name or path) from its metadata alone: no weights
+    are read (a GGUF's header, a folder's ``config.json``)."""
+    path = resolve_model_path(model)
+    if model_format(path) == "gguf":
+        return read_gguf_config(path)
+    return config_from_hf(read_hf_config(path), path)
 
 
 def load_model(model: str | Path, packed: bool = False) -> LoadedModel:

@@ -206,10 +206,10 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from kvstack.llm import LLM
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.registry import load_tokenizer, read_model_config
 
     t_start = time.perf_counter()
-    model_config = _model_config(config.model)
+    model_config = read_model_config(config.model)
     config.validate(model_config.max_position_embeddings)
     inp = _inputs(config, load_tokenizer(config.model))
     variants = [codec_variant(BASELINE), *config.variants]
@@ -268,15 +268,3 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         "results": results,
         "wall_s": time.perf_counter() - t_start,
     }
-
-
-def _model_config(model: str) -> Any:
-    """The model's architecture from its config alone (no weights loaded)."""
-    from kvstack.model.gguf import read_gguf_config
-    from kvstack.model.registry import model_format, resolve_model_path
-    from kvstack.model.safetensors import config_from_hf, read_hf_config
-
-    path = resolve_model_path(model)
-    if model_format(path) == "gguf":
-        return read_gguf_config(path)
-    return config_from_hf(read_hf_config(path), path)

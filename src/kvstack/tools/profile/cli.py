@@ -15,7 +15,7 @@ from kvstack.kv.codecs import KV_CACHE_DTYPES
 from kvstack.tools.command import run_tool
 from kvstack.tools.profile.bounds import measure_bounds
 from kvstack.tools.profile.report import build_report, format_table, plot_roofline
-from kvstack.tools.profile.run import Workload, run_workload
+from kvstack.tools.profile.run import Workload, check_context, run_workload
 
 PROG = "python -m kvstack.tools.profile"
 BLOCK_SIZE = 16
@@ -84,8 +84,12 @@ def run_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvstack.llm import LLM
+    from kvstack.model.registry import read_model_config
 
     w = Workload(args.batch, args.context, steps=args.steps, seed=args.seed)
+    # Before the engine sizes its KV cache for batch x context (which a context far
+    # beyond the model's would fail to allocate): the model's metadata alone.
+    check_context(w, read_model_config(args.model).max_position_embeddings)
     llm = LLM(args.model, **_engine_options(args, w))
     engine = llm.engine
     bars = {

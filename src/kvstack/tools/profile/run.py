@@ -59,14 +59,18 @@ class Workload:
         return self.context + self.new_tokens
 
 
-def check_fits(engine: Any, w: Workload) -> None:
-    """``ConfigError`` (one line) if the workload cannot run on this engine."""
-    limit = engine.max_model_len
+def check_context(w: Workload, limit: int) -> None:
+    """``ConfigError`` (one line) if a request of ``w`` is longer than ``limit`` tokens."""
     if w.tokens_per_request > limit:
         raise ConfigError(
             f"context {w.context} + {w.new_tokens} decode tokens exceeds the "
             f"model's context {limit}"
         )
+
+
+def check_fits(engine: Any, w: Workload) -> None:
+    """``ConfigError`` (one line) if the workload cannot run on this engine."""
+    check_context(w, engine.max_model_len)
     bs = engine.config.cache.block_size
     need = w.batch * -(-w.tokens_per_request // bs)
     have = engine.kv_manager.num_blocks
