@@ -128,6 +128,46 @@ def test_partial_repair_computes_less_and_is_independent_of_the_pool() -> None:
     assert t.num_preemptions > 0 and t.segments["evicted"] > 0
 
 
+def test_tokens_between_segments_run_with_the_copies() -> None:
+    """Documents separated by template tokens (outside the marks): every copy and every
+    separator of a request go in one step, the separators as rows of its forward; ratio
+    1.0 still gives a full prefill's tokens, and separators are not counted as repaired
+    segment tokens."""
+    sep = [(order, q) for order, q in ASKS[:3]]
+
+    def gapped(llm: LLM) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        built = [build(llm, order, q) for order, q in sep]
+        line = llm.tokenizer.encode("---\n", add_special_tokens=False)
+        prompts, marks = [], []
+        for ids, spans in built:
+            out, moved, at = [], [], 0
+            for a, b in spans:  # a separator before every document but the first
+                out += ids[at:a] + (line if moved else [])
+                moved.append((len(out), len(out) + b - a))
+                out += ids[a:b]
+                at = b
+            prompts.append(out + ids[at:])
+            marks.append(moved)
+        return prompts, marks
+
+    kw: dict[str, Any] = dict(dtype="float32", num_blocks=300)
+    plain = LLM("default", **kw, segment_cache="none")
+    prompts, marks = gapped(plain)
+    want = [o.outputs[0].token_ids for o in plain.generate(
+        prompt_token_ids=prompts, sampling_params=SP, use_tqdm=False)]  # fmt: skip
+    llm = LLM("default", **kw, segment_recompute_ratio=1.0)
+    for i, (ids, spans) in enumerate(zip(prompts, marks, strict=True)):
+        steps = llm.engine.stats().num_steps
+        (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=SP,
+                              segments=[spans], use_tqdm=False)  # fmt: skip
+        assert out.outputs[0].token_ids == want[i]
+        if i > 0:  # entries ready: prefix hit, one step of copies + separators, 11 decodes
+            assert llm.engine.stats().num_steps - steps <= 1 + SP.max_tokens, i
+    seg = llm.get_stats().segments
+    assert seg["recomputed_tokens"] == seg["placed_tokens"]
+    llm.engine.check_integrity()
+
+
 def _run_until(llm: LLM, rid: str, position: int) -> list[int]:
     eng = llm.engine
     while eng.scheduler.requests[rid].num_computed_tokens < position:

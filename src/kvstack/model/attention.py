@@ -94,15 +94,54 @@ KERNEL_CHUNK_ROWS = 12  # prefill chunks up to this length take the C++ kernel
 
 @dataclass
 class KernelRows:
-    """The first ``num_rows`` rows of a step (decodes, then prefill chunks of at most
-    ``KERNEL_CHUNK_ROWS`` rows) for the C++ ``paged_attention``: row ``r`` reads block
-    table ``table_index[r]`` up to ``context_lens[r]`` tokens (``table_index`` None: one
-    table per row, decodes only). Tables are padded with block 0 past their length."""
+    """Rows of a step for the C++ ``paged_attention``: the first ``num_rows`` rows
+    (decodes, then prefill chunks of at most ``KERNEL_CHUNK_ROWS`` rows, then segment
+    repair rows), or the step rows ``rows`` names when other rows sit between them (the
+    repair rows come after every prefill chunk: ``model/segment_rows.py``). Kernel row
+    ``r`` reads block table ``table_index[r]`` up to ``context_lens[r]`` tokens
+    (``table_index`` None: one table per row, decodes only). Tables are padded with
+    block 0 past their length."""
 
     num_rows: int
     block_tables: torch.Tensor  # [S, max_blocks] long
     table_index: torch.Tensor | None  # [R] long
     context_lens: torch.Tensor  # [R] long
+    rows: torch.Tensor | None = None  # [R] long: the step rows, when not 0 .. R - 1
+
+
+KernelSeq = tuple[list[int], list[int]]  # a block table and its rows' context lengths
+
+
+def make_kernel_rows(
+    seqs: list[KernelSeq], one_per_row: bool, tail: list[tuple[list[int], list[int], int]]
+) -> KernelRows | None:
+    """``KernelRows`` of a step: the rows of ``seqs`` from row 0 on, then each of ``tail``
+    (table, context lengths, its first step row) at its own rows. ``one_per_row``: each
+    seq is one decode (no table index). None without rows."""
+    entries = [*seqs, *((t, lens) for t, lens, _ in tail)]
+    if not entries:
+        return None
+    tables: list[list[int]] = []
+    index: list[int] = []
+    lens: list[int] = []
+    for table, ls in entries:
+        index.extend([len(tables)] * len(ls))
+        tables.append(table)
+        lens.extend(ls)
+    head = sum(len(ls) for _, ls in seqs)
+    rows = None
+    if tail and tail[0][2] != head:  # prefill chunks sit between
+        step_rows = [*range(head), *(r + j for _, ls, r in tail for j in range(len(ls)))]
+        rows = torch.tensor(step_rows, dtype=torch.long)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return KernelRows(
+        num_rows=len(lens),
+        block_tables=torch.tensor(padded, dtype=torch.long),
+        table_index=None if one_per_row and not tail else torch.tensor(index, dtype=torch.long),
+        context_lens=torch.tensor(lens, dtype=torch.long),
+        rows=rows,
+    )
 
 
 @dataclass
@@ -121,7 +160,7 @@ class AttentionMetadata:
     # captured for them (per layer [rows, heads, head_dim] float32).
     capture_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    # Set when every row goes to the C++ kernel (then ``prefills`` is empty).
+    # The rows that go to the C++ kernel (``prefills`` holds the others).
     kernel_rows: KernelRows | None = None
     # Window -> decode_bias with the slots older than it masked (lazily, fallback path).
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -326,7 +365,11 @@ def paged_attention(
     every = meta.kernel_rows
     w = window or 0  # the kernels' "no window"
     if every is not None and meta.kernels is not None:
-        rows_q = q if every.num_rows == q.shape[0] else q[: every.num_rows]
+        idx = every.rows
+        if idx is not None:
+            rows_q = q[idx]
+        else:
+            rows_q = q if every.num_rows == q.shape[0] else q[: every.num_rows]
         if cache.k is not None:
             head = meta.kernels.paged_attention(
                 rows_q, cache.k, cache.v, every.block_tables, every.table_index,
@@ -336,10 +379,13 @@ def paged_attention(
             view = cache.kernel_view
             assert view is not None, "kernel rows over a cache the kernel cannot read"
             head = codec_attention(meta.kernels, rows_q, view, every, scale, w)
-        if not meta.prefills:
+        if not meta.prefills:  # (``rows`` is set only with prefill rows between)
             return head
         out = torch.empty_like(q)
-        out[: every.num_rows] = head
+        if idx is None:
+            out[: every.num_rows] = head
+        else:
+            out[idx] = head
     else:
         out = torch.empty_like(q)
         if meta.num_decodes:

@@ -17,7 +17,14 @@ import torch
 
 from kvstack.kv.storage import KVStorage
 from kvstack.model.allocator import tune_host_allocator
-from kvstack.model.attention import KERNEL_CHUNK_ROWS, AttentionMetadata, KernelRows, PrefillSeq
+from kvstack.model.attention import (
+    KERNEL_CHUNK_ROWS,
+    AttentionMetadata,
+    KernelRows,
+    KernelSeq,
+    PrefillSeq,
+    make_kernel_rows,
+)
 from kvstack.model.group_meta import group_metadata, virtual_tables
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
@@ -80,8 +87,10 @@ class StepInputs:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # KV slot of each row's token
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # C++ attention path: each short chunk's (block table, KV tokens before it, length).
+    # C++ attention path: each short chunk's (block table, KV tokens before it, length),
+    # and the segment repair rows after every chunk (table, context lengths, first row).
     kernel_seqs: list[tuple[list[int], int, int]] | None = None
+    kernel_tail: list[tuple[list[int], list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -169,12 +178,12 @@ class ModelRunner:
         inputs = StepInputs()
         if kernel:
             inputs.kernel_seqs = []
-        repair = segment_rows(out.scheduled, self.kv, self.model, self.kernels)  # issue 18
+        repair = segment_rows(out.scheduled, self.kv, self.model, self.kernels, kernel)
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
-        append_rows(
-            repair, self.block_size, inputs.ids, inputs.positions, inputs.slots, inputs.prefills
-        )
+        tail = inputs.kernel_tail if kernel else None  # issue 18's repair rows
+        append_rows(repair, self.block_size, inputs.ids, inputs.positions, inputs.slots,
+                    inputs.prefills, tail)  # fmt: skip
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))
         if phys is not None:
             group_metadata(meta, phys, self.layer_groups, self.block_size)
@@ -307,31 +316,15 @@ class ModelRunner:
     ) -> KernelRows | None:
         """Block tables and context lengths of the kernel's rows (None if there are
         none): decode ``i`` reads table ``i``; row ``j`` of a short chunk after ``kc`` KV
-        tokens attends ``kc + j + 1``."""
+        tokens attends ``kc + j + 1``; a segment repair row at ``p``, ``p + 1``."""
         assert inputs.kernel_seqs is not None
-        if not decodes and not inputs.kernel_seqs:
-            return None
         bs = self.block_size
-        tables: list[list[int]] = []
-        index: list[int] = []
-        lens: list[int] = []
-        for i, s in enumerate(decodes):
+        seqs: list[KernelSeq] = []
+        for s in decodes:
             kc = s.num_computed_tokens - s.request.num_dropped + 1
-            tables.append(s.block_ids[: -(-kc // bs)])
-            index.append(i)
-            lens.append(kc)
-        for blocks, kc, n in inputs.kernel_seqs:
-            index.extend([len(tables)] * n)
-            tables.append(blocks)
-            lens.extend(range(kc + 1, kc + n + 1))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return KernelRows(
-            num_rows=len(lens),
-            block_tables=torch.tensor(padded, dtype=torch.long),
-            table_index=None if not inputs.kernel_seqs else torch.tensor(index, dtype=torch.long),
-            context_lens=torch.tensor(lens, dtype=torch.long),
-        )
+            seqs.append((s.block_ids[: -(-kc // bs)], [kc]))
+        seqs += [(b, list(range(kc + 1, kc + n + 1))) for b, kc, n in inputs.kernel_seqs]
+        return make_kernel_rows(seqs, not inputs.kernel_seqs, inputs.kernel_tail)
 
     def _press_rows(self, ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
         """Era 5: per request, the step's rows ``[r0, r1)`` whose queries its press needs

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstack.model.attention import AttentionMetadata, PrefillSeq
+from kvstack.model.attention import AttentionMetadata, KernelSeq, PrefillSeq, make_kernel_rows
 from kvstack.model.layers import Rotary, apply_rope
 from kvstack.sched.output import ScheduledRequest
 
@@ -110,12 +110,16 @@ def _probe(
     kv: KVStorage,
     model: LlamaModel,
     kernels: Kernels | None,
+    kernel: bool,
 ) -> torch.Tensor:
     """Layer-1 KV deviation of each candidate (CacheBlend's selection), ``[n]``."""
     bs = kv.block_size
     slots, seq = sparse_seq(s, candidates, 0, bs)
     k_old, v_old = (t.float() for t in read_slots(kv, 1, slots))
     meta = AttentionMetadata(slots, 0, None, None, None, [seq], kernels=kernels)
+    if kernel:  # the C++ paged kernel: row p reads keys 0 .. p in place, no mask
+        meta.prefills = []
+        meta.kernel_rows = make_kernel_rows([_kernel_seq(s, candidates, bs)], False, [])
     tokens = s.request.all_token_ids
     ids = torch.tensor([tokens[p] for p in candidates])
     model.forward(ids, torch.tensor(candidates), meta, kv, None, stop_after_kv_of=1)
@@ -123,8 +127,18 @@ def _probe(
     return ((k_new - k_old) ** 2).sum((1, 2)) + ((v_new - v_old) ** 2).sum((1, 2))
 
 
+def _kernel_seq(s: ScheduledRequest, positions: list[int], bs: int) -> KernelSeq:
+    """Rows at ``positions`` (sorted) for the C++ paged kernel: row ``p`` reads keys
+    ``0 .. p`` through the request's block table (the keys of ``sparse_seq``'s mask)."""
+    return s.block_ids[: -(-(positions[-1] + 1) // bs)], [p + 1 for p in positions]
+
+
 def choose_rows(
-    s: ScheduledRequest, kv: KVStorage, model: LlamaModel, kernels: Kernels | None
+    s: ScheduledRequest,
+    kv: KVStorage,
+    model: LlamaModel,
+    kernels: Kernels | None,
+    kernel: bool = False,
 ) -> list[int]:
     """The positions ``s`` recomputes: each span's first tokens and its most deviating."""
     chosen: list[int] = []
@@ -139,7 +153,7 @@ def choose_rows(
             probe_spans.append((rest, r.count))
     if probe_spans and model.config.num_layers > 1:
         candidates = [p for rest, _ in probe_spans for p in rest]
-        dev = _probe(s, candidates, kv, model, kernels)
+        dev = _probe(s, candidates, kv, model, kernels, kernel)
         at = 0
         for rest, count in probe_spans:
             top = torch.topk(dev[at : at + len(rest)], count).indices.tolist()
@@ -156,12 +170,14 @@ def segment_rows(
     kv: KVStorage,
     model: LlamaModel,
     kernels: Kernels | None,
+    kernel: bool = False,
 ) -> Repair:
-    """Copy the step's segments in, then choose each copying request's repair rows."""
+    """Copy the step's segments in, then choose each copying request's repair rows
+    (``kernel``: the probe's attention on the C++ paged kernel)."""
     if not any(s.segment_imports for s in scheduled):
         return []
     apply_imports(scheduled, kv, model)
-    return [(s, choose_rows(s, kv, model, kernels)) for s in scheduled if s.recompute]
+    return [(s, choose_rows(s, kv, model, kernels, kernel)) for s in scheduled if s.recompute]
 
 
 def append_rows(
@@ -171,14 +187,20 @@ def append_rows(
     positions: list[int],
     slots: list[int],
     prefills: list[PrefillSeq],
+    kernel_tail: list[tuple[list[int], list[int], int]] | None = None,
 ) -> None:
-    """Add the repair rows after every other row of the step (one sparse sequence each)."""
+    """Add the repair rows after every other row of the step: one sparse sequence each,
+    or with ``kernel_tail`` rows of the C++ paged kernel (row ``p`` reads keys
+    ``0 .. p`` through the block table: the same keys, no mask, no gather)."""
     for s, rows in repair:
         if not rows:
             continue
         row_slots, seq = sparse_seq(s, rows, len(ids), bs)
+        if kernel_tail is not None:
+            kernel_tail.append((*_kernel_seq(s, rows, bs), len(ids)))
+        else:
+            prefills.append(seq)
         tokens = s.request.all_token_ids
         ids.extend(tokens[p] for p in rows)
         positions.extend(rows)
         slots.extend(row_slots.tolist())
-        prefills.append(seq)

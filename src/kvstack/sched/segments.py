@@ -11,11 +11,14 @@ A request with segments (``Request.segments``) goes through three stages:
    eviction can change what it computes.
 2. **Placement** (``place`` / ``commit``): when the request's next token to compute is
    the start of a segment (or inside one, after a prefix hit), the segment's KV is
-   copied in (``SegmentImport``) and the request jumps past it; adjacent segments are
-   copied together. A chunk never runs into a segment that can still be copied::
+   copied in (``SegmentImport``) and the request jumps past it; the segments after it
+   are copied in the same step, and the few tokens between two of them (a template's
+   separators) run as rows of that step's forward, like repair rows (each sees every
+   key before it). A chunk never runs into a segment that can still be copied::
 
-       prompt:   p0 p1 p2 | x0 x1 x2 | y0 y1 | q0 q1 q2
-       steps:    compute    copy      copy    compute (+ repair rows of x and y)
+       prompt:   p0 p1 p2 | x0 x1 x2 | g0 | y0 y1 | q0 q1 q2
+       steps:    compute    copy       row   copy    compute (+ repair rows of x and y)
+                 step 1     ------------------ step 2 --------------------------------
 
 3. **Repair**: the step that copies also recomputes, as extra rows, each copied
    segment's first ``recompute_tokens`` tokens (EPIC) and ``recompute_ratio`` of the
@@ -66,6 +69,8 @@ class Placement:
     used: list[int] = field(default_factory=list)  # span indices copied
     start: int = 0
     limit: int = 0
+    gap_tokens: int = 0  # of the rows: tokens between two copied segments
+    skipped: bool = False  # a segment without a usable entry lies before ``start``
 
     @property
     def rows(self) -> int:
@@ -213,10 +218,15 @@ class SegmentPlanner:
                 continue
             entry = self._usable(req.request_id, i)
             if entry is None:
+                plan.skipped = True
                 continue  # computed in place
-            if a > plan.start:
+            if a > plan.start and (not plan.imports or plan.skipped):
                 plan.limit = a
                 break
+            if a > plan.start:  # the tokens between two copies: rows of this forward
+                plan.recompute.append(RecomputeSpan(plan.start, a, a - plan.start, 0))
+                plan.gap_tokens += a - plan.start
+                plan.start = a
             off = plan.start - a
             blocks = tuple(x.block_id for x in entry.blocks)
             plan.imports.append(SegmentImport(blocks, sink + off, plan.start, b - plan.start))
@@ -246,7 +256,7 @@ class SegmentPlanner:
             req.cacheable_tokens = first if cap is None else min(cap, first)
         counters = self.cache.counters
         counters.placed_tokens += sum(x.length for x in plan.imports)
-        counters.recomputed_tokens += plan.rows
+        counters.recomputed_tokens += plan.rows - plan.gap_tokens
 
     def check_integrity(self, live: set[str]) -> None:
         """Only live requests hold entries; each held entry counts it among its users."""
