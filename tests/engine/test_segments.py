@@ -17,6 +17,7 @@ import torch
 
 from kvstack import LLM, SamplingParams
 from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.model.segment_rows import rows_on_paged_kernel
 from kvstack.request import RequestStatus
 from kvstack.testing.redis_server import LocalRedis
 
@@ -166,6 +167,38 @@ def test_tokens_between_segments_run_with_the_copies() -> None:
     seg = llm.get_stats().segments
     assert seg["recomputed_tokens"] == seg["placed_tokens"]
     llm.engine.check_integrity()
+
+
+def test_bf16_repair_rows_run_at_their_positions() -> None:
+    """bf16: the repair rows (and the probe's) of a request run as one sparse sequence on
+    the C++ causal prefill kernel, row ``i`` at its position (``csrc/prefill_attention.cpp``;
+    checked against SDPA in ``tests/model/test_causal_attention.py``); on a CPU without
+    AVX512-BF16, as decode-like rows of the paged kernel."""
+    llm = LLM("default", dtype="bfloat16", num_blocks=300, segment_recompute_ratio=0.5)
+    runner = llm.engine.runner
+    kernels = runner.kernels
+    if kernels is None or not kernels.causal_attention_available():
+        assert rows_on_paged_kernel(kernels, llm.engine.model, kernels is not None) == (
+            kernels is not None
+        )
+        return
+    sparse: list[torch.Tensor] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(kernels, name)
+
+        def causal_attention(self, *args: Any) -> torch.Tensor:
+            if len(args) > 5 and args[5] is not None:
+                sparse.append(args[5])
+            return kernels.causal_attention(*args)
+
+    runner.kernels = Spy()
+    run(llm, ASKS[:3])
+    layers = llm.engine.model.config.num_layers
+    # Requests 2 and 3 copy cached entries: 2 probe layers and every layer of the step.
+    assert len(sparse) >= 2 * (layers + 2), len(sparse)
+    assert all(bool((p[1:] > p[:-1]).all()) for p in sparse)
 
 
 def _run_until(llm: LLM, rid: str, position: int) -> list[int]:

@@ -77,6 +77,33 @@ def test_strided_views_of_fused_qkv(kernels: Kernels, avx512: bool) -> None:
     assert_close_to_rounded(kernels.causal_attention(q, k, v, 1, hd**-0.5), reference(q, k, v, 1))
 
 
+@pytest.mark.parametrize("rows", [[0], [3, 4, 40, 41, 70, 99], list(range(5, 100, 2))])
+def test_sparse_rows_at_their_positions(kernels: Kernels, avx512: bool, rows: list[int]) -> None:
+    """Segment repair rows (issue 18): row i at ``positions[i]`` attends keys 0 ..
+    positions[i] (tiles of 32 rows whose positions spread over the keys; one row)."""
+    if not avx512:
+        return
+    g = torch.Generator().manual_seed(len(rows))
+    lk, h, kvh, hd = 100, 9, 3, 64
+    q = torch.randn(len(rows), h, hd, generator=g).bfloat16()
+    k = torch.randn(lk, kvh, hd, generator=g).bfloat16()
+    v = torch.randn(lk, kvh, hd, generator=g).bfloat16()
+    pos = torch.tensor(rows)
+    out = kernels.causal_attention(q, k, v, 1, hd**-0.5, pos)
+    qq, kk, vv = (t.float().transpose(0, 1) for t in (q, k, v))
+    mask = torch.arange(lk)[None, :] <= pos[:, None]
+    ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=hd**-0.5,
+                                         enable_gqa=True).transpose(0, 1)  # fmt: skip
+    assert_close_to_rounded(out, ref)
+    for bad in ([5, 5], [7, 3], [100], [-1]):  # not ascending, beyond the keys, negative
+        p = torch.tensor(bad)
+        qb = q[: len(bad)]
+        with pytest.raises(RuntimeError, match="positions must"):
+            kernels.causal_attention(qb, k, v, 1, hd**-0.5, p)
+    with pytest.raises(RuntimeError, match="positions must be one sequence"):
+        kernels.causal_attention(q, k, v, 1, hd**-0.5, pos.int())
+
+
 def test_bad_inputs_are_refused(kernels: Kernels) -> None:
     q, k = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="causal_attention"):

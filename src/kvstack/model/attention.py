@@ -36,8 +36,10 @@ Rows of one step are ordered decodes first, then prefill chunks::
   ``causal_attention`` (``csrc/prefill_attention.cpp``: AVX512-BF16 dot products, 3.5-4x
   PyTorch's CPU flash attention on 10 x 200-token prompts) unless a window, an uneven
   press or a codec's own-block reads shape the mask; float32 and the rest take SDPA.
-  Query ``i`` of a chunk of ``q`` tokens ending at context length ``c`` sees keys
-  ``0 .. c - q + i``::
+  Segment repair rows (issue 18: positions spread over the context) are one sparse
+  sequence (``PrefillSeq.positions``) that the same kernel takes, row ``i`` seeing keys
+  ``0 .. positions[i]``. Query ``i`` of a chunk of ``q`` tokens ending at context length
+  ``c`` sees keys ``0 .. c - q + i``::
 
         keys:    0 1 2 3 4 5 6 7      (c = 8, q = 3)
         query 0: x x x x x x          position 5
@@ -78,6 +80,9 @@ class PrefillSeq:
     num_seqs: int = 1
     layer_masks: list[torch.Tensor] | None = None  # per layer, after an uneven press
     offset_causal: bool = False  # mask is exactly: row i sees keys 0 .. ctx_len - q_len + i
+    # Sparse rows (segment repair): row i sits at positions[i] (ascending) and sees keys
+    # 0 .. positions[i], its own K/V among them (the mask says the same).
+    positions: torch.Tensor | None = None
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per window, lazily
 
     def mask_for(self, layer: int, window: int | None) -> torch.Tensor | None:
@@ -225,8 +230,13 @@ def causal_kernel(kernels: Kernels | None, q: torch.Tensor) -> bool:
     """Whether ``causal_attention`` (``csrc/prefill_attention.cpp``: AVX512-BF16) takes
     this step's bf16 prefill chunks; float32 stays on SDPA (bit-comparable with
     transformers), and so does a CPU without AVX512-BF16 (designed, not counted)."""
+    return causal_kernel_takes(kernels, q.dtype, q.shape[-1])
+
+
+def causal_kernel_takes(kernels: Kernels | None, dtype: torch.dtype, head_dim: int) -> bool:
+    """``causal_kernel`` for queries of ``dtype`` and ``head_dim``."""
     global _causal_available
-    if kernels is None or q.dtype != torch.bfloat16 or q.shape[-1] % 32:
+    if kernels is None or dtype != torch.bfloat16 or head_dim % 32:
         return False
     if _causal_available is None:
         _causal_available = bool(kernels.causal_attention_available())
@@ -396,10 +406,11 @@ def paged_attention(
         # Plain causal (fresh prompts, or a chunk after its context with the runner's
         # offset-causal mask): the C++ kernel, unless a window, a press or a codec's
         # own-block reads shape the mask.
+        ordered = p.offset_causal or p.positions is not None  # the mask is causal in position
         causal = (
             window is None
             and p.layer_masks is None
-            and (p.block_ids is None or (p.offset_causal and not cache.own_block_exact))
+            and (p.block_ids is None or (ordered and not cache.own_block_exact))
         )
         if p.block_ids is None:
             kk, vv = k[rows], v[rows]
@@ -409,7 +420,9 @@ def paged_attention(
                 cache, p.block_ids, p.ctx_len - p.q_len, mask, meta.kernels
             )
         if causal and causal_kernel(meta.kernels, q):
-            out[rows] = meta.kernels.causal_attention(q[rows], kk, vv, p.num_seqs, scale)  # type: ignore[union-attr]
+            out[rows] = meta.kernels.causal_attention(  # type: ignore[union-attr]
+                q[rows], kk, vv, p.num_seqs, scale, p.positions
+            )
         else:
             out[rows] = prefill_attention(q[rows], kk, vv, mask, scale, p.num_seqs)
     return out

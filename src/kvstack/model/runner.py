@@ -32,7 +32,7 @@ from kvstack.model.logit_capture import LogitCapture
 from kvstack.model.rejection_sampler import RejectionSampler
 from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.model.sampling_metadata import plain_greedy
-from kvstack.model.segment_rows import append_rows, segment_rows
+from kvstack.model.segment_rows import append_rows, rows_on_paged_kernel, segment_rows
 from kvstack.request import Logprob, Request
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
@@ -181,7 +181,8 @@ class ModelRunner:
         repair = segment_rows(out.scheduled, self.kv, self.model, self.kernels, kernel)
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
-        tail = inputs.kernel_tail if kernel else None  # issue 18's repair rows
+        paged = rows_on_paged_kernel(self.kernels, self.model, kernel)  # issue 18's repair
+        tail = inputs.kernel_tail if paged else None
         append_rows(repair, self.block_size, inputs.ids, inputs.positions, inputs.slots,
                     inputs.prefills, tail)  # fmt: skip
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))

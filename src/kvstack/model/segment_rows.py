@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstack.model.attention import AttentionMetadata, KernelSeq, PrefillSeq, make_kernel_rows
+from kvstack.model.attention import (
+    AttentionMetadata,
+    KernelSeq,
+    PrefillSeq,
+    causal_kernel_takes,
+    make_kernel_rows,
+)
 from kvstack.model.layers import Rotary, apply_rope
 from kvstack.sched.output import ScheduledRequest
 
@@ -101,7 +107,7 @@ def sparse_seq(
     p = torch.tensor(positions)
     mask = torch.arange(ctx)[None, :] <= p[:, None]
     slots = table[p // bs] * bs + p % bs
-    return slots, PrefillSeq(row, len(positions), ctx, table, mask)
+    return slots, PrefillSeq(row, len(positions), ctx, table, mask, positions=p)
 
 
 def _probe(
@@ -117,7 +123,7 @@ def _probe(
     slots, seq = sparse_seq(s, candidates, 0, bs)
     k_old, v_old = (t.float() for t in read_slots(kv, 1, slots))
     meta = AttentionMetadata(slots, 0, None, None, None, [seq], kernels=kernels)
-    if kernel:  # the C++ paged kernel: row p reads keys 0 .. p in place, no mask
+    if rows_on_paged_kernel(kernels, model, kernel):  # row p reads keys 0 .. p in place
         meta.prefills = []
         meta.kernel_rows = make_kernel_rows([_kernel_seq(s, candidates, bs)], False, [])
     tokens = s.request.all_token_ids
@@ -125,6 +131,16 @@ def _probe(
     model.forward(ids, torch.tensor(candidates), meta, kv, None, stop_after_kv_of=1)
     k_new, v_new = (t.float() for t in read_slots(kv, 1, slots))
     return ((k_new - k_old) ** 2).sum((1, 2)) + ((v_new - v_old) ** 2).sum((1, 2))
+
+
+def rows_on_paged_kernel(kernels: Kernels | None, model: LlamaModel, kernel: bool) -> bool:
+    """Where the repair rows (and the probe's) attend: True, the C++ paged kernel as
+    decode-like rows (``kernel``: the step's codec is one it reads); False, one sparse
+    sequence each, which bf16 runs on the C++ causal prefill kernel (``causal_attention``
+    with the rows' positions: the context packed once per KV head, tiles of 32 rows,
+    instead of every row reading it again), else SDPA with the mask."""
+    cfg = model.config
+    return kernel and not causal_kernel_takes(kernels, model.dtype, cfg.head_dim)
 
 
 def _kernel_seq(s: ScheduledRequest, positions: list[int], bs: int) -> KernelSeq:

@@ -45,7 +45,8 @@ TORCH_LIBRARY(kvstack, m) {
   m.def("bf16_linear_isa() -> str", &bf16_linear_isa);
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &bf16_linear);
   m.def("causal_attention_available() -> bool", &causal_attention_available);
-  m.def("causal_attention(Tensor q, Tensor k, Tensor v, int num_seqs, float scale) -> Tensor",
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, int num_seqs, float scale, "
+        "Tensor? positions=None) -> Tensor",
         &causal_attention);
   m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor? min, int group, int bits) "
         "-> Tensor",

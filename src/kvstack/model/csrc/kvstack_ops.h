@@ -53,7 +53,8 @@ std::string bf16_linear_isa();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool causal_attention_available();
 torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               int64_t num_seqs, double scale);
+                               int64_t num_seqs, double scale,
+                               const c10::optional<torch::Tensor>& positions);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                            std::optional<torch::Tensor> min, int64_t group, int64_t bits);
 torch::Tensor quant_dequant(torch::Tensor q, torch::Tensor scale, std::optional<torch::Tensor> min,

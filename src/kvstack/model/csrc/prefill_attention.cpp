@@ -9,7 +9,9 @@
 //
 // Rows and keys: S sequences, each Lq query rows and Lk >= Lq keys (the last Lq of which
 // are the queries' own tokens), row i of a sequence at position off + i, off = Lk - Lq,
-// attends keys 0 .. off + i (causal; no window, no mask):
+// attends keys 0 .. off + i (causal; no window, no mask). With ``positions`` (one
+// sequence; issue 18's segment repair rows) row i sits at positions[i] instead (strictly
+// ascending, < Lk; its own K/V are among the keys) and attends keys 0 .. positions[i]:
 //
 //   keys:    0 .. off-1 | off  off+1 ... Lk-1
 //   row 0:   x  ..  x   |  x
@@ -44,6 +46,10 @@ constexpr int64_t kTile = 32;  // query rows per work item
 struct Dims {
   int64_t S, Lq, Lk, H, KVH, D, G, Lk16;
   int64_t qs, ks, vs;  // row strides (elements) of q, k, v
+  const int64_t* pos = nullptr;  // sparse rows (S == 1): row i sits at position pos[i]
+
+  // The position of row i of a sequence: off + i, or pos[i] for sparse rows.
+  int64_t at(int64_t i) const { return pos != nullptr ? pos[i] : Lk - Lq + i; }
 };
 
 // K of (s, kh) -> kp[nb][kp][n][j] = K[16 nb + n][2 kp + j]; V -> vp[db][kp][n][j] =
@@ -112,8 +118,8 @@ float softmax_row(float* sc, int64_t valid, int64_t kpad, float scale, BF* pw) {
 void tile(const BF* q, const Dims& d, const BF* kp, const BF* vp, int64_t s, int64_t kh,
           int64_t t0, float scale, BF* out, std::vector<float>& sc, std::vector<BF>& pw,
           std::vector<float>& o) {
-  const int64_t D = d.D, off = d.Lk - d.Lq, rows = std::min(kTile, d.Lq - t0);
-  const int64_t kpad = (off + t0 + rows + 15) / 16 * 16;
+  const int64_t D = d.D, rows = std::min(kTile, d.Lq - t0);
+  const int64_t kpad = (d.at(t0 + rows - 1) + 1 + 15) / 16 * 16;  // rows sorted by position
   const dpbf16::Prefetch none{nullptr, 0, 0};
   float l[kTile];
   for (int64_t g = 0; g < d.G; ++g) {
@@ -121,7 +127,7 @@ void tile(const BF* q, const Dims& d, const BF* kp, const BF* vp, int64_t s, int
     const BF* qh = q + (s * d.Lq + t0) * d.qs + h * D;
     scores(qh, d, kp, rows, kpad, sc.data());
     for (int64_t r = 0; r < rows; ++r)
-      l[r] = softmax_row(sc.data() + r * kpad, off + t0 + r + 1, kpad, scale, pw.data() + r * kpad);
+      l[r] = softmax_row(sc.data() + r * kpad, d.at(t0 + r) + 1, kpad, scale, pw.data() + r * kpad);
     const int64_t vblock = d.Lk16 * 16;
     for (int64_t r = 0; r < rows; r += dpbf16::kMR) {
       const int64_t mr = std::min<int64_t>(dpbf16::kMR, rows - r);
@@ -179,7 +185,8 @@ bool causal_attention_available() {
 }
 
 torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               int64_t num_seqs, double scale) {
+                               int64_t num_seqs, double scale,
+                               const c10::optional<torch::Tensor>& positions) {
   check_heads(q, "q");
   check_heads(k, "k");
   check_heads(v, "v");
@@ -191,6 +198,17 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
               "causal_attention: needs head_dim % 32 == 0 and whole GQA groups");
   const int64_t Lq = q.size(0) / S, Lk = k.size(0) / S;
   TORCH_CHECK(Lk >= Lq, "causal_attention: fewer keys than queries");
+  const int64_t* pos = nullptr;
+  if (positions.has_value()) {  // sparse rows: ascending positions among the Lk keys
+    const auto& p = *positions;
+    TORCH_CHECK(S == 1 && p.dim() == 1 && p.size(0) == Lq && p.scalar_type() == torch::kLong &&
+                    p.is_contiguous(),
+                "causal_attention: positions must be one sequence's [rows] int64");
+    pos = p.data_ptr<int64_t>();
+    for (int64_t i = 0; i < Lq; ++i)
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < Lk && (i == 0 || pos[i] > pos[i - 1]),
+                  "causal_attention: positions must ascend within [0, keys)");
+  }
   // After the input checks, so a bad input gets the same error on every CPU.
   TORCH_CHECK(causal_attention_available(),
               "causal_attention: AVX512-BF16 is not available in this build");
@@ -198,7 +216,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 #if defined(KVSTACK_AVX512_BF16)
   if (Lq == 0) return out;
   const Dims d{S, Lq, Lk, H, KVH, D, H / KVH, (Lk + 15) / 16 * 16,
-               q.stride(0), k.stride(0), v.stride(0)};
+               q.stride(0), k.stride(0), v.stride(0), pos};
   run(q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), d, static_cast<float>(scale),
       out.data_ptr<BF>());
 #endif
