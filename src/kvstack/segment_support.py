@@ -39,6 +39,7 @@ def enable_segments(engine: LLMEngine) -> None:
         policy = engine.config.cache.eviction_policy
     cache = kv.enable_segments(sink, cfg.segment_max_fraction, policy)
     planner = SegmentPlanner(cache, engine.model_config.name)
+    planner.max_rows = engine.config.scheduler.max_num_batched_tokens - 1
     if engine.connector is not None:  # era 4: entries stored in and loaded from the tiers
         planner.tiers = SegmentTiers(engine.connector.offload, engine.kv_storage)
     engine.scheduler.segments = planner

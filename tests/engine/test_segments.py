@@ -169,6 +169,31 @@ def test_tokens_between_segments_run_with_the_copies() -> None:
     llm.engine.check_integrity()
 
 
+def test_one_steps_repair_rows_fit_its_token_budget(plain: list[list[int]]) -> None:
+    """Ratio 1.0 under a 64-token step budget: three adjacent documents' repair rows
+    (~135) cannot share one step, so the copies spread over steps (a document's first
+    token computed in place as the chunk, the rest of its first tokens repaired next
+    step); the tokens stay a full prefill's and every request finishes (before, the
+    request waited forever for a budget its rows could never fit)."""
+    llm = LLM("default", dtype="float32", num_blocks=300, max_num_batched_tokens=64,
+              max_model_len=256, segment_recompute_ratio=1.0)  # fmt: skip
+    eng = llm.engine
+    for i, (order, q) in enumerate(ASKS):
+        ids, spans = build(llm, order, q)
+        eng.add_request(str(i), None, SP, prompt_token_ids=ids, segments=spans)
+    done: dict[str, list[int]] = {}
+    for _ in range(400):  # a bound instead of a hang
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        eng.check_integrity()
+        if not eng.has_unfinished_requests():
+            break
+    assert [done.get(str(i)) for i in range(len(ASKS))] == plain
+    seg = llm.get_stats().segments
+    assert seg["recomputed_tokens"] == seg["placed_tokens"]
+
+
 def test_bf16_repair_rows_run_at_their_positions() -> None:
     """bf16: the repair rows (and the probe's) of a request run as one sparse sequence on
     the C++ causal prefill kernel, row ``i`` at its position (``csrc/prefill_attention.cpp``;

@@ -34,6 +34,7 @@ exactly. Once a segment is copied, the request's later blocks are not a true pre
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,9 @@ class SegmentPlanner:
         self._counted: set[str] = set()  # requests whose queries were counted
         self.reserver: str | None = None  # the one request holding an incomplete set
         self.tiers: SegmentTiers | None = None  # era 4: entries in the offload tiers
+        # The most repair rows one step may carry (the engine: --max-num-batched-tokens
+        # - 1, so the chunk after them always has a token).
+        self.max_rows = sys.maxsize
 
     def _key(self, req: Request, span: tuple[int, int]) -> bytes:
         ns = segment_namespace(self.model_id, req.cache_salt, self.cache.sink)
@@ -223,16 +227,25 @@ class SegmentPlanner:
             if a > plan.start and (not plan.imports or plan.skipped):
                 plan.limit = a
                 break
-            if a > plan.start:  # the tokens between two copies: rows of this forward
-                plan.recompute.append(RecomputeSpan(plan.start, a, a - plan.start, 0))
-                plan.gap_tokens += a - plan.start
+            gap, at = max(0, a - plan.start), max(a, plan.start)
+            # EPIC's first tokens not yet computed (a prefix hit or a chunk may have
+            # computed the segment's first ones in place, exactly), and the ratio of
+            # the rest: the same rows whichever way the segment's start was reached.
+            first = min(max(0, marks.recompute_tokens - (at - a)), b - at)
+            count = math.ceil(marks.recompute_ratio * (b - at - first) - 1e-9)
+            if plan.imports and plan.rows + gap + first + count > self.max_rows:
+                # One step's rows stay within its token budget (a chunk of >= 1 token
+                # after them): the separators, or this segment's first token, are
+                # computed in place as the chunk, and the copies go on next step.
+                plan.limit = a if gap else a + 1
+                break
+            if gap:  # the tokens between two copies: rows of this forward
+                plan.recompute.append(RecomputeSpan(plan.start, a, gap, 0))
+                plan.gap_tokens += gap
                 plan.start = a
-            off = plan.start - a
             blocks = tuple(x.block_id for x in entry.blocks)
-            plan.imports.append(SegmentImport(blocks, sink + off, plan.start, b - plan.start))
-            first = marks.recompute_tokens if off == 0 else 0
-            rest = b - plan.start - min(first, b - plan.start)
-            count = math.ceil(marks.recompute_ratio * rest - 1e-9)
+            imp = SegmentImport(blocks, sink + plan.start - a, plan.start, b - plan.start)
+            plan.imports.append(imp)
             plan.recompute.append(RecomputeSpan(plan.start, b, first, count))
             plan.used.append(i)
             plan.start = b
