@@ -134,10 +134,9 @@ def test_tokens_between_segments_run_with_the_copies() -> None:
     separator of a request go in one step, the separators as rows of its forward; ratio
     1.0 still gives a full prefill's tokens, and separators are not counted as repaired
     segment tokens."""
-    sep = [(order, q) for order, q in ASKS[:3]]
 
     def gapped(llm: LLM) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-        built = [build(llm, order, q) for order, q in sep]
+        built = [build(llm, order, q) for order, q in ASKS[:3]]
         line = llm.tokenizer.encode("---\n", add_special_tokens=False)
         prompts, marks = [], []
         for ids, spans in built:

@@ -181,8 +181,8 @@ class ModelRunner:
         repair = segment_rows(out.scheduled, self.kv, self.model, self.kernels, kernel)
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
-        paged = rows_on_paged_kernel(self.kernels, self.model, kernel)  # issue 18's repair
-        tail = inputs.kernel_tail if paged else None
+        paged = bool(repair) and rows_on_paged_kernel(self.kernels, self.model, kernel)
+        tail = inputs.kernel_tail if paged else None  # issue 18's repair rows
         append_rows(repair, self.block_size, inputs.ids, inputs.positions, inputs.slots,
                     inputs.prefills, tail)  # fmt: skip
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))

@@ -116,14 +116,15 @@ def _probe(
     kv: KVStorage,
     model: LlamaModel,
     kernels: Kernels | None,
-    kernel: bool,
+    paged: bool,
 ) -> torch.Tensor:
-    """Layer-1 KV deviation of each candidate (CacheBlend's selection), ``[n]``."""
+    """Layer-1 KV deviation of each candidate (CacheBlend's selection), ``[n]``
+    (``paged``: as decode-like rows of the paged kernel, ``rows_on_paged_kernel``)."""
     bs = kv.block_size
     slots, seq = sparse_seq(s, candidates, 0, bs)
     k_old, v_old = (t.float() for t in read_slots(kv, 1, slots))
     meta = AttentionMetadata(slots, 0, None, None, None, [seq], kernels=kernels)
-    if rows_on_paged_kernel(kernels, model, kernel):  # row p reads keys 0 .. p in place
+    if paged:  # row p reads keys 0 .. p in place
         meta.prefills = []
         meta.kernel_rows = make_kernel_rows([_kernel_seq(s, candidates, bs)], False, [])
     tokens = s.request.all_token_ids
@@ -154,7 +155,7 @@ def choose_rows(
     kv: KVStorage,
     model: LlamaModel,
     kernels: Kernels | None,
-    kernel: bool = False,
+    paged: bool = False,
 ) -> list[int]:
     """The positions ``s`` recomputes: each span's first tokens and its most deviating."""
     chosen: list[int] = []
@@ -169,7 +170,7 @@ def choose_rows(
             probe_spans.append((rest, r.count))
     if probe_spans and model.config.num_layers > 1:
         candidates = [p for rest, _ in probe_spans for p in rest]
-        dev = _probe(s, candidates, kv, model, kernels, kernel)
+        dev = _probe(s, candidates, kv, model, kernels, paged)
         at = 0
         for rest, count in probe_spans:
             top = torch.topk(dev[at : at + len(rest)], count).indices.tolist()
@@ -189,11 +190,12 @@ def segment_rows(
     kernel: bool = False,
 ) -> Repair:
     """Copy the step's segments in, then choose each copying request's repair rows
-    (``kernel``: the probe's attention on the C++ paged kernel)."""
+    (``kernel``: the step's codec is one the C++ paged kernel reads)."""
     if not any(s.segment_imports for s in scheduled):
         return []
     apply_imports(scheduled, kv, model)
-    return [(s, choose_rows(s, kv, model, kernels, kernel)) for s in scheduled if s.recompute]
+    paged = rows_on_paged_kernel(kernels, model, kernel)
+    return [(s, choose_rows(s, kv, model, kernels, paged)) for s in scheduled if s.recompute]
 
 
 def append_rows(
