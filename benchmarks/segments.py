@@ -3,7 +3,10 @@
 One engine per mode, the same model, dtype and pool: ``full`` (no prefix cache, no
 segments), ``prefix`` (vLLM's hash prefix cache) and ``seg-rX`` (prefix cache plus
 segment reuse recomputing X % of each placed segment, CacheBlend's selection, after its
-first ``--first`` tokens: EPIC). The workload (``agent-tools-shuffled``: 3-8 of 20 tool
+first ``--first`` tokens: EPIC; each tool computed after the tool primer, as the server
+marks it, ``serve/segment_primers.py``) and ``seg-rX-noprimer`` (one ratio, every
+segment computed after BOS only: what the primer changes, same run). The workload
+(``agent-tools-shuffled``: 3-8 of 20 tool
 schemas in random order, or ``rag-shuffled``) runs one request at a time in its order, so
 a request's time to first token is its own prefill against what the earlier ones left in
 the cache, as on a long-running server; ``--runs`` passes on fresh engines, medians.
@@ -51,7 +54,7 @@ RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def modes(first: int, ratios: tuple[float, ...]) -> dict[str, dict[str, Any]]:
+def modes(first: int, ratios: tuple[float, ...], bare: float | None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {
         "full": {"prefix_cache": "none", "segment_cache": "none"},
         "prefix": {"segment_cache": "none"},
@@ -60,13 +63,20 @@ def modes(first: int, ratios: tuple[float, ...]) -> dict[str, dict[str, Any]]:
         out[f"seg-r{round(r * 100)}"] = {
             "segment_recompute_ratio": r, "segment_recompute_tokens": first,
         }  # fmt: skip
+    if bare is not None:  # the same, every segment computed after BOS only (no primer)
+        out[f"seg-r{round(bare * 100)}-noprimer"] = {
+            "segment_recompute_ratio": bare, "segment_recompute_tokens": first,
+        }  # fmt: skip
     return out
 
 
-def spans(req: WorkloadRequest, mode: str) -> list[tuple[int, int]] | None:
+def spans(req: WorkloadRequest, mode: str) -> list[list[Any]] | None:
+    """The request's marks in ``mode`` (a tool's with its primer, as the server's)."""
     if not mode.startswith("seg") or not req.segments:
         return None
-    return [(s, e) for s, e in req.segments]
+    if mode.endswith("-noprimer"):
+        return [m[:2] for m in req.segments]
+    return [list(m) for m in req.segments]
 
 
 class AttentionTimer:
@@ -212,6 +222,8 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=16, help="EPIC's first-k tokens recomputed")
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)),
                     help="recompute ratios of the seg-rX modes, comma-separated")  # fmt: skip
+    ap.add_argument("--no-primer-ratio", type=float, default=0.15,
+                    help="also run this ratio without the tool primer (-1: not)")  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default="default")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
@@ -231,7 +243,8 @@ def main() -> None:
     refs: list[torch.Tensor] = []
     ref_calls: list[list[tuple[str, Any]]] | None = None
     ratios = tuple(float(r) for r in args.ratios.split(","))
-    for mode, kw in modes(args.first, ratios).items():
+    bare = args.no_primer_ratio if args.no_primer_ratio >= 0 else None
+    for mode, kw in modes(args.first, ratios, bare).items():
         passes = []
         for run in range(args.runs):
             llm = LLM(args.model, **opts, **kw)
@@ -283,6 +296,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             f"{tools.get('required_same_call', float('nan')):.2f} |"
         )
     ok = [m for m in results if m.startswith("seg") and results[m]["top1"] >= 0.95]
+    ok = [m for m in ok if not m.endswith("-noprimer")]
     best = min(ok, key=lambda m: int(m.split("-r")[1])) if ok else None
     return {"table": table, "default_ratio_mode": best}
 

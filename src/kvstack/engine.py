@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from kvstack.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvstack.engine_stats import engine_stats
@@ -200,7 +201,7 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
-        segments: Sequence[Sequence[int]] | None = None,
+        segments: Sequence[Sequence[Any]] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``InvalidRequestError``.
 

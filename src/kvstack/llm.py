@@ -59,7 +59,7 @@ class LLM:
         lora_request: Any = None,
         check_integrity: bool = False,
         on_step: Callable[[], None] | None = None,
-        segments: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        segments: Sequence[Sequence[Sequence[Any]] | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of the prompts.
 
@@ -140,7 +140,7 @@ class LLM:
         prompt_token_ids: list[int],
         start: int = 1,
         press_after: int | None = None,
-        segments: Sequence[Sequence[int]] | None = None,
+        segments: Sequence[Sequence[Any]] | None = None,
     ) -> torch.Tensor:
         """Teacher-forced next-token log-distributions of a text (``kvstack eval``).
 

@@ -18,12 +18,18 @@ placed segment, the first ``recompute_tokens`` tokens are recomputed (EPIC's fix
 first-k) and ``recompute_ratio`` of the rest, the tokens whose layer-1 KV deviates most
 from the standalone copy (CacheBlend's selection); ratio 1.0 recomputes every token and
 equals a full prefill.
+
+A mark may carry a *primer* as its third element, ``[start, end, primer_ids]``: the
+segment's entry is then computed standalone as ``[BOS][primer][segment]`` instead of
+``[BOS][segment]`` (the server gives each tool the template's rendering of an example
+tool: ``serve/segment_primers.py``). The primer is part of the entry's key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstack.errors import InvalidRequestError
 
@@ -35,6 +41,11 @@ class SegmentMarks:
     spans: tuple[tuple[int, int], ...]
     recompute_ratio: float
     recompute_tokens: int
+    primers: tuple[tuple[int, ...], ...] = ()  # per span (empty: none at all)
+
+    def primer(self, i: int) -> tuple[int, ...]:
+        """The tokens segment ``i`` is computed after (besides the sink); () for none."""
+        return self.primers[i] if self.primers else ()
 
     @property
     def num_tokens(self) -> int:
@@ -51,31 +62,60 @@ def check_recompute(ratio: float, tokens: int) -> None:
         )
 
 
+MAX_PRIMER_TOKENS = 512
+
+
+def _primer(i: int, mark: Sequence[Any], vocab_size: int | None) -> tuple[int, ...]:
+    """A mark's checked primer (its optional third element)."""
+    if len(mark) < 3:
+        return ()
+    p = mark[2]
+    if (
+        isinstance(p, str | bytes)
+        or not isinstance(p, Sequence)
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)
+    ):
+        raise InvalidRequestError(f"segment {i}: a primer is a list of token ids, got {p!r}")
+    if len(p) > MAX_PRIMER_TOKENS:
+        raise InvalidRequestError(
+            f"segment {i}: a primer may have at most {MAX_PRIMER_TOKENS} tokens, got {len(p)}"
+        )
+    if vocab_size is not None and any(x >= vocab_size for x in p):
+        raise InvalidRequestError(f"segment {i}: a primer token id is not below {vocab_size}")
+    return tuple(int(x) for x in p)
+
+
 def make_marks(
-    spans: Sequence[Sequence[int]],
+    spans: Sequence[Sequence[Any]],
     num_prompt_tokens: int,
     max_segment_tokens: int,
     recompute_ratio: float,
     recompute_tokens: int,
+    vocab_size: int | None = None,
 ) -> SegmentMarks | None:
     """Checked marks of one prompt (None when no mark is left after the last-token cut).
 
-    Raises ``InvalidRequestError`` for a mark that is not two integers, is empty, runs
-    outside the prompt, overlaps or precedes another, or is longer than
-    ``max_segment_tokens`` (what one standalone prefill may compute).
+    Raises ``InvalidRequestError`` for a mark that is not two integers (and an optional
+    primer), is empty, runs outside the prompt, overlaps or precedes another, or is,
+    with its primer, longer than ``max_segment_tokens`` (what one standalone prefill may
+    compute).
     """
     check_recompute(recompute_ratio, recompute_tokens)
     out: list[tuple[int, int]] = []
+    primers: list[tuple[int, ...]] = []
     prev_end = 0
     for i, mark in enumerate(spans):
         if (
             isinstance(mark, str | bytes)
-            or len(mark) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in mark)
+            or not isinstance(mark, Sequence)
+            or len(mark) not in (2, 3)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in mark[:2])
         ):
             raise InvalidRequestError(
-                f"segment {i}: a mark is [start, end) token indices, got {mark!r}"
+                f"segment {i}: a mark is [start, end) token indices (and an optional "
+                f"primer), got {mark!r}"
             )
+        primer = _primer(i, mark, vocab_size)
         start, end = int(mark[0]), int(mark[1])
         if start >= end:
             raise InvalidRequestError(f"segment {i}: [{start}, {end}) is empty")
@@ -87,15 +127,18 @@ def make_marks(
             raise InvalidRequestError(
                 f"segment {i}: [{start}, {end}) overlaps or precedes the segment before it"
             )
-        if end - start > max_segment_tokens:
+        if end - start + len(primer) > max_segment_tokens:
             raise InvalidRequestError(
-                f"segment {i} has {end - start} tokens; a segment may have at most "
-                f"{max_segment_tokens} (it is computed standalone in one step)"
+                f"segment {i} has {end - start} tokens and a primer of {len(primer)}; a "
+                f"segment and its primer may have at most {max_segment_tokens} (computed "
+                "standalone in one step)"
             )
         prev_end = end
         end = min(end, num_prompt_tokens - 1)  # the last prompt token is always computed
         if start < end:
             out.append((start, end))
+            primers.append(primer)
     if not out:
         return None
-    return SegmentMarks(tuple(out), float(recompute_ratio), recompute_tokens)
+    kept = tuple(primers) if any(primers) else ()
+    return SegmentMarks(tuple(out), float(recompute_ratio), recompute_tokens, kept)

@@ -59,7 +59,7 @@ def automatic_segments(engine: LLMEngine) -> bool:
 
 def request_marks(
     engine: LLMEngine,
-    spans: Sequence[Sequence[int]] | None,
+    spans: Sequence[Sequence[Any]] | None,
     ids: list[int],
     sp: SamplingParams,
     press: Any,
@@ -95,9 +95,15 @@ def request_marks(
         max_tokens,
         cfg.segment_recompute_ratio if ratio is None else ratio,
         cfg.segment_recompute_tokens if first is None else first,
+        engine.model_config.vocab_size,
     )
     if marks is not None:
-        need = sum(cache.blocks_for(e - s) for s, e in marks.spans)
+        sink, bs = len(cache.sink), cache.block_size
+        leads = [sink + len(p) for p in {marks.primer(i) for i in range(len(marks.spans))}]
+        need = sum(
+            cache.blocks_for(e - s, sink + len(marks.primer(i)))
+            for i, (s, e) in enumerate(marks.spans)
+        ) + sum(n // bs for n in leads)  # each shared lead's blocks once
         cap = int(cfg.segment_max_fraction * cache.pool.num_blocks)
         if need > cap:
             raise InvalidRequestError(

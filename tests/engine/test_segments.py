@@ -299,8 +299,12 @@ def test_shared_entry_is_held_until_every_request_copied_it() -> None:
         ([(5, 9), (8, 12)], "overlaps"),
         ([(5, 400)], "outside"),
         ([(-1, 3)], "outside"),
-        ([(1, 2, 3)], "start, end"),
+        ([(1, 2, 3, 4)], "start, end"),
         ([("a", "b")], "start, end"),
+        ([(1, 9, 3)], "primer is a list of token ids"),
+        ([(1, 9, [1, -2])], "primer is a list of token ids"),
+        ([(1, 9, [10**9])], "not below"),
+        ([(1, 9, [1] * 513)], "at most 512"),
         ("0-9", "token ranges"),
     ],
 )

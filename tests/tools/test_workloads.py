@@ -265,9 +265,12 @@ def test_shuffled_workloads_mark_their_pieces(tok: Tokenizer, name: str) -> None
         assert r.prompt_token_ids == ids and r.segments == [list(s) for s in spans]
         n = len(extra.get("tools") or extra.get("documents") or [])
         assert len(r.segments) == n and (3 <= n <= 8 if "tools" in extra else 3 <= n <= 5)
-        for s, e in r.segments:
+        for s, e, *primer in r.segments:
             piece = tuple(ids[s:e])
             pieces[piece] = pieces.get(piece, 0) + 1
             if "tools" in extra:
                 assert 110 <= e - s <= 260  # 120-250 rendered tokens, within a few
+                assert primer and len(primer[0]) > 100  # the tool primer (an example tool)
+            else:
+                assert not primer  # documents have none
     assert max(pieces.values()) > 1  # pieces recur, at other offsets

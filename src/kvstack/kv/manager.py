@@ -360,7 +360,7 @@ class KVCacheManager(PagedCommon):
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        segs = [e.blocks for e in self.segments.entries.values()] if self.segments else []
+        segs = self.segments.block_lists() if self.segments is not None else []
         for chain in (*self.req_blocks.values(), *self.pins.values(), *segs):
             for b in chain:
                 held[b.block_id] = held.get(b.block_id, 0) + 1

@@ -6,18 +6,28 @@ questions. A segment's KV is therefore kept under the hash of its own tokens (an
 namespace: model and cache salt), not of what precedes it (EPIC, Hu et al., ICML 2025:
 position-independent context caching; CacheBlend, Yao et al., EuroSys 2025).
 
-An entry is computed once *standalone*: the scheduler runs ``[sink][segment]`` as its
-own sequence at positions ``0 .. s + L - 1`` into blocks the entry owns (``s`` sink
-tokens: the tokenizer's BOS, the attention sink of StreamingLLM). A request holding the
-segment at positions ``a .. a + L - 1`` gets a copy with the keys re-rotated from
-position ``s + i`` to ``a + i`` (``model/segment_rows.py``: RoPE is a rotation), so
-requests never share an entry's blocks; they copy from them::
+An entry is computed once *standalone*: the scheduler runs ``[sink][primer][segment]``
+as its own sequence at positions ``0 .. s + L - 1`` into blocks the entry owns (``s``
+lead tokens: the tokenizer's BOS, the attention sink of StreamingLLM, and the mark's
+optional primer, ``serve/segment_primers.py``). A request holding the segment at
+positions ``a .. a + L - 1`` gets a copy with the keys re-rotated from position
+``s + i`` to ``a + i`` (``model/segment_rows.py``: RoPE is a rotation), so requests
+never share an entry's blocks; they copy from them::
 
     entry (bs 4, s 1):  [S x0 x1 x2][x3 x4 . .]          positions 0 .. 5
     request:            [p0 p1 p2 x0][x1 x2 x3 x4][q0 ...]   x at 3 .. 7: rotate by +2
 
-Blocks: an entry holds one reference on each of its ``ceil((s + L) / bs)`` blocks; they
-are never in the prefix cache. Entries are evicted whole when the pool needs blocks
+Blocks: an entry holds one reference on each of its ``ceil((lead + L) / bs)`` blocks;
+they are never in the prefix cache. A lead of ``bs`` tokens or more (a primer) is not
+computed or kept per entry: its whole blocks are a *shared lead* (``leads``), computed
+once, that every fill with that lead reads through its block table, so an entry holds
+only ``lead % bs`` lead tokens (the offset of ``x0`` in its first block)::
+
+    shared lead (bs 4):  [S p0 p1 p2][p3 p4 p5 p6]           computed once
+    entry:                                       [p7 x0 x1 x2][x3 . . .]   lead 1
+
+A shared lead is dropped when the store needs room and no pending entry reads it.
+Entries are evicted whole when the pool needs blocks
 (``release``) or the entries would hold more than ``max_fraction`` of it, in the order of
 an eviction policy of ``kv/policies.py`` (the prefix cache's ``--eviction-policy`` unless
 ``--segment-cache`` names another) whose keys are segment keys: ``reserve`` inserts
@@ -72,6 +82,17 @@ class SegmentEntry:
     ready: bool = False  # False until the step that computes it has run
     users: int = 0  # admitted requests that have not copied it yet
     token_ids: tuple[int, ...] = ()  # the segment's tokens (for SegmentStored)
+    lead: int = 0  # tokens before the segment's first in ``blocks`` (< block size)
+    shared: tuple[int, ...] = ()  # the shared lead the fill reads (``SegmentCache.leads``)
+
+
+@dataclass(eq=False)
+class SharedLead:
+    """The whole blocks of a lead (sink and primer) that fills of that lead read."""
+
+    blocks: list[KVCacheBlock]
+    ready: bool = False
+    pending: bool = False  # a fill computes it in the step being built
 
 
 @dataclass
@@ -97,6 +118,7 @@ class SegmentCache:
     events: KVEventLog | None = None
     entries: dict[SegmentKey, SegmentEntry] = field(default_factory=dict)
     counters: SegmentCounters = field(default_factory=SegmentCounters)
+    leads: dict[tuple[int, ...], SharedLead] = field(default_factory=dict)
     policy: EvictionPolicy = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,10 +126,35 @@ class SegmentCache:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self.entries.values())
+        own = sum(len(e.blocks) for e in self.entries.values())
+        return own + sum(len(s.blocks) for s in self.leads.values())
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-(len(self.sink) + num_tokens) // self.block_size)
+    def blocks_for(self, num_tokens: int, lead: int | None = None) -> int:
+        """Blocks of an entry of ``num_tokens`` after ``lead`` tokens (default: the sink)."""
+        lead = len(self.sink) if lead is None else lead % self.block_size
+        return -(-(lead + num_tokens) // self.block_size)
+
+    def shared_lead(self, lead: tuple[int, ...]) -> SharedLead | None:
+        """The shared blocks of ``lead``'s first ``len // bs`` blocks, allocated (not
+        ready: the caller computes them) when missing; None without room now."""
+        key = lead[: len(lead) // self.block_size * self.block_size]
+        found = self.leads.get(key)
+        if found is not None or not key:
+            return found if key else SharedLead([], True)
+        need = len(key) // self.block_size
+        cap = int(self.max_fraction * self.pool.num_blocks)
+        over = self.num_blocks + need - cap
+        if over > 0 and self.release(over) < over:
+            return None
+        short = need - self.pool.num_free_blocks
+        if short > 0 and self.release(short) < short:
+            return None
+        self.leads[key] = SharedLead(self.pool.allocate(need))
+        return self.leads[key]
+
+    def block_lists(self) -> list[list[KVCacheBlock]]:
+        """The blocks of every entry and shared lead (each holds one reference)."""
+        return [e.blocks for e in self.entries.values()] + [s.blocks for s in self.leads.values()]
 
     def get(self, key: SegmentKey) -> SegmentEntry | None:
         """The entry under ``key``, counted as a hit of the policy."""
@@ -117,21 +164,33 @@ class SegmentCache:
         return entry
 
     def reserve(
-        self, key: SegmentKey, num_tokens: int, token_ids: Sequence[int] = ()
+        self,
+        key: SegmentKey,
+        num_tokens: int,
+        token_ids: Sequence[int] = (),
+        lead: Sequence[int] | None = None,
     ) -> SegmentEntry | None:
-        """A new pending entry with its blocks, evicting idle entries for room; None when
-        the pool cannot give the blocks now (nothing changes then)."""
-        need = self.blocks_for(num_tokens)
+        """A new pending entry with its blocks (after ``lead``: default the sink; its
+        whole blocks are a ready ``shared_lead``), evicting idle entries for room; None
+        when the pool cannot give the blocks now (nothing changes then)."""
+        lead = self.sink if lead is None else tuple(lead)
+        shared = lead[: len(lead) // self.block_size * self.block_size]
+        assert not shared or self.leads[shared].ready, "the shared lead is computed first"
+        need = self.blocks_for(num_tokens, len(lead))
         cap = int(self.max_fraction * self.pool.num_blocks)
         if need > cap:
             return None
         over = self.num_blocks + need - cap
-        if over > 0 and self.release(over) < over:
+        if over > 0 and self.release(over, shared) < over:
             return None
         short = need - self.pool.num_free_blocks
-        if short > 0 and self.release(short) < short:
+        if short > 0 and self.release(short, shared) < short:
             return None
-        entry = SegmentEntry(key, num_tokens, self.pool.allocate(need), token_ids=tuple(token_ids))
+        blocks = self.pool.allocate(need)
+        rest = len(lead) - len(shared)
+        entry = SegmentEntry(
+            key, num_tokens, blocks, token_ids=tuple(token_ids), lead=rest, shared=shared
+        )
         self.entries[key] = entry
         self.policy.on_insert(key)
         return entry
@@ -166,6 +225,8 @@ class SegmentCache:
 
     def mark_ready(self) -> list[SegmentEntry]:
         """The step that computed the pending entries has run; returns them."""
+        for shared in self.leads.values():
+            shared.ready, shared.pending = shared.ready or shared.pending, False
         done = [e for e in self.entries.values() if not e.ready]
         for entry in done:
             self.set_ready(entry)
@@ -175,13 +236,19 @@ class SegmentCache:
         """A failed step: entries it was computing hold nothing usable."""
         for key in [k for k, e in self.entries.items() if not e.ready]:
             self._drop(key)
+        for lead in [k for k, s in self.leads.items() if not s.ready]:
+            self.pool.free(reversed(self.leads.pop(lead).blocks))
 
     def evictable_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self.entries.values() if e.ready and not e.users)
+        idle = sum(len(e.blocks) for e in self.entries.values() if e.ready and not e.users)
+        read = {e.shared for e in self.entries.values() if not e.ready}
+        free = [s for k, s in self.leads.items() if not s.pending and k not in read]
+        return idle + sum(len(s.blocks) for s in free)
 
-    def release(self, num_blocks: int) -> int:
-        """Evict idle entries in the policy's order until ``num_blocks`` blocks went back
-        to the pool or none is left; returns how many went back."""
+    def release(self, num_blocks: int, keep: tuple[int, ...] = ()) -> int:
+        """Evict idle entries in the policy's order, then shared leads no pending entry
+        reads (but ``keep``), until ``num_blocks`` blocks went back to the pool or none is
+        left; returns how many went back."""
         freed = 0
         while freed < num_blocks and len(self.policy):
             key = self.policy.victim()
@@ -189,6 +256,12 @@ class SegmentCache:
             freed += len(self.entries[key].blocks)
             self._drop(key)
             self.counters.evicted += 1
+        read = {e.shared for e in self.entries.values() if not e.ready} | {keep}
+        for lead in [k for k, s in self.leads.items() if not s.pending and k not in read]:
+            if freed >= num_blocks:
+                break
+            freed += len(self.leads[lead].blocks)
+            self.pool.free(reversed(self.leads.pop(lead).blocks))
         return freed
 
     def _drop(self, key: SegmentKey) -> None:
@@ -203,6 +276,8 @@ class SegmentCache:
         one compute that segment in place instead."""
         for key in list(self.entries):
             self._drop(key)
+        for lead in list(self.leads):
+            self.pool.free(reversed(self.leads.pop(lead).blocks))
         self.policy.clear()
 
     def check_integrity(self) -> None:
@@ -210,12 +285,19 @@ class SegmentCache:
         for key, entry in self.entries.items():
             assert entry.key == key, "entry filed under another key"
             assert entry.users >= 0, f"segment entry with {entry.users} users"
-            assert len(entry.blocks) == self.blocks_for(entry.num_tokens), "entry block count"
+            assert entry.lead < self.block_size, "a whole lead block in an entry"
+            assert len(entry.blocks) == self.blocks_for(entry.num_tokens, entry.lead), "blocks"
+            assert entry.ready or not entry.shared or entry.shared in self.leads, "lead freed"
             idle = entry.ready and entry.users == 0
             assert (key in self.policy) == idle, "policy candidate != idle entry"
             for b in entry.blocks:
                 assert b.block_id not in seen, f"block {b.block_id} in two segment entries"
                 assert b.ref_cnt >= 1 and b.block_hash is None, f"segment block {b.block_id}"
+                seen.add(b.block_id)
+        for lead, shared in self.leads.items():
+            assert len(shared.blocks) * self.block_size == len(lead), "shared lead blocks"
+            for b in shared.blocks:
+                assert b.block_id not in seen and b.ref_cnt >= 1 and b.block_hash is None
                 seen.add(b.block_id)
         assert len(self.policy) == sum(
             1 for e in self.entries.values() if e.ready and not e.users

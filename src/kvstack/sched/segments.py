@@ -5,7 +5,8 @@ A request with segments (``Request.segments``) goes through three stages:
 1. **Admission** (``prepare``): every segment must have a ready entry in the
    ``SegmentCache``. A missing one is reserved and computed standalone in this step as
    a *fill*: a ``ScheduledRequest`` of a request the scheduler never tracks, tokens
-   ``[sink][segment]`` at positions ``0 ..`` in the entry's blocks, that samples nothing.
+   ``[sink][primer][segment]`` at positions ``0 ..`` in the entry's blocks, that samples
+   nothing (the primer: the mark's optional third element, ``serve/segment_primers.py``).
    The request waits (keeping its place in the queue) until its entries are ready, the
    step after; then it holds each entry (``users``) until it has copied it, so no
    eviction can change what it computes.
@@ -60,6 +61,11 @@ if TYPE_CHECKING:
 FILL_PREFIX = "kvstack-segment-fill:"
 
 
+def _lead_id(lead: tuple[int, ...]) -> str:
+    """The fill request id of a shared lead."""
+    return FILL_PREFIX + "lead-" + segment_key(b"lead", lead).hex()
+
+
 @dataclass
 class Placement:
     """What the scheduler does at a request's chunk start: copies, repair, the chunk's
@@ -90,9 +96,16 @@ class SegmentPlanner:
         # - 1, so the chunk after them always has a token).
         self.max_rows = sys.maxsize
 
-    def _key(self, req: Request, span: tuple[int, int]) -> bytes:
-        ns = segment_namespace(self.model_id, req.cache_salt, self.cache.sink)
-        return segment_key(ns, req.prompt_token_ids[span[0] : span[1]])
+    def _lead(self, req: Request, i: int) -> tuple[int, ...]:
+        """What segment ``i``'s entry is computed after: the sink and its primer."""
+        assert req.segments is not None
+        return (*self.cache.sink, *req.segments.primer(i))
+
+    def _key(self, req: Request, i: int) -> bytes:
+        assert req.segments is not None
+        a, b = req.segments.spans[i]
+        ns = segment_namespace(self.model_id, req.cache_salt, self._lead(req, i))
+        return segment_key(ns, req.prompt_token_ids[a:b])
 
     # ------------------------------------------------------------------ admission
     def prepare(self, req: Request, out: SchedulerOutput, budget: int) -> tuple[bool, int]:
@@ -109,27 +122,27 @@ class SegmentPlanner:
         spans = req.segments.spans
         if rid not in self._counted:  # queries and hits counted once per request
             self._counted.add(rid)
-            for span in spans:
+            for i, span in enumerate(spans):
                 n = span[1] - span[0]
                 self.cache.counters.query_tokens += n
-                if self.cache.entries.get(self._key(req, span)) is not None:
+                if self.cache.entries.get(self._key(req, i)) is not None:
                     self.cache.counters.hit_tokens += n
                     req.num_segment_tokens += n
         held = self.held.get(rid)
         if held is None:
             if self.reserver is not None and self.reserver != rid:
-                ready = [self.cache.entries.get(self._key(req, span)) for span in spans]
+                ready = [self.cache.entries.get(self._key(req, i)) for i in range(len(spans))]
                 if not all(e is not None and e.ready for e in ready):
                     return False, 0  # another request is completing its set first
             held = self.held[rid] = [None] * len(spans)
         used = 0
-        for i, span in enumerate(spans):
+        for i in range(len(spans)):
             if self._alive(held[i]):
                 continue
-            key = self._key(req, span)
+            key = self._key(req, i)
             entry = self.cache.get(key)
             if entry is None:
-                entry, tokens = self._obtain(req, span, key, out, budget - used)
+                entry, tokens = self._obtain(req, i, key, out, budget - used)
                 used += tokens
             if entry is not None:
                 self.cache.hold(entry)
@@ -144,23 +157,32 @@ class SegmentPlanner:
     def _obtain(
         self,
         req: Request,
-        span: tuple[int, int],
+        i: int,
         key: bytes,
         out: SchedulerOutput,
         budget: int,
     ) -> tuple[SegmentEntry | None, int]:
         """A missing entry: loaded when the offload tiers hold all of it, else reserved
         and computed standalone (a fill); ``(entry, fill tokens)``, ``(None, 0)`` while a
-        tier lookup runs or without room or budget now."""
-        n = span[1] - span[0]
+        tier lookup runs or without room or budget now. A tier holds a ready entry's
+        blocks: its lead trimmed to ``lead % block_size`` (``SegmentCache.mark_ready``)."""
+        assert req.segments is not None
+        span = req.segments.spans[i]
+        n, lead = span[1] - span[0], self._lead(req, i)
+        rest = lead[len(lead) // self.cache.block_size * self.cache.block_size :]
         staged: Any = None  # a complete StagedLoad from the tiers
         if self.tiers is not None:
-            staged = self.tiers.lookup(key, self.cache.blocks_for(n))
+            staged = self.tiers.lookup(key, self.cache.blocks_for(n, len(rest)))
             if staged == LOADING:
                 return None, 0
-        if staged is None and budget < len(self.cache.sink) + n:
-            return None, 0
-        entry = self.cache.reserve(key, n, req.prompt_token_ids[span[0] : span[1]])
+        if staged is None:
+            shared = self.cache.shared_lead(lead)
+            if shared is None or not shared.ready:  # computed first (or no room now)
+                return None, self._fill_lead(lead, shared, out, budget)
+            if budget < len(rest) + n:
+                return None, 0
+        tokens = req.prompt_token_ids[span[0] : span[1]]
+        entry = self.cache.reserve(key, n, tokens, rest if staged is not None else lead)
         if entry is None:
             return None, 0
         if staged is not None:
@@ -169,7 +191,7 @@ class SegmentPlanner:
             self.cache.set_ready(entry)
             self.cache.counters.loaded_tokens += n
             return entry, 0
-        return entry, self._fill(req, span, entry, out)
+        return entry, self._fill(req, i, entry, out)
 
     def on_step_done(self) -> None:
         """The step ran: its fills are ready, and go to the offload tiers (write-through)."""
@@ -181,15 +203,35 @@ class SegmentPlanner:
         """The entry is still the cache's (a reset drops every entry)."""
         return entry is not None and self.cache.entries.get(entry.key) is entry
 
-    def _fill(
-        self, req: Request, span: tuple[int, int], entry: SegmentEntry, out: SchedulerOutput
-    ) -> int:
-        """Schedule the standalone prefill of a reserved entry; returns its tokens."""
-        tokens = [*self.cache.sink, *req.prompt_token_ids[span[0] : span[1]]]
+    def _fill(self, req: Request, i: int, entry: SegmentEntry, out: SchedulerOutput) -> int:
+        """Schedule the standalone prefill of a reserved entry (after its shared lead's
+        blocks, computed before); returns the tokens it computes."""
+        assert req.segments is not None
+        a, b = req.segments.spans[i]
+        tokens = [*self._lead(req, i), *req.prompt_token_ids[a:b]]
+        done = len(entry.shared)
+        table = [x.block_id for x in self.cache.leads[entry.shared].blocks] if done else []
+        table += [x.block_id for x in entry.blocks]
         # One extra token so the chunk never completes the sequence: nothing is sampled.
         fill = Request(FILL_PREFIX + entry.key.hex(), [*tokens, tokens[-1]], SamplingParams())
-        blocks = [b.block_id for b in entry.blocks]
-        out.scheduled.append(ScheduledRequest(fill, 0, len(tokens), blocks))
+        out.scheduled.append(ScheduledRequest(fill, done, len(tokens) - done, table))
+        self.cache.counters.computed_tokens += len(tokens) - done
+        return len(tokens) - done
+
+    def _fill_lead(
+        self, lead: tuple[int, ...], shared: Any, out: SchedulerOutput, budget: int
+    ) -> int:
+        """Compute a new shared lead's blocks this step (once: a pending one is being
+        computed); returns the tokens it computes."""
+        if shared is None or shared.pending:
+            return 0
+        tokens = list(lead[: len(shared.blocks) * self.cache.block_size])
+        if budget < len(tokens):
+            return 0
+        shared.pending = True
+        fill = Request(_lead_id(lead), [*tokens, tokens[-1]], SamplingParams())
+        table = [x.block_id for x in shared.blocks]
+        out.scheduled.append(ScheduledRequest(fill, 0, len(tokens), table))
         self.cache.counters.computed_tokens += len(tokens)
         return len(tokens)
 
@@ -215,7 +257,6 @@ class SegmentPlanner:
         marks = req.segments
         if marks is None or req.request_id not in self.held or c >= marks.spans[-1][1]:
             return None
-        sink = len(self.cache.sink)
         plan = Placement(start=c, limit=req.num_tokens)
         for i, (a, b) in enumerate(marks.spans):
             if b <= plan.start:
@@ -244,7 +285,7 @@ class SegmentPlanner:
                 plan.gap_tokens += gap
                 plan.start = a
             blocks = tuple(x.block_id for x in entry.blocks)
-            imp = SegmentImport(blocks, sink + plan.start - a, plan.start, b - plan.start)
+            imp = SegmentImport(blocks, entry.lead + plan.start - a, plan.start, b - plan.start)
             plan.imports.append(imp)
             plan.recompute.append(RecomputeSpan(plan.start, b, first, count))
             plan.used.append(i)

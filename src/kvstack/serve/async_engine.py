@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -209,7 +209,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
-        segments: list[tuple[int, int]] | None = None,
+        segments: Sequence[Sequence[Any]] | None = None,
     ) -> OutputStream:
         """Queue a request; returns the stream of its outputs.
 

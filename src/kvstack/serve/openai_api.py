@@ -44,6 +44,7 @@ from kvstack.serve.logprob_format import (
 )
 from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvstack.serve.segments import Mark
 from kvstack.serve.tool_calls import ChoiceToolStream
 
 
@@ -116,7 +117,7 @@ class OpenAIHandler:
 
     async def start(
         self,
-        prompts: list[tuple[list[int], str | None, list[tuple[int, int]] | None]],
+        prompts: list[tuple[list[int], str | None, list[Mark] | None]],
         req: CompletionRequest | ChatCompletionRequest,
         endpoint: str,
         session_id: str | None,

@@ -38,7 +38,7 @@ from kvstack.serve.protocol_tools import (
     ToolChoice,
     ToolDef,
 )
-from kvstack.serve.segments import chat_segments
+from kvstack.serve.segments import Mark, chat_segments
 from kvstack.serve.tool_calls import ToolPlan
 
 MAX_N = 16
@@ -310,7 +310,7 @@ class ChatCompletionRequest(_Sampling):
             ToolPlan.build(None, self.tool_choice, None, parser)  # tool_choice without tools
         return self._plan
 
-    def segments(self, tokenizer: Tokenizer) -> tuple[list[int], list[tuple[int, int]]] | None:
+    def segments(self, tokenizer: Tokenizer) -> tuple[list[int], list[Mark]] | None:
         """``prompt_ids`` with its tools, documents and marked parts as segments (issue 18,
         ``serve/segments.py``); None when it has none. Call ``tool_plan`` first."""
         return chat_segments(

@@ -26,11 +26,12 @@ from kvstack.serve.openai_api import ApiContext, Job, OpenAIHandler
 from kvstack.serve.openapi import request_body
 from kvstack.serve.output_stream import RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvstack.serve.segments import Mark
 from kvstack.structured_outputs import SpecTooLargeError
 
 logger = logging.getLogger("kvstack.serve")
 # (token ids, the text they came from, segment token ranges (issue 18) or None)
-Prompts = list[tuple[list[int], str | None, list[tuple[int, int]] | None]]
+Prompts = list[tuple[list[int], str | None, list[Mark] | None]]
 DONE = "data: [DONE]\n\n"  # the last event of every stream (openai_api.py)
 
 

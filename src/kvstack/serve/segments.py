@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvstack.model.tokenizer import Tokenizer
 from kvstack.serve.chat_prompt import chat_prompt_text
+from kvstack.serve.segment_primers import tool_primer
 
 if TYPE_CHECKING:
     from kvstack.serve.protocol import ChatMessage
     from kvstack.serve.tool_calls import ToolPlan
 
 MIN_SEGMENT_TOKENS = 8  # shorter texts are not worth a standalone prefill
+Mark = tuple[int, int] | tuple[int, int, list[int]]  # [start, end) and a primer's ids
 
 
 def _tool_texts(tool: dict[str, Any]) -> list[str]:
@@ -56,33 +58,34 @@ def segment_candidates(
     return out
 
 
-def _locate(text: str, candidates: list[list[str]]) -> list[tuple[int, int]]:
-    """Character ranges of the segments found in ``text``, sorted, not overlapping."""
-    found: list[tuple[int, int]] = []
-    for options in candidates:
+def _locate(text: str, candidates: list[list[str]]) -> list[tuple[int, int, int]]:
+    """Character ranges of the segments found in ``text`` with their candidate's index,
+    sorted, not overlapping."""
+    found: list[tuple[int, int, int]] = []
+    for ci, options in enumerate(candidates):
         for piece in options:
             at = text.find(piece)
-            while at >= 0 and any(at < e and s < at + len(piece) for s, e in found):
+            while at >= 0 and any(at < e and s < at + len(piece) for s, e, _ in found):
                 at = text.find(piece, at + 1)
             if at >= 0:
-                found.append((at, at + len(piece)))
+                found.append((at, at + len(piece), ci))
                 break
     return sorted(found)
 
 
 def split_tokenize(
-    tok: Tokenizer, text: str, ranges: list[tuple[int, int]]
-) -> tuple[list[int], list[tuple[int, int]]]:
+    tok: Tokenizer, text: str, ranges: list[tuple[int, int, int]]
+) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Ids of ``text`` with each character range tokenized on its own, and the token
-    ranges of those that are long enough to be segments."""
+    ranges of those that are long enough to be segments (with the range's tag)."""
     ids: list[int] = []
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     at = 0
-    for start, end in ranges:
+    for start, end, tag in ranges:
         ids += tok.encode(text[at:start], add_special_tokens=False) if start > at else []
         seg = tok.encode(text[start:end], add_special_tokens=False)
         if len(seg) >= MIN_SEGMENT_TOKENS:
-            spans.append((len(ids), len(ids) + len(seg)))
+            spans.append((len(ids), len(ids) + len(seg), tag))
         ids += seg
         at = end
     ids += tok.encode(text[at:], add_special_tokens=False) if at < len(text) else []
@@ -98,10 +101,11 @@ def chat_segments(
     add_generation_prompt: bool,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """The conversation's ids and segment token ranges (arguments as ``chat_prompt_ids``);
-    None when it marks no segment its rendered prompt shows (then ``chat_prompt_ids``
-    applies unchanged)."""
+) -> tuple[list[int], list[Mark]] | None:
+    """The conversation's ids and segment marks (arguments as ``chat_prompt_ids``): a
+    tool's mark carries the tool primer (``serve/segment_primers.py``), the others are
+    ``(start, end)``; None when it marks no segment its rendered prompt shows (then
+    ``chat_prompt_ids`` applies unchanged)."""
     tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan is not None else None
     candidates = segment_candidates(tools, documents, messages)
     if not candidates:
@@ -115,4 +119,11 @@ def chat_segments(
     if not ranges:
         return None
     ids, spans = split_tokenize(tok, text, ranges)
-    return (ids, spans) if spans else None
+    if not spans:
+        return None
+    num_tools = len(tools or [])
+    primer = tool_primer(tok, _tool_texts) if num_tools else ()
+    marks: list[Mark] = [
+        (a, b, list(primer)) if tag < num_tools and primer else (a, b) for a, b, tag in spans
+    ]
+    return ids, marks

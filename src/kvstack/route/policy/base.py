@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvstack.errors import ConfigError, KvstackError
 
@@ -46,7 +46,7 @@ class RouteRequest:
 
     token_ids: Sequence[int]
     cache_salt: str | None = None
-    segments: tuple[tuple[int, int], ...] = ()
+    segments: tuple[tuple[Any, ...], ...] = ()  # (start, end[, primer ids])
     sink: tuple[int, ...] = ()
 
 

@@ -175,7 +175,7 @@ class KVEventsPolicy(PrefixPolicy):
         start = matched * self.hasher.block_size
         held = self.index.segments_held(replica_id, keys.segment_keys())
         spans = zip(req.segments, held, strict=True)
-        tokens = sum(b - max(a, start) for (a, b), h in spans if h and b > start)
+        tokens = sum(m[1] - max(m[0], start) for m, h in spans if h and m[1] > start)
         return tokens // self.hasher.block_size
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:

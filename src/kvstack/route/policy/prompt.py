@@ -28,7 +28,7 @@ class PromptInfo:
     token_ids: list[int]
     cache_salt: str | None
     stream: bool
-    segments: tuple[tuple[int, int], ...] = ()
+    segments: tuple[tuple[Any, ...], ...] = ()  # (start, end[, primer ids])
     sink: tuple[int, ...] = ()
 
 

@@ -153,10 +153,12 @@ class RequestHashes:
     def segment_keys(self) -> tuple[bytes, ...]:
         """The engine's key of each of the request's segments (``kv/segments.py``)."""
         if self._segments is None:
-            req = self.req
-            ns = segment_namespace(self.hasher.model_id, req.cache_salt, req.sink)
-            ids = req.token_ids
-            self._segments = tuple(segment_key(ns, ids[a:b]) for a, b in req.segments)
+            req, keys = self.req, []
+            for mark in req.segments:  # (start, end) or (start, end, primer)
+                lead = (*req.sink, *(mark[2] if len(mark) > 2 else ()))
+                ns = segment_namespace(self.hasher.model_id, req.cache_salt, lead)
+                keys.append(segment_key(ns, req.token_ids[mark[0] : mark[1]]))
+            self._segments = tuple(keys)
         return self._segments
 
     def vllm(self, block_size: int, int_hashes: bool) -> tuple[bytes, ...]:

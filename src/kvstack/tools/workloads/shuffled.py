@@ -50,8 +50,9 @@ def segment_ids(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, Any]] | None = None,
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ids and segment ranges of a chat body exactly as ``kvstack serve`` computes them."""
+) -> tuple[list[int], list[Any]]:
+    """Ids and segment marks of a chat body exactly as ``kvstack serve`` computes them
+    (``[start, end]``, a tool's with its primer: ``[start, end, primer ids]``)."""
     from kvstack.serve.segments import chat_segments
 
     msgs, plan = parse_chat(messages, tools)

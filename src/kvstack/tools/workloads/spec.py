@@ -66,7 +66,7 @@ class WorkloadRequest:
     arrival_index: int  # global order
     body_extra: dict[str, Any] | None = None  # more body fields (agent-loop: tools, tool_choice)
     # Segment token ranges [start, end) of prompt_token_ids (the *-shuffled workloads).
-    segments: list[list[int]] | None = None
+    segments: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True)
