@@ -84,6 +84,7 @@ class SegmentEntry:
     token_ids: tuple[int, ...] = ()  # the segment's tokens (for SegmentStored)
     lead: int = 0  # tokens before the segment's first in ``blocks`` (< block size)
     shared: tuple[int, ...] = ()  # the shared lead the fill reads (``SegmentCache.leads``)
+    shift: int = 0  # the position of ``blocks``' first slot (the shared lead's length)
 
 
 @dataclass(eq=False)
@@ -169,12 +170,15 @@ class SegmentCache:
         num_tokens: int,
         token_ids: Sequence[int] = (),
         lead: Sequence[int] | None = None,
+        loaded: bool = False,
     ) -> SegmentEntry | None:
         """A new pending entry with its blocks (after ``lead``: default the sink; its
-        whole blocks are a ready ``shared_lead``), evicting idle entries for room; None
-        when the pool cannot give the blocks now (nothing changes then)."""
+        whole blocks are a ready ``shared_lead`` unless the entry is ``loaded`` from a
+        tier), evicting idle entries for room; None when the pool cannot give the blocks
+        now (nothing changes then)."""
         lead = self.sink if lead is None else tuple(lead)
-        shared = lead[: len(lead) // self.block_size * self.block_size]
+        shift = len(lead) // self.block_size * self.block_size
+        shared = () if loaded else lead[:shift]
         assert not shared or self.leads[shared].ready, "the shared lead is computed first"
         need = self.blocks_for(num_tokens, len(lead))
         cap = int(self.max_fraction * self.pool.num_blocks)
@@ -187,10 +191,10 @@ class SegmentCache:
         if short > 0 and self.release(short, shared) < short:
             return None
         blocks = self.pool.allocate(need)
-        rest = len(lead) - len(shared)
         entry = SegmentEntry(
-            key, num_tokens, blocks, token_ids=tuple(token_ids), lead=rest, shared=shared
-        )
+            key, num_tokens, blocks, token_ids=tuple(token_ids), lead=len(lead) - shift,
+            shared=shared, shift=shift,
+        )  # fmt: skip
         self.entries[key] = entry
         self.policy.on_insert(key)
         return entry

@@ -75,7 +75,7 @@ def apply_imports(scheduled: Sequence[ScheduledRequest], kv: KVStorage, model: L
             dst = range(imp.dst_start, imp.dst_start + imp.length)
             src_slots.append(_slots(imp.src_block_ids, src, bs))
             dst_slots.append(_slots(s.block_ids, dst, bs))
-            src_pos.extend(src)
+            src_pos.extend(p + imp.src_shift for p in src)
             dst_pos.extend(dst)
     if not src_slots:
         return

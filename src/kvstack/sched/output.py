@@ -44,13 +44,15 @@ from kvstack.request import Request
 
 @dataclass(frozen=True)
 class SegmentImport:
-    """Copy ``length`` tokens of a segment entry's KV from its position ``src_start`` to
-    the request's position ``dst_start`` (keys re-rotated by the difference)."""
+    """Copy ``length`` tokens of a segment entry's KV from slot ``src_start`` of its
+    blocks to the request's position ``dst_start`` (keys re-rotated from position
+    ``src_shift + src_start + i``: the entry's blocks start after a shared lead's)."""
 
     src_block_ids: tuple[int, ...]
     src_start: int
     dst_start: int
     length: int
+    src_shift: int = 0
 
 
 @dataclass(frozen=True)

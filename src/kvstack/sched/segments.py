@@ -164,8 +164,8 @@ class SegmentPlanner:
     ) -> tuple[SegmentEntry | None, int]:
         """A missing entry: loaded when the offload tiers hold all of it, else reserved
         and computed standalone (a fill); ``(entry, fill tokens)``, ``(None, 0)`` while a
-        tier lookup runs or without room or budget now. A tier holds a ready entry's
-        blocks: its lead trimmed to ``lead % block_size`` (``SegmentCache.mark_ready``)."""
+        tier lookup runs or without room or budget now. A tier holds an entry's own
+        blocks (its lead past the shared lead's whole blocks: ``lead % block_size``)."""
         assert req.segments is not None
         span = req.segments.spans[i]
         n, lead = span[1] - span[0], self._lead(req, i)
@@ -182,7 +182,7 @@ class SegmentPlanner:
             if budget < len(rest) + n:
                 return None, 0
         tokens = req.prompt_token_ids[span[0] : span[1]]
-        entry = self.cache.reserve(key, n, tokens, rest if staged is not None else lead)
+        entry = self.cache.reserve(key, n, tokens, lead, loaded=staged is not None)
         if entry is None:
             return None, 0
         if staged is not None:
@@ -285,7 +285,8 @@ class SegmentPlanner:
                 plan.gap_tokens += gap
                 plan.start = a
             blocks = tuple(x.block_id for x in entry.blocks)
-            imp = SegmentImport(blocks, entry.lead + plan.start - a, plan.start, b - plan.start)
+            src = entry.lead + plan.start - a
+            imp = SegmentImport(blocks, src, plan.start, b - plan.start, entry.shift)
             plan.imports.append(imp)
             plan.recompute.append(RecomputeSpan(plan.start, b, first, count))
             plan.used.append(i)
