@@ -31,7 +31,10 @@ ASK = "<|im_start|>user\nWhen is high tide at Morecambe?<|im_end|>\n<|im_start|>
 def prompt(llm: LLM, order: list[int], primed: bool) -> tuple[list[int], list[list[object]]]:
     """``[sink][primer]`` (``primed``) or ``[sink][system]``, then the tools of ``order``
     (marked with the primer), then the question."""
-    enc = lambda t: llm.tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+
+    def enc(text: str) -> list[int]:
+        return llm.tokenizer.encode(text, add_special_tokens=False)
+
     planner = llm.engine.scheduler.segments
     assert planner is not None
     primer = enc(PRIMER_TEXT)
@@ -99,9 +102,13 @@ def test_one_primer_is_computed_once_and_goes_with_a_reset() -> None:
 def test_primed_entries_come_back_from_the_offload_tier() -> None:
     llm = LLM("default", dtype="float32", num_blocks=120, kv_offload="host:16MiB")
     ids, marks = prompt(llm, [1, 0], primed=False)
-    run = lambda: llm.generate(  # noqa: E731
-        prompt_token_ids=[ids], sampling_params=SP, segments=[marks], use_tqdm=False
-    )[0].outputs[0].token_ids
+
+    def run() -> list[int]:
+        out = llm.generate(
+            prompt_token_ids=[ids], sampling_params=SP, segments=[marks], use_tqdm=False
+        )
+        return out[0].outputs[0].token_ids
+
     first = run()
     before = llm.get_stats().segments
     assert llm.engine.flush_offload(30)

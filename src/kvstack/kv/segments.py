@@ -132,25 +132,31 @@ class SegmentCache:
 
     def blocks_for(self, num_tokens: int, lead: int | None = None) -> int:
         """Blocks of an entry of ``num_tokens`` after ``lead`` tokens (default: the sink)."""
-        lead = len(self.sink) if lead is None else lead % self.block_size
+        lead = (len(self.sink) if lead is None else lead) % self.block_size
         return -(-(lead + num_tokens) // self.block_size)
+
+    def _make_room(self, need: int, keep: tuple[int, ...] = ()) -> bool:
+        """Evict (``release``, sparing the shared lead ``keep``) until ``need`` more
+        blocks fit the store's share and the pool; False when they cannot now."""
+        cap = int(self.max_fraction * self.pool.num_blocks)
+        if need > cap:
+            return False
+        over = self.num_blocks + need - cap
+        if over > 0 and self.release(over, keep) < over:
+            return False
+        short = need - self.pool.num_free_blocks
+        return short <= 0 or self.release(short, keep) >= short
 
     def shared_lead(self, lead: tuple[int, ...]) -> SharedLead | None:
         """The shared blocks of ``lead``'s first ``len // bs`` blocks, allocated (not
         ready: the caller computes them) when missing; None without room now."""
         key = lead[: len(lead) // self.block_size * self.block_size]
-        found = self.leads.get(key)
-        if found is not None or not key:
-            return found if key else SharedLead([], True)
-        need = len(key) // self.block_size
-        cap = int(self.max_fraction * self.pool.num_blocks)
-        over = self.num_blocks + need - cap
-        if over > 0 and self.release(over) < over:
-            return None
-        short = need - self.pool.num_free_blocks
-        if short > 0 and self.release(short) < short:
-            return None
-        self.leads[key] = SharedLead(self.pool.allocate(need))
+        if not key:
+            return SharedLead([], ready=True)  # nothing to share
+        if key not in self.leads:
+            if not self._make_room(len(key) // self.block_size):
+                return None
+            self.leads[key] = SharedLead(self.pool.allocate(len(key) // self.block_size))
         return self.leads[key]
 
     def block_lists(self) -> list[list[KVCacheBlock]]:
@@ -181,14 +187,7 @@ class SegmentCache:
         shared = () if loaded else lead[:shift]
         assert not shared or self.leads[shared].ready, "the shared lead is computed first"
         need = self.blocks_for(num_tokens, len(lead))
-        cap = int(self.max_fraction * self.pool.num_blocks)
-        if need > cap:
-            return None
-        over = self.num_blocks + need - cap
-        if over > 0 and self.release(over, shared) < over:
-            return None
-        short = need - self.pool.num_free_blocks
-        if short > 0 and self.release(short, shared) < short:
+        if not self._make_room(need, shared):
             return None
         blocks = self.pool.allocate(need)
         entry = SegmentEntry(
