@@ -219,7 +219,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--runs", type=int, default=3, help="passes on fresh engines (medians)")
     ap.add_argument("--answer-tokens", type=int, default=32)
-    ap.add_argument("--first", type=int, default=16, help="EPIC's first-k tokens recomputed")
+    ap.add_argument("--first", type=int, default=32, help="EPIC's first-k tokens recomputed")
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)),
                     help="recompute ratios of the seg-rX modes, comma-separated")  # fmt: skip
     ap.add_argument("--no-primer-ratio", type=float, default=0.15,

@@ -67,8 +67,26 @@ def chat_prompt_text(
     documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """The rendered text ``chat_prompt_ids`` tokenizes."""
+    return render_dicts(
+        tokenizer, template_messages(messages), add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=chat_template_kwargs, plan=plan, documents=documents,
+    )  # fmt: skip
+
+
+def render_dicts(
+    tokenizer: Tokenizer,
+    msgs: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    plan: ToolPlan | None = None,
+    documents: list[dict[str, Any]] | None = None,
+) -> str:
+    """``chat_prompt_text`` of messages already as the template sees them."""
     template = tokenizer.chat_template or ""
-    msgs, tools = template_messages(messages), None
+    tools = None
     if plan is not None:
         msgs, tools = plan.render(msgs, template)
     elif not template_supports_tools(template) and any(

@@ -30,11 +30,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstack.serve.chat_prompt import chat_prompt_text
+from kvstack.serve.chat_prompt import render_dicts
 
 if TYPE_CHECKING:
     from kvstack.model.tokenizer import Tokenizer
-    from kvstack.serve.protocol import ChatMessage
 
 EXAMPLE_TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
@@ -62,7 +61,7 @@ EXAMPLE_TOOLS: list[dict[str, Any]] = [
 
 def _primer(
     tok: Tokenizer,
-    messages: list[ChatMessage],
+    messages: list[dict[str, Any]],
     texts: tuple[str, str],
     tools: list[dict[str, Any]],
 ) -> tuple[int, ...]:
@@ -72,7 +71,7 @@ def _primer(
     from kvstack.serve.tool_calls import ToolPlan
 
     plan = ToolPlan.build([ToolDef.model_validate(t) for t in tools], None, None, "hermes")
-    text = chat_prompt_text(
+    text = render_dicts(
         tok, messages, add_generation_prompt=True, continue_final_message=False,
         chat_template_kwargs=None, plan=plan, documents=None,
     )  # fmt: skip
@@ -94,9 +93,8 @@ def tool_primer(
     cached = getattr(tok, "_kvstack_tool_primer", None)
     if cached is not None:
         return tuple(cached)
-    from kvstack.serve.protocol import ChatMessage
 
-    user = [ChatMessage.model_validate({"role": "user", "content": "Hello."})]
+    user = [{"role": "user", "content": "Hello."}]
     primer: tuple[int, ...] = ()
     for pair in zip(tool_texts(EXAMPLE_TOOLS[0]), tool_texts(EXAMPLE_TOOLS[1]), strict=True):
         primer = _primer(tok, user, pair, EXAMPLE_TOOLS)  # the same variant of both

@@ -250,7 +250,8 @@ def _openai_prompts(body: Any, tok: _Tokenize) -> list[array]:
 
 
 def _segments(value: Any, num_tokens: int) -> list[tuple[int, int]] | None:
-    """Sorted, disjoint ``[start, end)`` ranges inside the prompt, or a malformed line."""
+    """Sorted, disjoint ``[start, end)`` ranges inside the prompt (a mark's primer, its
+    optional third element, is not part of the range), or a malformed line."""
     if value is None:
         return None
     bad = _Malformed(f"segments {_shown(value)} are not [start, end) ranges of the prompt")
@@ -258,7 +259,12 @@ def _segments(value: Any, num_tokens: int) -> list[tuple[int, int]] | None:
         raise bad
     out: list[tuple[int, int]] = []
     for mark in value:
-        if not isinstance(mark, list) or len(mark) != 2 or any(type(x) is not int for x in mark):
+        if (
+            not isinstance(mark, list)
+            or len(mark) not in (2, 3)
+            or any(type(x) is not int for x in mark[:2])
+            or (len(mark) == 3 and not isinstance(mark[2], list))
+        ):
             raise bad
         if not (out[-1][1] if out else 0) <= mark[0] < mark[1] <= num_tokens:
             raise bad
