@@ -56,22 +56,9 @@ def chat_prompt_ids(
     return tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template does
 
 
-def chat_prompt_text(
-    tokenizer: Tokenizer,
-    messages: list[ChatMessage],
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    plan: ToolPlan | None = None,
-    documents: list[dict[str, Any]] | None = None,
-) -> str:
-    """The rendered text ``chat_prompt_ids`` tokenizes."""
-    return render_dicts(
-        tokenizer, template_messages(messages), add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        chat_template_kwargs=chat_template_kwargs, plan=plan, documents=documents,
-    )  # fmt: skip
+def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], **kw: Any) -> str:
+    """The rendered text ``chat_prompt_ids`` tokenizes (keywords as ``render_dicts``)."""
+    return render_dicts(tokenizer, template_messages(messages), **kw)
 
 
 def render_dicts(
