@@ -96,9 +96,9 @@ def make_marks(
     """Checked marks of one prompt (None when no mark is left after the last-token cut).
 
     Raises ``InvalidRequestError`` for a mark that is not two integers (and an optional
-    primer), is empty, runs outside the prompt, overlaps or precedes another, or is,
-    with its primer, longer than ``max_segment_tokens`` (what one standalone prefill may
-    compute).
+    primer), is empty, runs outside the prompt, overlaps or precedes another, or is
+    longer than ``max_segment_tokens`` (what one standalone prefill may compute; a
+    primer that does not fit is dropped by the engine, ``segment_support.py``).
     """
     check_recompute(recompute_ratio, recompute_tokens)
     out: list[tuple[int, int]] = []
@@ -127,11 +127,10 @@ def make_marks(
             raise InvalidRequestError(
                 f"segment {i}: [{start}, {end}) overlaps or precedes the segment before it"
             )
-        if end - start + len(primer) > max_segment_tokens:
+        if end - start > max_segment_tokens:
             raise InvalidRequestError(
-                f"segment {i} has {end - start} tokens and a primer of {len(primer)}; a "
-                f"segment and its primer may have at most {max_segment_tokens} (computed "
-                "standalone in one step)"
+                f"segment {i} has {end - start} tokens; a segment may have at most "
+                f"{max_segment_tokens} (it is computed standalone in one step)"
             )
         prev_end = end
         end = min(end, num_prompt_tokens - 1)  # the last prompt token is always computed

@@ -12,6 +12,7 @@ attention assumes full causal context and per-token codes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvstack.errors import InvalidRequestError
@@ -23,6 +24,7 @@ from kvstack.segment_marks import SegmentMarks, make_marks
 
 if TYPE_CHECKING:
     from kvstack.engine import LLMEngine
+    from kvstack.kv.segments import SegmentCache
 
 
 def enable_segments(engine: LLMEngine) -> None:
@@ -98,16 +100,43 @@ def request_marks(
         engine.model_config.vocab_size,
     )
     if marks is not None:
-        sink, bs = len(cache.sink), cache.block_size
-        leads = [sink + len(p) for p in {marks.primer(i) for i in range(len(marks.spans))}]
-        need = sum(
-            cache.blocks_for(e - s, sink + len(marks.primer(i)))
-            for i, (s, e) in enumerate(marks.spans)
-        ) + sum(n // bs for n in leads)  # each shared lead's blocks once
+        marks = _fitting_primers(marks, len(cache.sink), cache.block_size, budget, max_tokens)
         cap = int(cfg.segment_max_fraction * cache.pool.num_blocks)
+        need = _blocks_needed(marks, cache)
+        if need > cap and marks.primers:  # without the primers' blocks, if that fits
+            marks = replace(marks, primers=())
+            need = _blocks_needed(marks, cache)
         if need > cap:
             raise InvalidRequestError(
                 f"the request's segments need {need} KV blocks together; segments may "
                 f"hold at most {cap} (--segment-max-fraction of {cache.pool.num_blocks})"
             )
     return marks
+
+
+def _fitting_primers(
+    marks: SegmentMarks, sink: int, bs: int, budget: int, max_tokens: int
+) -> SegmentMarks:
+    """``marks`` without the primers one step cannot compute: a primer only improves
+    what a copy holds, so one whose shared lead (its whole blocks) exceeds the step's
+    token budget, or whose last partial block with the segment exceeds a segment's
+    limit, is dropped rather than refused (a server with a small
+    ``--max-num-batched-tokens`` still reuses tools)."""
+    if not marks.primers:
+        return marks
+    kept = []
+    for (a, b), primer in zip(marks.spans, marks.primers, strict=True):
+        lead = sink + len(primer)
+        fits = lead - lead % bs <= budget and b - a + lead % bs - sink <= max_tokens
+        kept.append(primer if fits else ())
+    return replace(marks, primers=tuple(kept) if any(kept) else ())
+
+
+def _blocks_needed(marks: SegmentMarks, cache: SegmentCache) -> int:
+    """Blocks the request's entries hold together, with each shared lead's once."""
+    sink, bs = len(cache.sink), cache.block_size
+    leads = [sink + len(p) for p in {marks.primer(i) for i in range(len(marks.spans))}]
+    own = sum(
+        cache.blocks_for(b - a, sink + len(marks.primer(i))) for i, (a, b) in enumerate(marks.spans)
+    )
+    return own + sum(n // bs for n in leads)

@@ -118,3 +118,22 @@ def test_primed_entries_come_back_from_the_offload_tier() -> None:
     assert after["computed_tokens"] == before["computed_tokens"]  # nothing recomputed
     assert after["loaded_tokens"] == sum(m[1] - m[0] for m in marks)  # type: ignore[misc]
     llm.engine.check_integrity()
+
+
+def test_a_primer_one_step_cannot_compute_is_dropped() -> None:
+    """A 64-token step budget cannot compute the primer's shared blocks: the request runs
+    without it (the same tokens as with no primer), nothing refused, nothing leaked."""
+    llm = LLM("default", dtype="float32", num_blocks=120, max_num_batched_tokens=64)
+    ids, marks = prompt(llm, [0, 1], primed=False)
+    long = llm.tokenizer.encode(PRIMER_TEXT * 3, add_special_tokens=False)
+    assert len(long) > 64 + 16  # its whole blocks alone exceed the step budget
+    bare = [m[:2] for m in marks]
+    marks = [[*m[:2], long] for m in marks]
+    outs = llm.generate(
+        prompt_token_ids=[ids, ids], sampling_params=SP, segments=[marks, bare],
+        check_integrity=True, use_tqdm=False,
+    )  # fmt: skip
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    cache = llm.engine.scheduler.segments.cache  # type: ignore[union-attr]
+    assert not cache.leads and len(cache.entries) == 2  # the bare entries, shared by both
+    llm.engine.check_integrity()
