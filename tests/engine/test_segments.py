@@ -239,18 +239,19 @@ def _keys(llm: LLM, blocks: list[int], positions: range) -> torch.Tensor:
     return keys[torch.tensor(list(positions))]
 
 
-@pytest.mark.parametrize("block_size", [16, 8])
-def test_placed_keys_equal_keys_computed_in_place(block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "primer"), [(16, 0), (8, 0), (16, 37)])
+def test_placed_keys_equal_keys_computed_in_place(block_size: int, primer: int) -> None:
     """Layer 0's KV depends only on token and position: a copy re-rotated from the
     standalone positions must equal the keys computed in place (float32, 1e-5), at odd
-    offsets and across block boundaries."""
+    offsets and across block boundaries; also after a primer whose two whole blocks are
+    a shared lead (the copy's source positions start past it)."""
     kw = dict(dtype="float32", num_blocks=200, block_size=block_size)
     seg = LLM("default", **kw, segment_recompute_ratio=0.0, segment_recompute_tokens=0)
     ref = LLM("default", **kw, segment_cache="none", prefix_cache="none")
     for pad in (0, 3, block_size + 5):
         ids, spans = build(seg, (0, 2, 1), "Which bay?")
         ids = ids[:1] + [198] * pad + ids[1:]
-        spans = [(a + pad, b + pad) for a, b in spans]
+        spans = [(a + pad, b + pad, [198] * primer) for a, b in spans]
         seg.engine.add_request(f"s{pad}", None, SP, prompt_token_ids=ids, segments=spans)
         ref.engine.add_request(f"r{pad}", None, SP, prompt_token_ids=ids)
         end = spans[-1][1]
@@ -260,6 +261,7 @@ def test_placed_keys_equal_keys_computed_in_place(block_size: int) -> None:
         seg.engine.abort_request(f"s{pad}")
         ref.engine.abort_request(f"r{pad}")
     seg.engine.check_integrity()
+    assert len(seg.engine.scheduler.segments.cache.leads) == (primer > 0)  # type: ignore[union-attr]
 
 
 def test_shared_entry_is_held_until_every_request_copied_it() -> None:
