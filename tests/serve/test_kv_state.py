@@ -261,16 +261,19 @@ def test_a_100k_block_pool_is_aggregated() -> None:
 
 
 def test_segment_blocks_are_drawn_as_segments(tiny_gguf: Path) -> None:
-    """A segment's standalone KV (issue 18) shows as its own state in the block map."""
+    """A segment's standalone KV (issue 18) shows as its own state in the block map, the
+    whole blocks of its primer (a shared lead) too."""
     from kvstack import SamplingParams
 
     llm = LLM(str(tiny_gguf), dtype="float32", num_blocks=64, block_size=4)
     prompt = list(range(3, 40))
     sp = SamplingParams(temperature=0.0, max_tokens=2)
-    llm.generate(prompt_token_ids=[prompt], sampling_params=sp, segments=[[(4, 24)]])
+    marks = [[(4, 24), (24, 34, [7] * 9)]]  # the second after a primer: 2 shared blocks
+    llm.generate(prompt_token_ids=[prompt], sampling_params=sp, segments=marks)
     kv = llm.engine.kv_manager
     assert isinstance(kv, KVCacheManager) and kv.segments is not None
-    held = sum(len(e.blocks) for e in kv.segments.entries.values())
+    assert [len(s.blocks) for s in kv.segments.leads.values()] == [2]
+    held = sum(len(e.blocks) for e in kv.segments.entries.values()) + 2
     view = view_blocks(kv)
     assert held > 0 and view.state.count(STATES.index("segment")) == held
     # The timeline's rows: a request that copied the segment (its tokens counted apart),

@@ -71,12 +71,13 @@ def _held(
     manager: PagedManager,
 ) -> tuple[dict[str, list[KVCacheBlock]], list[KVCacheBlock], list[KVCacheBlock]]:
     """Each request's blocks (every group's pages), the pinned blocks (and the hybrid
-    manager's null page: reserved, drawn as pinned) and the segment cache's blocks (the
-    hybrid manager has none: segments are refused with windows)."""
+    manager's null page: reserved, drawn as pinned) and the segment cache's blocks, its
+    entries' and shared leads' (the hybrid manager has none: segments are refused with
+    windows)."""
     if isinstance(manager, KVCacheManager):
         pinned = [b for chain in manager.pins.values() for b in chain]
-        entries = manager.segments.entries.values() if manager.segments is not None else ()
-        return dict(manager.req_blocks), pinned, [b for e in entries for b in e.blocks]
+        lists = manager.segments.block_lists() if manager.segments is not None else []
+        return dict(manager.req_blocks), pinned, [b for blocks in lists for b in blocks]
     null = manager.null
     held = {rid: [b for t in ts for b in t if b is not null] for rid, ts in manager.tables.items()}
     return held, [null, *(b for chain in manager.pins.values() for b in chain)], []
