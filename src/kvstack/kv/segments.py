@@ -147,10 +147,16 @@ class SegmentCache:
         short = need - self.pool.num_free_blocks
         return short <= 0 or self.release(short, keep) >= short
 
+    def split_lead(self, lead: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``lead`` as its whole blocks (a shared lead's key) and the rest (< bs tokens,
+        in the entry's first block)."""
+        cut = len(lead) // self.block_size * self.block_size
+        return lead[:cut], lead[cut:]
+
     def shared_lead(self, lead: tuple[int, ...]) -> SharedLead | None:
         """The shared blocks of ``lead``'s first ``len // bs`` blocks, allocated (not
         ready: the caller computes them) when missing; None without room now."""
-        key = lead[: len(lead) // self.block_size * self.block_size]
+        key = self.split_lead(lead)[0]
         if not key:
             return SharedLead([], ready=True)  # nothing to share
         if key not in self.leads:
@@ -182,17 +188,16 @@ class SegmentCache:
         whole blocks are a ready ``shared_lead`` unless the entry is ``loaded`` from a
         tier), evicting idle entries for room; None when the pool cannot give the blocks
         now (nothing changes then)."""
-        lead = self.sink if lead is None else tuple(lead)
-        shift = len(lead) // self.block_size * self.block_size
-        shared = () if loaded else lead[:shift]
+        whole, rest = self.split_lead(self.sink if lead is None else tuple(lead))
+        shared = () if loaded else whole
         assert not shared or self.leads[shared].ready, "the shared lead is computed first"
-        need = self.blocks_for(num_tokens, len(lead))
+        need = self.blocks_for(num_tokens, len(rest))
         if not self._make_room(need, shared):
             return None
         blocks = self.pool.allocate(need)
         entry = SegmentEntry(
-            key, num_tokens, blocks, token_ids=tuple(token_ids), lead=len(lead) - shift,
-            shared=shared, shift=shift,
+            key, num_tokens, blocks, token_ids=tuple(token_ids), lead=len(rest),
+            shared=shared, shift=len(whole),
         )  # fmt: skip
         self.entries[key] = entry
         self.policy.on_insert(key)
@@ -240,13 +245,21 @@ class SegmentCache:
         for key in [k for k, e in self.entries.items() if not e.ready]:
             self._drop(key)
         for lead in [k for k, s in self.leads.items() if not s.ready]:
-            self.pool.free(reversed(self.leads.pop(lead).blocks))
+            self._drop_lead(lead)
+
+    def _idle_leads(self, keep: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+        """Shared leads no fill computes or reads now (nor ``keep``): free to drop."""
+        read = {e.shared for e in self.entries.values() if not e.ready} | {keep}
+        return [k for k, s in self.leads.items() if not s.pending and k not in read]
+
+    def _drop_lead(self, lead: tuple[int, ...]) -> int:
+        blocks = self.leads.pop(lead).blocks
+        self.pool.free(reversed(blocks))
+        return len(blocks)
 
     def evictable_blocks(self) -> int:
         idle = sum(len(e.blocks) for e in self.entries.values() if e.ready and not e.users)
-        read = {e.shared for e in self.entries.values() if not e.ready}
-        free = [s for k, s in self.leads.items() if not s.pending and k not in read]
-        return idle + sum(len(s.blocks) for s in free)
+        return idle + sum(len(self.leads[k].blocks) for k in self._idle_leads())
 
     def release(self, num_blocks: int, keep: tuple[int, ...] = ()) -> int:
         """Evict idle entries in the policy's order, then shared leads no pending entry
@@ -259,12 +272,10 @@ class SegmentCache:
             freed += len(self.entries[key].blocks)
             self._drop(key)
             self.counters.evicted += 1
-        read = {e.shared for e in self.entries.values() if not e.ready} | {keep}
-        for lead in [k for k, s in self.leads.items() if not s.pending and k not in read]:
+        for lead in self._idle_leads(keep):
             if freed >= num_blocks:
                 break
-            freed += len(self.leads[lead].blocks)
-            self.pool.free(reversed(self.leads.pop(lead).blocks))
+            freed += self._drop_lead(lead)
         return freed
 
     def _drop(self, key: SegmentKey) -> None:
@@ -280,7 +291,7 @@ class SegmentCache:
         for key in list(self.entries):
             self._drop(key)
         for lead in list(self.leads):
-            self.pool.free(reversed(self.leads.pop(lead).blocks))
+            self._drop_lead(lead)
         self.policy.clear()
 
     def check_integrity(self) -> None:

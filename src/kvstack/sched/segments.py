@@ -169,7 +169,7 @@ class SegmentPlanner:
         assert req.segments is not None
         span = req.segments.spans[i]
         n, lead = span[1] - span[0], self._lead(req, i)
-        rest = lead[len(lead) // self.cache.block_size * self.cache.block_size :]
+        rest = self.cache.split_lead(lead)[1]
         staged: Any = None  # a complete StagedLoad from the tiers
         if self.tiers is not None:
             staged = self.tiers.lookup(key, self.cache.blocks_for(n, len(rest)))
@@ -225,7 +225,7 @@ class SegmentPlanner:
         computed); returns the tokens it computes."""
         if shared is None or shared.pending:
             return 0
-        tokens = list(lead[: len(shared.blocks) * self.cache.block_size])
+        tokens = list(self.cache.split_lead(lead)[0])
         if budget < len(tokens):
             return 0
         shared.pending = True

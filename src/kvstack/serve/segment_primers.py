@@ -33,6 +33,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstack.serve.chat_prompt import render_dicts
+from kvstack.serve.protocol_tools import ToolDef
+from kvstack.serve.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
     from kvstack.model.tokenizer import Tokenizer
@@ -61,29 +63,16 @@ EXAMPLE_TOOLS: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def _primer(
-    tok: Tokenizer,
-    messages: list[dict[str, Any]],
-    texts: tuple[str, str],
-    tools: list[dict[str, Any]],
-) -> tuple[int, ...]:
-    """Example 1 and the text up to example 2, tokenized as ``serve/segments.py`` does
-    (example 1 on its own, then the text between); () if the template shows neither."""
-    from kvstack.serve.protocol_tools import ToolDef
-    from kvstack.serve.tool_calls import ToolPlan
-
-    plan = ToolPlan.build([ToolDef.model_validate(t) for t in tools], None, None, "hermes")
-    text = render_dicts(
-        tok, messages, add_generation_prompt=True, continue_final_message=False,
-        chat_template_kwargs=None, plan=plan, documents=None,
-    )  # fmt: skip
-    a = text.find(texts[0])
-    b = text.find(texts[1], a + len(texts[0])) if a >= 0 else -1
+def _between(tok: Tokenizer, text: str, first: str, second: str) -> tuple[int, ...]:
+    """``first`` and the text up to ``second`` in ``text``, tokenized as
+    ``serve/segments.py`` does (``first`` on its own, then the text between); () if
+    ``text`` does not show both in that order."""
+    a = text.find(first)
+    b = text.find(second, a + len(first)) if a >= 0 else -1
     if b < 0:
         return ()
-    end = a + len(texts[0])
-    ids = tok.encode(texts[0], add_special_tokens=False)
-    return tuple(ids + tok.encode(text[end:b], add_special_tokens=False))
+    ids = tok.encode(first, add_special_tokens=False)
+    return tuple(ids + tok.encode(text[a + len(first) : b], add_special_tokens=False))
 
 
 def tool_primer(
@@ -95,11 +84,13 @@ def tool_primer(
     cached = getattr(tok, "_kvstack_tool_primer", None)
     if cached is not None:
         return tuple(cached)
-
-    user = [{"role": "user", "content": "Hello."}]
+    plan = ToolPlan.build([ToolDef.model_validate(t) for t in EXAMPLE_TOOLS], None, None, "hermes")
+    text = render_dicts(
+        tok, [{"role": "user", "content": "Hello."}], add_generation_prompt=True, plan=plan
+    )
     primer: tuple[int, ...] = ()
-    for pair in zip(tool_texts(EXAMPLE_TOOLS[0]), tool_texts(EXAMPLE_TOOLS[1]), strict=True):
-        primer = _primer(tok, user, pair, EXAMPLE_TOOLS)  # the same variant of both
+    for first, second in zip(*(tool_texts(t) for t in EXAMPLE_TOOLS), strict=True):
+        primer = _between(tok, text, first, second)  # the same rendering of both
         if primer:
             break
     tok._kvstack_tool_primer = primer  # type: ignore[attr-defined]
