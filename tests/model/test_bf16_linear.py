@@ -29,7 +29,7 @@ def avx512(kernels: Kernels) -> bool:
     return bool(kernels.bf16_linear_available())
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 32, 95, 96, 97, 200])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 32, 95, 96, 97, 200, 256, 389, 800])
 @pytest.mark.parametrize("n", [16, 48, 80, 144])  # 1, 3, 5, 9 column blocks
 def test_kernel_matches_float32_matmul(kernels: Kernels, avx512: bool, rows: int, n: int) -> None:
     torch.manual_seed(rows * 1000 + n)
@@ -81,8 +81,8 @@ def test_bad_shapes_are_refused(kernels: Kernels) -> None:
 
 
 def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
-    """AMX first, then AVX512-BF16; inputs of up to AVX512_MAX_ROWS rows go to it, longer
-    ones and float32 to oneDNN / F.linear, all giving the once-rounded product."""
+    """AMX first, then AVX512-BF16, which takes every bf16 input (batch invariant); float32
+    goes to F.linear; all giving the once-rounded product."""
     kern = packed_linear.tile_kernel()
     amx = bool(kernels.amx_linear_available())
     isa = str(kernels.bf16_linear_isa())
@@ -90,21 +90,40 @@ def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
     if not amx and isa in ("avx512_fma", "avx2_fma") and not packed_linear.onednn_bf16():
         expected = isa  # AVX-512F without BF16, or AVX2 only: oneDNN has no native bf16
     assert (kern.name if kern else None) == expected
+    if kern is not None:
+        assert kern.batch_invariant == (kern.name in ("avx512_bf16", "avx512_fma"))
     torch.manual_seed(0)
     w = torch.randn(64, 96)
     lin = Linear(w, torch.bfloat16)
     assert (lin.tiles is not None) == (expected is not None)
-    narrow = packed_linear.AVX512_NARROW_ROWS
-    for rows in (1, packed_linear.AVX512_MAX_ROWS, narrow, narrow + 1, 300):
+    for rows in (1, 64, 192, 193, 300):
         x = torch.randn(rows, 96).bfloat16()
-        assert packed_linear.use_avx512(x, 64) == (rows <= narrow)
+        assert packed_linear.use_every(x, 64)
+        assert packed_linear.use_every(x, packed_linear.WIDE_OUT + 16)  # lm_head
         assert_rounded_once(lin(x), reference(x, w.bfloat16()))
-    wide = torch.empty(packed_linear.AVX512_MAX_ROWS + 1, 96).bfloat16()
-    assert not packed_linear.use_avx512(wide, packed_linear.WIDE_OUT + 16)  # lm_head
-    assert packed_linear.use_avx512(wide[:-1], packed_linear.WIDE_OUT + 16)
-    assert not packed_linear.use_avx512(torch.randn(8, 96), 64)  # float32
-    assert not packed_linear.use_avx512(torch.randn(8, 192).bfloat16()[:, ::2], 64)
+    assert not packed_linear.use_every(torch.randn(8, 96), 64)  # float32
+    assert not packed_linear.use_every(torch.randn(8, 192).bfloat16()[:, ::2], 64)
     assert Linear(w, torch.float32).tiles is None
+
+
+def test_rows_do_not_depend_on_their_batch_mates() -> None:
+    """Batch invariance (``TileKernel.batch_invariant``): every row of an M-row input equals
+    that row computed alone, bit for bit, for M across the kernel's 6-row blocks and 96-row
+    chunks and beyond the old oneDNN split (64 / 192 rows), for a layer as wide as an
+    lm_head too, through ``Linear`` (the model's path)."""
+    kern = packed_linear.tile_kernel()
+    if kern is None or not kern.batch_invariant:
+        pytest.skip(f"this CPU's kernel splits by rows ({kern.name if kern else 'none'})")
+    torch.manual_seed(3)
+    x = torch.randn(400, 576).bfloat16()
+    for n in (96, packed_linear.WIDE_OUT + 16):
+        lin = Linear(torch.randn(n, 576), torch.bfloat16)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 400, 37)])
+        for rows in (1, 7, 65, 97, 193, 400):
+            got = lin(x[:rows])
+            picked = torch.arange(0, 400, 37)
+            picked = picked[picked < rows]
+            assert torch.equal(got[picked], alone[: len(picked)]), (n, rows)
 
 
 def test_avx2_routing_and_widened_path() -> None:

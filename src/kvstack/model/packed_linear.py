@@ -3,35 +3,36 @@
 The kernels read the weight in one packed copy (``amx_linear.pack_weight``: for each block
 of 16 output columns, consecutive bf16 pairs of K) and round a float32 accumulator to bf16
 once; they beat oneDNN where it is compute-starved (decode-sized batches), and ``Linear``
-keeps oneDNN's prepacked weight for the rest:
+keeps oneDNN's prepacked weight for the inputs a kernel's rule does not take:
 
 - ``amx`` (``csrc/amx_linear.cpp``): Intel AMX tiles; rule in ``model/amx_linear.py``
   (measured on the 2-core AMX Xeon of issue 15);
 - ``avx512_bf16`` (``csrc/bf16_linear.cpp``): register-blocked ``VDPBF16PS`` for CPUs with
-  AVX512-BF16 and no AMX (AMD EPYC Zen 4/5). Rule below, from
-  ``benchmarks/linear_kernels.py`` on the 2-core AMD EPYC (Zen 4) of 2026-12-02, two
-  threads, minimum of 30 repetitions, oneDNN time / kernel time:
+  AVX512-BF16 and no AMX (AMD EPYC Zen 4/5). It takes **every** bf16 input, so a row's
+  output never depends on how many rows share its step (batch invariance, below).
+  ``benchmarks/linear_kernels.py`` on the 2-core AMD EPYC (Zen 5) of 2026-12-05, two
+  threads, minimum of 15, oneDNN time / kernel time
+  (``results/linear_kernels-2026-12-05-zen5-invariance.json``):
 
       rows (M)   576->960   576->576   576->3072   1536->576   576->49152 (lm_head)
-      1          3.37x      3.51x      2.22x       2.70x       1.62x
-      8          2.23x      2.42x      1.41x       1.71x       1.31x
-      32         1.51x      1.45x      1.14x       1.29x       0.99x
-      64         1.23x      1.26x      1.14x       1.14x       0.99x
-      128        0.98x      1.26x      1.08x       1.14x       0.88x
-      2048       0.97x      1.01x      1.02x       0.99x       0.87x
+      1          2.48x      2.93x      1.37x       2.03x       1.05x
+      32         1.35x      1.50x      1.09x       1.29x       1.05x
+      128        1.06x      1.11x      1.02x       1.05x       1.00x
+      256        1.04x      1.05x      1.00x       1.03x       0.96x
+      512        1.00x      1.01x      0.99x       1.01x       1.00x
+      2048       0.99x      0.99x      0.99x       1.00x       1.01x
 
-  and with weights cycled from DRAM (``--cold``, as in a decode step; minimum of 5-7):
-
-      32         1.41x      1.50x      1.18x       1.19x       1.05x
-      64         1.61x      1.56x      1.05x       1.38x       1.03x
-      128        1.11x      1.05x      0.97x       1.20x       0.94x
-      192        1.03x      1.06x      1.13x       1.09x       0.96x
-      256        1.05x      1.06x      0.91x       1.07x       0.98x
-
-  so every input of up to ``AVX512_MAX_ROWS`` rows, and up to ``AVX512_NARROW_ROWS``
-  unless the layer is wider than ``WIDE_OUT`` (the lm_head). At M = 32 both run near this CPU's
-  ``VDPBF16PS`` peak (~220 GFLOP/s a core: 400-420 against 270-365 for two threads), so
-  a batch-32 decode step is compute-bound here, not bound by reading the weights.
+  From 256 rows the kernel splits rows, not columns, between threads (``kRowSplitRows``):
+  in a prefill each thread's rows of x were just written into its own core's cache by the
+  previous op, and a column split had every thread read all of x: inside the engine that
+  made the qkv projection ~10 % slower than oneDNN at 2,048 rows although this table (x
+  warm in both caches) showed parity. With the split, offline 32 prompts x 256 tokens ->
+  64 ran 1.006x the old routing's speed (medians of 3, same process). On the Zen 4 of
+  2026-12-02 (minimum of 30) the kernel ran a batch-32 decode step near the ``VDPBF16PS``
+  peak (~220 GFLOP/s a core). Until 2026-12-05 inputs of more than 64 rows (192 for layers
+  no wider than ``WIDE_OUT``) went to oneDNN,
+  whose float32 summation order differs: a request's greedy text could change when a long
+  prompt shared its step.
 
 - ``avx2_fma`` (the same ``csrc/bf16_linear.cpp`` over ``csrc/fma_bf16.h``): CPUs with only
   AVX2 + FMA (AMD EPYC Zen 2/3), where oneDNN has no bf16. PyTorch 2.13
@@ -72,6 +73,15 @@ AMX wins over AVX512-BF16 where both exist (a tile instruction does 16x the work
 ``VDPBF16PS``), so it is chosen first. Invariant: a kernel is chosen once per process
 (``tile_kernel``), so every ``Linear`` of a model routes the same way; float32 models never
 use either (``F.linear``, bit-comparable with transformers).
+
+**Batch invariance** (bf16): each kernel sums a row's products in one fixed order whatever
+the number of rows (``tests/model/test_bf16_linear.py``), so where it takes every input
+(``TileKernel.batch_invariant``: ``avx512_bf16``, ``avx512_fma``) a step's batch mates,
+chunk sizes and prefix hits change no bit of a request's logits
+(``tests/engine/test_batch_invariance.py``). ``amx`` and ``avx2_fma`` still hand long
+inputs to oneDNN / ``widened_linear``, where each wins (tables above), so on those CPUs a
+bf16 row's last bit can depend on its batch mates, as in vLLM without
+``VLLM_BATCH_INVARIANT``.
 """
 
 from __future__ import annotations
@@ -85,8 +95,6 @@ import torch.nn.functional as F
 from kvstack.model import amx_linear
 from kvstack.model.kernels import direct, load_kernels
 
-AVX512_MAX_ROWS = 64  # rows up to which bf16_linear beats oneDNN on every shape (above)
-AVX512_NARROW_ROWS = 192  # ... and on layers no wider than WIDE_OUT
 AVX2_MAX_ROWS = 128  # rows up to which the AVX2 + FMA kernel beats float32 MKL (above)
 WIDE_OUT = amx_linear.WIDE_OUT
 
@@ -121,14 +129,7 @@ class TileKernel:
     name: str
     op: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     use: Callable[[torch.Tensor, int], bool]
-
-
-def use_avx512(x: torch.Tensor, out_features: int) -> bool:
-    """Whether ``x`` (2-D bf16, rows contiguous) goes to ``bf16_linear`` (rule above)."""
-    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
-        return False
-    rows = x.shape[0]
-    return rows <= AVX512_MAX_ROWS or (rows <= AVX512_NARROW_ROWS and out_features <= WIDE_OUT)
+    batch_invariant: bool = False  # ``use`` takes every bf16 input (no oneDNN split)
 
 
 def use_avx2(x: torch.Tensor, out_features: int) -> bool:
@@ -138,9 +139,9 @@ def use_avx2(x: torch.Tensor, out_features: int) -> bool:
     return x.shape[0] <= AVX2_MAX_ROWS or out_features > WIDE_OUT
 
 
-def use_avx512_fma(x: torch.Tensor, out_features: int) -> bool:
-    """Whether ``x`` goes to the AVX-512F widening kernel: every 2-D bf16 input with
-    contiguous rows (rule above)."""
+def use_every(x: torch.Tensor, out_features: int) -> bool:
+    """Whether ``x`` goes to the ``avx512_bf16`` or ``avx512_fma`` kernel: every 2-D bf16
+    input with contiguous rows (rules above: batch invariant)."""
     return x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.bfloat16
 
 
@@ -164,9 +165,9 @@ def tile_kernel() -> TileKernel | None:
     elif amx_linear.amx_kernels() is not None:
         _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
     elif (isa := str(ops.bf16_linear_isa())) == "avx512_bf16":
-        _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_avx512)
+        _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_every, True)
     elif isa == "avx512_fma" and not onednn_bf16():
-        _chosen = TileKernel("avx512_fma", direct(ops.bf16_linear), use_avx512_fma)
+        _chosen = TileKernel("avx512_fma", direct(ops.bf16_linear), use_every, True)
     elif isa == "avx2_fma" and not onednn_bf16():
         _chosen = TileKernel("avx2_fma", direct(ops.bf16_linear), use_avx2)
     _decided = True

@@ -18,9 +18,14 @@
 // so one 64-byte load at (nb, kp) is the VDPBF16PS B operand for 16 output columns and
 // the input pair (2 kp, 2 kp + 1); a column block's K/2 loads are one contiguous stream.
 //
-// The loop, per thread over a contiguous range of 16-column blocks:
+// Threads split the 16-column blocks (decode-sized inputs: each weight element is read
+// once in all) or, from kRowSplitRows rows, the rows (a prefill: each thread reads the rows
+// of x its core just wrote, and the weight from L2/L3). Either way a row's result is the
+// same: its K sum runs in one fixed order whatever the row count, the block it falls in
+// or the thread (batch invariance, model/packed_linear.py). The loop, per thread:
 //
-//   for rows in chunks of kRowChunk (x's chunk stays in L2 while the columns pass):
+//   for rows in chunks of kRowChunk (kSplitChunk when rows are split; x's chunk stays in
+//   L2 while the columns pass):
 //     for each group of NR (<= 4) column blocks:          acc[MR][NR] zmm registers
 //       for each block of MR (<= 6) rows:
 //         acc = 0;  for kp: b[j] = load(nb + j, kp); a = broadcast(x[r][2kp:2kp+2]);
@@ -88,13 +93,18 @@ template <int MR, int NR, typename PF, typename Micro>
 #if defined(KVSTACK_AVX512_BF16)
 
 constexpr int64_t kRowChunk = 96;
+// From this many rows bf16_linear splits rows, not columns, between threads: a prefill's
+// x was just written by the previous op, each thread's rows into its own core's cache,
+// and a column split makes every thread read all of x (half of it from the other core).
+constexpr int64_t kRowSplitRows = 256;
+constexpr int64_t kSplitChunk = 384;  // rows per chunk there (x's chunk: 432 KiB at K 576)
 
 void bf16_columns(const at::BFloat16* x, int64_t lda, int64_t M, int64_t K,
                   const at::BFloat16* w, int64_t nb_begin, int64_t nb_end, at::BFloat16* y,
-                  int64_t ldy) {
+                  int64_t ldy, int64_t chunk = kRowChunk) {
   using dpbf16::Prefetch;
   column_groups<dpbf16::kMR, dpbf16::kNR, Prefetch>(
-      M, K, kRowChunk, w, nb_begin, nb_end,
+      M, K, chunk, w, nb_begin, nb_end,
       [&](int64_t r, int64_t rows, int64_t nb, int64_t cols, const at::BFloat16* b, Prefetch pf) {
         dpbf16::pick<at::BFloat16>(rows, cols)(x + r * lda, lda, b, 16 * K, K / 2,
                                                y + r * ldy + 16 * nb, ldy, pf);
@@ -183,6 +193,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   const auto* wp = packed.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t lda = x.stride(0);
+  if (M >= kRowSplitRows) {  // long inputs: each thread its own rows, every column
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    at::parallel_for(0, M, (M + threads - 1) / threads, [&](int64_t r0, int64_t r1) {
+      bf16_columns(xp + r0 * lda, lda, r1 - r0, K, wp, 0, N / 16, yp + r0 * N, N, kSplitChunk);
+    });
+    return y;
+  }
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     bf16_columns(xp, lda, M, K, wp, begin, end, yp, N);
   });
