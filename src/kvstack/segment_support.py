@@ -5,8 +5,10 @@ and the scheduler its ``SegmentPlanner`` (``sched/segments.py``) unless
 ``--segment-cache none``. ``request_marks`` turns a request's ``[start, end)`` marks
 into ``SegmentMarks`` or refuses them with one clear ``InvalidRequestError`` where
 kvstack cannot place segments yet: the era-1 layouts (no blocks to copy into), presses
-(they drop the tokens a copy fills), sliding-window models and kivi2 (the repair rows'
-attention assumes full causal context and per-token codes).
+(they drop the tokens a copy fills), the hybrid KV manager (window groups free the blocks
+a copy would fill; a sliding-window model places segments with
+``--disable-hybrid-kv-cache-manager``: one table, windows applied in attention) and kivi2
+(a row reads its own block at full precision, which a copy has only as codes).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.tiers.segments import SegmentTiers
 from kvstack.request import SamplingParams
@@ -49,11 +52,10 @@ def enable_segments(engine: LLMEngine) -> None:
 
 def automatic_segments(engine: LLMEngine) -> bool:
     """Whether the server turns tools, documents and marked parts into segments: the
-    feature is on and nothing engine-wide refuses them (a window, kivi2, a default
-    press), so a chat request that never asked for segments cannot fail on them."""
+    feature is on and nothing engine-wide refuses them (the hybrid KV manager, kivi2, a
+    default press), so a chat request that never asked for segments cannot fail on them."""
     return (
         engine.scheduler.segments is not None
-        and not engine.model_config.has_window
         and not engine.kv_storage.codec.own_block_exact
         and engine.config.cache.kv_press is None
     )
@@ -77,8 +79,11 @@ def request_marks(
     planner = engine.scheduler.segments
     if not spans or cfg.segment_cache == "none":
         return None
-    if engine.model_config.has_window:  # (the hybrid KV manager has no segment cache)
-        raise InvalidRequestError("segments are not supported with sliding-window attention yet")
+    if planner is None and isinstance(engine.kv_manager, HybridKVManager):
+        raise InvalidRequestError(
+            "segments are not supported by the hybrid KV manager (a sliding-window model) "
+            "yet; start the server with --disable-hybrid-kv-cache-manager"
+        )
     if planner is None:
         raise InvalidRequestError("segments need the paged KV layout (--kv-layout paged)")
     if engine.kv_storage.codec.own_block_exact:

@@ -86,10 +86,18 @@ class PrefillSeq:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per window, lazily
 
     def mask_for(self, layer: int, window: int | None) -> torch.Tensor | None:
-        """The mask of ``layer`` (None: causal); a window masks keys older than it."""
+        """The mask of ``layer`` (None: causal); a window masks keys older than it (for
+        sparse rows, older than each row's own position's window)."""
         if window is not None:
             if window not in self.window_masks:
-                self.window_masks[window] = prefill_window_mask(self.q_len, self.ctx_len, window)
+                if self.positions is not None:
+                    assert self.mask is not None
+                    older = torch.arange(self.ctx_len)[None, :] <= self.positions[:, None] - window
+                    self.window_masks[window] = self.mask & ~older
+                else:
+                    self.window_masks[window] = prefill_window_mask(
+                        self.q_len, self.ctx_len, window
+                    )
             return self.window_masks[window]
         return self.layer_masks[layer] if self.layer_masks is not None else self.mask
 
