@@ -40,6 +40,7 @@ from typing import Any
 import jsonschema
 import torch
 
+import kvstack.model.gemma3 as gemma3_mod
 import kvstack.model.llama as llama_mod
 from bench_common import RESULTS_DIR, log, write_json
 from kvstack import LLM, SamplingParams
@@ -80,7 +81,10 @@ def spans(req: WorkloadRequest, mode: str) -> list[list[Any]] | None:
 
 
 class AttentionTimer:
-    """Wall time inside the model's ``paged_attention`` (every layer), while installed."""
+    """Wall time inside the model's ``paged_attention`` (every layer), while installed
+    (in the Llama and the Gemma 3 forward)."""
+
+    MODULES = (llama_mod, gemma3_mod)
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -94,11 +98,13 @@ class AttentionTimer:
             self.seconds += time.perf_counter() - t0
 
     def __enter__(self) -> AttentionTimer:
-        llama_mod.paged_attention = self  # type: ignore[assignment]
+        for mod in self.MODULES:
+            mod.paged_attention = self  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        llama_mod.paged_attention = self.inner
+        for mod in self.MODULES:
+            mod.paged_attention = self.inner
 
 
 def one_pass(llm: LLM, work: list[WorkloadRequest], mode: str) -> dict[str, Any]:
@@ -227,10 +233,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default="default")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
+    ap.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                    help="one block table for all layers: how a sliding-window model "
+                    "(gemma3-270m) places segments")  # fmt: skip
+    ap.add_argument("--chat-template", default=None,
+                    help="a chat template file for a model without one (gemma3-270m: "
+                    "benchmarks/templates/gemma3_tools.jinja)")  # fmt: skip
     args = ap.parse_args()
     info = machine_info()
     log(f"CPU: {info.get('cpu_model')} flags {' '.join(info.get('cpu_flags', []))}")
-    opts = {"dtype": args.dtype, "num_blocks": 1024, "max_num_batched_tokens": 4096}
+    opts = {"dtype": args.dtype, "num_blocks": 1024, "max_num_batched_tokens": 4096,
+            "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
+            "chat_template": args.chat_template}  # fmt: skip
     probe = LLM(args.model, **opts)
     work = make_workload(args.workload, probe.tokenizer, args.num_requests)
     full_sp = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)

@@ -11,14 +11,13 @@ The hybrid KV manager refuses marks with a message that names the flag."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
 from kvstack.errors import InvalidRequestError
 from kvstack.model import runner, segment_rows
+from kvstack.segment_support import automatic_segments
 from kvstack.testing.gemma3 import random_gemma3_weights, tiny_gemma3_config
 from kvstack.testing.tiny_models import write_gguf
 
@@ -97,4 +96,7 @@ def test_hybrid_manager_refuses_marks_naming_the_flag(gguf: str) -> None:
     with pytest.raises(InvalidRequestError, match="--disable-hybrid-kv-cache-manager"):
         llm.score(ids, start=start, segments=marks)
     assert llm.engine.num_free_blocks == llm.engine.kv_manager.num_blocks
-    assert Path(gguf).exists()
+    # the server turns tools into segments only where they can be placed
+    assert not automatic_segments(llm.engine)
+    one_table = LLM(gguf, disable_hybrid_kv_cache_manager=True, **OPTS)
+    assert automatic_segments(one_table.engine)
