@@ -25,9 +25,11 @@ keeps oneDNN's prepacked weight for the inputs a kernel's rule does not take:
   From 256 rows the kernel splits rows, not columns, between threads (``kRowSplitRows``):
   in a prefill each thread's rows of x were just written into its own core's cache by the
   previous op, and a column split had every thread read all of x: inside the engine that
-  made the qkv projection ~10 % slower than oneDNN at 2,048 rows although this table (x
-  warm in both caches) showed parity. With the split, offline 32 prompts x 256 tokens ->
-  64 ran 1.006x the old routing's speed (medians of 3, same process). On the Zen 4 of
+  made the projections 3-12 % slower than oneDNN at 2,048 rows although this table (x
+  warm in both caches) showed parity; with the split they ran within 2 % of it there.
+  ``benchmarks/batch_invariance.py`` (offline 32 prompts x 256 tokens -> 64, both rules
+  interleaved in one process, medians of 3): 0.985x the old routing's throughput, 1.006x
+  in an earlier pair of the same workload (run-to-run spread). On the Zen 4 of
   2026-12-02 (minimum of 30) the kernel ran a batch-32 decode step near the ``VDPBF16PS``
   peak (~220 GFLOP/s a core). Until 2026-12-05 inputs of more than 64 rows (192 for layers
   no wider than ``WIDE_OUT``) went to oneDNN,
