@@ -15,7 +15,9 @@ Gemma 3's local layers (``modeling_gemma3.py``) all use::
 
 Every path applies it: the C++ ``paged_attention`` starts each row at key ``max(0, L -
 W)`` (``csrc/paged_attention.cpp``), the PyTorch decode path adds ``-inf`` to the older
-slots (``decode_window_bias``) and prefill SDPA takes ``prefill_window_mask``. Every KV
+slots (``decode_window_bias``) and prefill SDPA takes ``prefill_window_mask`` (segment
+repair rows, scattered positions of one sparse sequence: a window per row from its own
+position, ``PrefillSeq.mask_for``). Every KV
 codec's kernel takes the window (kivi2 included: a row's own block stays exact, its
 window's earlier blocks are read from their codes).
 
