@@ -308,7 +308,7 @@ def test_what_the_hybrid_manager_refuses(model: Path, tmp_path: Path) -> None:
     llm = LLM(str(model), dtype="float32", num_blocks=32)
     with pytest.raises(InvalidRequestError, match="at least one full block"):
         llm.pin_prefix([3, 4, 5])
-    with pytest.raises(InvalidRequestError, match="segments are not supported by the hybrid KV manager"):
+    with pytest.raises(InvalidRequestError, match="not supported by the hybrid KV manager"):
         llm.generate(prompt_token_ids=[list(range(3, 40))], sampling_params=greedy(),
                      segments=[[(4, 20)]])  # fmt: skip
     assert llm.pin_prefix(list(range(3, 40))) == 32  # computed first, then held
