@@ -106,24 +106,30 @@ def test_kernel_choice_and_routing(avx512: bool, kernels: Kernels) -> None:
     assert Linear(w, torch.float32).tiles is None
 
 
-def test_rows_do_not_depend_on_their_batch_mates() -> None:
-    """Batch invariance (``TileKernel.batch_invariant``): every row of an M-row input equals
-    that row computed alone, bit for bit, for M across the kernel's 6-row blocks and 96-row
-    chunks and beyond the old oneDNN split (64 / 192 rows), for a layer as wide as an
-    lm_head too, through ``Linear`` (the model's path)."""
-    kern = packed_linear.tile_kernel()
-    if kern is None or not kern.batch_invariant:
-        pytest.skip(f"this CPU's kernel splits by rows ({kern.name if kern else 'none'})")
+def test_rows_do_not_depend_on_their_batch_mates(kernels: Kernels, avx512: bool) -> None:
+    """Batch invariance: every row of an M-row input equals that row computed alone, bit
+    for bit, for M across the kernel's row blocks and chunks and past its row split (256
+    rows on AVX512-BF16), for a layer as wide as an lm_head too; where the chosen kernel
+    takes every input (``TileKernel.batch_invariant``), ``Linear`` returns the same."""
     torch.manual_seed(3)
     x = torch.randn(400, 576).bfloat16()
+    if not avx512:
+        with pytest.raises(RuntimeError, match="nor AVX2\\+FMA is available"):
+            kernels.bf16_linear(x, amx_linear.pack_weight(torch.randn(96, 576).bfloat16()), 96)
+        return
+    kern = packed_linear.tile_kernel()
+    picked = torch.arange(0, 400, 37)
     for n in (96, packed_linear.WIDE_OUT + 16):
-        lin = Linear(torch.randn(n, 576), torch.bfloat16)
-        alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 400, 37)])
-        for rows in (1, 7, 65, 97, 193, 400):
-            got = lin(x[:rows])
-            picked = torch.arange(0, 400, 37)
-            picked = picked[picked < rows]
-            assert torch.equal(got[picked], alone[: len(picked)]), (n, rows)
+        w = torch.randn(n, 576).bfloat16()
+        packed = amx_linear.pack_weight(w)
+        alone = torch.cat([kernels.bf16_linear(x[i : i + 1], packed, n) for i in picked])
+        lin = Linear(w, torch.bfloat16)
+        for rows in (1, 7, 65, 97, 193, 256, 400):
+            got = kernels.bf16_linear(x[:rows], packed, n)
+            some = picked[picked < rows]
+            assert torch.equal(got[some], alone[: len(some)]), (n, rows)
+            if kern is not None and kern.batch_invariant:
+                assert torch.equal(lin(x[:rows]), got), (n, rows)
 
 
 def test_avx2_routing_and_widened_path() -> None:

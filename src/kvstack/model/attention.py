@@ -90,14 +90,9 @@ class PrefillSeq:
         sparse rows, older than each row's own position's window)."""
         if window is not None:
             if window not in self.window_masks:
-                if self.positions is not None:
-                    assert self.mask is not None
-                    older = torch.arange(self.ctx_len)[None, :] <= self.positions[:, None] - window
-                    self.window_masks[window] = self.mask & ~older
-                else:
-                    self.window_masks[window] = prefill_window_mask(
-                        self.q_len, self.ctx_len, window
-                    )
+                self.window_masks[window] = prefill_window_mask(
+                    self.q_len, self.ctx_len, window, self.positions
+                )
             return self.window_masks[window]
         return self.layer_masks[layer] if self.layer_masks is not None else self.mask
 

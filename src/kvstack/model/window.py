@@ -41,10 +41,13 @@ from kvstack.kv.press.base import nothing_to_press
 from kvstack.model_config import ModelConfig
 
 
-def prefill_window_mask(q_len: int, ctx_len: int, window: int) -> torch.Tensor:
+def prefill_window_mask(
+    q_len: int, ctx_len: int, window: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[q_len, ctx_len]`` bool, True = may attend: the causal sliding-window mask of a
-    chunk of ``q_len`` queries whose last one sits at position ``ctx_len - 1``."""
-    pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]
+    chunk of ``q_len`` queries whose last one sits at position ``ctx_len - 1``, or of
+    queries at ``positions`` (segment repair rows, scattered)."""
+    pos = (torch.arange(ctx_len - q_len, ctx_len) if positions is None else positions)[:, None]
     keys = torch.arange(ctx_len)[None, :]
     return (keys <= pos) & (keys > pos - window)
 
