@@ -1,5 +1,5 @@
 """What bf16 batch invariance buys and costs: kvstack's linear routing before and after
-2026-12-05, in one process (``model/packed_linear.py``: "Batch invariance").
+2026-12-05, in one process (``model/kernels/packed_linear.py``: "Batch invariance").
 
 - ``split``: the old rule on AVX512-BF16 CPUs: inputs of up to 64 rows (192 for layers no
   wider than ``WIDE_OUT``) to ``bf16_linear``, longer ones to oneDNN;
@@ -29,7 +29,7 @@ import torch
 
 from bench_common import RESULTS_DIR, log, write_json
 from kvstack import LLM, SamplingParams
-from kvstack.model import packed_linear
+from kvstack.model.kernels import packed_linear
 from offline_throughput import machine_info
 
 PROMPTS = [

@@ -183,7 +183,7 @@ def run_attention_only(args: argparse.Namespace) -> dict[str, Any]:
     """One layer's decode attention, reference vs kernel, for each codec."""
     from kvstack.kv.codecs import CacheShape, codec_class
     from kvstack.model.attention import KernelRows
-    from kvstack.model.kernels import load_kernels
+    from kvstack.model.kernels.loader import load_kernels
 
     kernels = load_kernels()
     assert kernels is not None, "the C++ kernels did not build"

@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Run every selected era on every selected workload; write JSON, table, plot, README."""
     args = build_parser().parse_args(argv)
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
     from kvstack.tools.workloads import DEFAULTS, WORKLOADS, make_workload, summarize
     from offline_throughput import machine_info
 

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench_common import RESULTS_DIR, log, write_json, write_readme_block
-from kvstack.model.registry import load_tokenizer
+from kvstack.model.loader.registry import load_tokenizer
 from offline_throughput import machine_info
 
 CUSTOMER = {

@@ -72,7 +72,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 
 def build_prompts(seed: int = 0) -> dict[str, list[int]]:
     """The two fixed prompts as exactly ``PROMPT_TOKENS`` token ids (kvstack's tokenizer)."""
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
 
     tok = load_tokenizer("default")
     code = (REPO_ROOT / "src" / "kvstack" / "kv" / "hashing.py").read_text()

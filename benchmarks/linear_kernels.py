@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from bench_common import RESULTS_DIR, best_ms
-from kvstack.model import amx_linear, packed_linear
-from kvstack.model.kernels import load_kernels
+from kvstack.model.kernels import amx_linear, packed_linear
+from kvstack.model.kernels.loader import load_kernels
 from offline_throughput import machine_info
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -68,7 +68,7 @@ class Bench:
     """Prompts, LLM construction and the timed request, shared by every mode."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvstack.model.registry import load_tokenizer
+        from kvstack.model.loader.registry import load_tokenizer
         from kvstack.tools.workloads.text import TextMaker
 
         self.args, self.maker = args, TextMaker(load_tokenizer("default"))

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(run_kvpress(**req), args.out)
         return 0
 
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
     from kvstack.tools.eval.corpus import real_corpus
 
     t0 = time.perf_counter()

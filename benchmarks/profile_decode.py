@@ -91,7 +91,7 @@ def profile_variant(kwargs: dict[str, Any], prompt: list[int], args: argparse.Na
         per["tokens_per_step"] = (tokens - 1) / steps
         return per
 
-    from kvstack.model import decode_stack
+    from kvstack.model.arch import decode_stack
 
     one(16)  # warm-up
     teams = (True, False) if args.compare_team else (True,)

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import RESULTS_DIR, best_ms
-from kvstack.model.kernels import load_kernels
-from kvstack.model.layers import Linear
+from kvstack.model.arch.layers import Linear
+from kvstack.model.kernels.loader import load_kernels
 from kvstack.model.quant.gguf_blocks import pack_gguf
 from kvstack.model.quant.packed import PackedWeight, unpack_u4
 from kvstack.model.quant.quantize import quantize_int4, quantize_int8

@@ -4,7 +4,7 @@ One engine per mode, the same model, dtype and pool: ``full`` (no prefix cache, 
 segments), ``prefix`` (vLLM's hash prefix cache) and ``seg-rX`` (prefix cache plus
 segment reuse recomputing X % of each placed segment, CacheBlend's selection, after its
 first ``--first`` tokens: EPIC; each tool computed after the tool primer, as the server
-marks it, ``serve/segment_primers.py``) and ``seg-rX-noprimer`` (one ratio, every
+marks it, ``serve/chat/segment_primers.py``) and ``seg-rX-noprimer`` (one ratio, every
 segment computed after BOS only: what the primer changes, same run). The workload
 (``agent-tools-shuffled``: 3-8 of 20 tool
 schemas in random order, or ``rag-shuffled``) runs one request at a time in its order, so
@@ -40,13 +40,13 @@ from typing import Any
 import jsonschema
 import torch
 
-import kvstack.model.gemma3 as gemma3_mod
-import kvstack.model.llama as llama_mod
+import kvstack.model.arch.decoder as llama_mod
+import kvstack.model.arch.gemma3_decoder as gemma3_mod
 from bench_common import RESULTS_DIR, log, write_json
 from kvstack import LLM, SamplingParams
-from kvstack.serve.protocol_tools import ToolDef
-from kvstack.serve.tool_calls import ToolPlan
-from kvstack.serve.tool_parsers import TOOL_PARSERS
+from kvstack.serve.api.protocol_tools import ToolDef
+from kvstack.serve.chat.tool_calls import ToolPlan
+from kvstack.serve.chat.tool_parsers import TOOL_PARSERS
 from kvstack.tools.workloads import make_workload
 from kvstack.tools.workloads.spec import WorkloadRequest
 from offline_throughput import machine_info

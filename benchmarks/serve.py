@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         report(doc, png, args.write_readme)
         return
 
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
     from kvstack.tools.workloads import make_workload, summarize
 
     tok = load_tokenizer("default")

@@ -39,7 +39,7 @@ from typing import Any
 from bench_common import REPO_ROOT, RESULTS_DIR, LoadMeter, log, wait_for_idle, write_json
 from bench_common import write_readme_block as write_block
 from kvstack import LLM, SamplingParams
-from kvstack.engine import LLMEngine
+from kvstack.engine.llm_engine import LLMEngine
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 256

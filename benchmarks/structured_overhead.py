@@ -23,7 +23,7 @@ from typing import Any
 
 from bench_common import RESULTS_DIR, log, median, write_json, write_readme_block
 from kvstack import LLM, SamplingParams
-from kvstack.structured_outputs import StructuredOutputsParams as SO
+from kvstack.core.structured_outputs import StructuredOutputsParams as SO
 from offline_throughput import machine_info
 
 FIELDS = {

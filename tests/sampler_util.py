@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstack.model.sampler import Sampler, SamplerOutput
-from kvstack.model.sampling_metadata import SamplingBatch
-from kvstack.request import Request, SamplingParams
+from kvstack.core.request import Request, SamplingParams
+from kvstack.model.sampling.metadata import SamplingBatch
+from kvstack.model.sampling.sampler import Sampler, SamplerOutput
 
 V = 64
 

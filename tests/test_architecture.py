@@ -18,41 +18,16 @@ PACKAGE = SRC / "kvstack"
 
 # Module name prefixes by layer, lowest first; the longest matching prefix decides.
 LAYERS: list[tuple[str, ...]] = [
-    (
-        "errors",
-        "units",
-        "registry",
-        "options",
-        "model_config",
-        "structured_outputs",
-        "request",
-        "segment_marks",
-        "prompts",
-        "hugepages",
-    ),
-    ("kv", "sched", "spec", "stats"),  # 1 bookkeeping and KV memory, speculation
-    ("model",),  # 2 the model, its runner and sampler
-    (
-        "config",
-        "config_choices",
-        "vllm_args",
-        "segment_config",
-    ),  # 3 engine options, checked against registries
-    # 4 the engine ("" = kvstack)
-    (
-        "engine",
-        "engine_stats",
-        "segment_support",
-        "hybrid_support",
-        "llm",
-        "output_processor",
-        "testing",
-        "",
-    ),
-    ("serve",),  # 5 the OpenAI server
-    ("route", "tools"),  # 6 applications on top of the server/engine
-    ("deploy",),  # 7 manifests that run the applications
-    ("cli",),  # 8 the command line
+    ("core",),  # 0 the shared vocabulary: requests, options, registries, errors
+    ("kv", "sched"),  # 1 KV memory and bookkeeping, the scheduler
+    ("model",),  # 2 the model, its runner, sampler and kernels
+    ("spec",),  # 3 speculative decoding: proposers, the drafter, rejection sampling
+    ("config",),  # 4 engine options, checked against the registries
+    ("engine", "testing", ""),  # 5 the engine and the offline API ("" = kvstack)
+    ("serve",),  # 6 the OpenAI server
+    ("route", "tools"),  # 7 applications on top of the server/engine
+    ("deploy",),  # 8 manifests that run the applications
+    ("cli",),  # 9 the command line
 ]
 
 # (importer, imported) pairs allowed to go upward, at most 5, each with its reason.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstack.errors import ConfigError
-from kvstack.registry import Registry
+from kvstack.core.errors import ConfigError
+from kvstack.core.registry import Registry
 
 
 def test_registry_keeps_order_and_rejects_duplicates() -> None:
@@ -26,7 +26,7 @@ def test_registry_keeps_order_and_rejects_duplicates() -> None:
 def test_every_extension_point_has_one_registry() -> None:
     """The CLI choices come from the registries (no second hand-typed list)."""
     from kvstack.cli import build_parser
-    from kvstack.config_choices import VLLM_KV_CACHE_DTYPES
+    from kvstack.config.choices import VLLM_KV_CACHE_DTYPES
     from kvstack.kv.codecs import CODECS
     from kvstack.kv.layouts import KV_LAYOUTS
     from kvstack.kv.manager import PREFIX_CACHES

@@ -7,7 +7,7 @@ import json
 import random
 import re
 
-from kvstack.serve.tool_parsers import (
+from kvstack.serve.chat.tool_parsers import (
     ContentDelta,
     ToolCallDelta,
     ToolParser,

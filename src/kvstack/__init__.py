@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstack.request import CompletionOutput, RequestOutput, SamplingParams
+from kvstack.core.request import CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from kvstack.config import EngineConfig
-    from kvstack.engine import LLMEngine
-    from kvstack.llm import LLM
+    from kvstack.config.engine import EngineConfig
+    from kvstack.engine.llm import LLM
+    from kvstack.engine.llm_engine import LLMEngine
 
 __all__ = [
     "LLM",
@@ -30,15 +30,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from kvstack.llm import LLM
+        from kvstack.engine.llm import LLM
 
         return LLM
     if name == "EngineConfig":
-        from kvstack.config import EngineConfig
+        from kvstack.config.engine import EngineConfig
 
         return EngineConfig
     if name == "LLMEngine":
-        from kvstack.engine import LLMEngine
+        from kvstack.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

@@ -165,8 +165,8 @@ NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
 
 def test_every_engine_option_has_a_flag() -> None:
     from kvstack.cli import build_parser
-    from kvstack.config import EngineConfig
-    from kvstack.options import option_specs
+    from kvstack.config.engine import EngineConfig
+    from kvstack.core.options import option_specs
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for command in ("generate", "chat", "serve"):
@@ -182,8 +182,8 @@ def test_every_engine_option_has_a_flag() -> None:
 
 def test_engine_config_from_cli_args_round_trips_every_option() -> None:
     from kvstack.cli import build_parser
-    from kvstack.config import EngineConfig
-    from kvstack.options import option_specs
+    from kvstack.config.engine import EngineConfig
+    from kvstack.core.options import option_specs
 
     KEY_FILE.write_bytes(b"k" * 32)  # --kv-offload-key-file is read when the config is built
     covered = set().union(*NON_DEFAULT)
@@ -201,8 +201,8 @@ def test_engine_config_from_cli_args_round_trips_every_option() -> None:
 
 
 def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstack.config import EngineConfig
-    from kvstack.options import option_specs
+    from kvstack.config.engine import EngineConfig
+    from kvstack.core.options import option_specs
     from kvstack.route.ray import RayOptions
     from kvstack.serve.server import ServerOptions
 

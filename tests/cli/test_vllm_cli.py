@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from kvstack.cli import build_parser, main
 from kvstack.cli.config_file import expand_config_file
-from kvstack.config import EngineConfig
+from kvstack.config.engine import EngineConfig
 from kvstack.serve.server import ServerOptions, build_server
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 import kvstack
+from kvstack.core.errors import ConfigError
 from kvstack.deploy.cli import add_deploy_args, run_deploy
 from kvstack.deploy.k8s import (
     CRD_SCHEMAS,
@@ -30,7 +31,6 @@ from kvstack.deploy.k8s import (
     render_yaml,
 )
 from kvstack.deploy.k8s_objects import PRESTOP_SLEEP_S, SHUTDOWN_GRACE_S
-from kvstack.errors import ConfigError
 from kvstack.route.policy import ROUTING_POLICIES
 from kvstack.tools.plan import add_plan_args, make_plan, parse_tokens, resolve_gpu, resolve_model
 

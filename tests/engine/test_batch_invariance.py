@@ -1,5 +1,5 @@
 """bf16 batch invariance on CPUs whose linear kernel takes every input
-(``TileKernel.batch_invariant``, ``model/packed_linear.py``): a request's logits do not
+(``TileKernel.batch_invariant``, ``model/kernels/packed_linear.py``): a request's logits do not
 depend on its batch mates, its chunk sizes, a prefix hit, or (issue 18) whether a
 segment copy was recomputed in full. Bitwise, not within a tolerance.
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.model import packed_linear
 from kvstack.model.attention import KERNEL_CHUNK_ROWS, causal_kernel_takes
-from kvstack.model.kernels import load_kernels
+from kvstack.model.kernels import packed_linear
+from kvstack.model.kernels.loader import load_kernels
 
 LONG = " ".join(["The history of the world is long and full of wars."] * 30)
 OPTS = {"dtype": "bfloat16", "num_blocks": 256}

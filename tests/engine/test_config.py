@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstack.config import CacheConfig, EngineConfig, parse_size
-from kvstack.errors import ConfigError
-from kvstack.options import option_specs
+from kvstack.config.engine import CacheConfig, EngineConfig, parse_size
+from kvstack.core.errors import ConfigError
+from kvstack.core.options import option_specs
 
 
 def test_parse_size() -> None:
@@ -26,7 +26,8 @@ def test_cache_config_rejects_bad_values() -> None:
 
 
 def test_old_import_paths_still_work() -> None:
-    from kvstack import config, model_config, units
+    from kvstack.config import engine as config
+    from kvstack.core import model_config, units
 
     assert config.ModelConfig is model_config.ModelConfig
     assert config.RopeScaling is model_config.RopeScaling
@@ -67,7 +68,7 @@ def test_choices_are_checked_with_the_old_messages() -> None:
 
 
 def test_llm_rejects_an_unknown_keyword_before_loading_anything() -> None:
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
     with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'num_block'"):
         LLM("/nonexistent/model.gguf", num_block=8)
@@ -76,7 +77,7 @@ def test_llm_rejects_an_unknown_keyword_before_loading_anything() -> None:
 
 
 def test_llm_docstring_lists_every_option() -> None:
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
     doc = LLM.__doc__ or ""
     for s in option_specs(EngineConfig):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import InvalidRequestError
-from kvstack.request import RequestStatus
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.request import RequestStatus
 
 
 @pytest.fixture(scope="module")

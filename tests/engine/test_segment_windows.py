@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
+from kvstack.engine.segments import automatic_segments
 from kvstack.model import runner, segment_rows
-from kvstack.segment_support import automatic_segments
 from kvstack.testing.gemma3 import random_gemma3_weights, tiny_gemma3_config
 from kvstack.testing.tiny_models import write_gguf
 

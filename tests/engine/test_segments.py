@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.core.request import RequestStatus
 from kvstack.model.segment_rows import rows_on_paged_kernel
-from kvstack.request import RequestStatus
 from kvstack.testing.redis_server import LocalRedis
 
 DOCS = [

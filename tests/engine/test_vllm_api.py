@@ -1,7 +1,7 @@
 """vLLM's offline API on kvstack: a vLLM script runs with only its import changed.
 
 ``LLM.generate`` takes vLLM's ``TokensPrompt`` / ``TextPrompt`` dicts, ``LLM(...)`` vLLM's
-common keywords (``kvstack.vllm_args``), ``use_tqdm`` is on by default, and vLLM's
+common keywords (``kvstack.config.vllm_args``), ``use_tqdm`` is on by default, and vLLM's
 ``--kv-cache-dtype`` spellings map onto kvstack's codecs.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from kvstack import LLM, SamplingParams
-from kvstack.config import EngineConfig
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.config.engine import EngineConfig
+from kvstack.config.vllm_args import VLLM_KEYWORDS, available_memory, translate
+from kvstack.core.errors import ConfigError, InvalidRequestError
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
-from kvstack.vllm_args import VLLM_KEYWORDS, available_memory, translate
 
 OPTS: dict[str, Any] = {"dtype": "float32", "num_blocks": 64, "max_model_len": 256}
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.config import CacheConfig
-from kvstack.errors import ConfigError
+from kvstack.config.engine import CacheConfig
+from kvstack.core.errors import ConfigError
 from kvstack.kv.codecs import KV_CACHE_DTYPES, CacheShape, codec_class, hadamard
 from kvstack.kv.codecs.kivi import Kivi2Codec
-from kvstack.model.registry import default_model_path
+from kvstack.model.loader.registry import default_model_path
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 SHAPE = CacheShape(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)

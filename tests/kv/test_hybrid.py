@@ -14,13 +14,13 @@ import random
 
 import pytest
 
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.core.request import Request, SamplingParams
 from kvstack.kv.base import cdiv
 from kvstack.kv.events import BlockRemoved, BlockStored
 from kvstack.kv.groups import KVGroups
 from kvstack.kv.hashing import hash_blocks, root_hash
 from kvstack.kv.hybrid import HybridKVManager
-from kvstack.request import Request, SamplingParams
 
 BS = 4
 W = 8

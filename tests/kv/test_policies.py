@@ -7,7 +7,7 @@ from collections.abc import Callable, Hashable
 
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.policies import (
     EVICTION_POLICIES,
     AdaptivePolicy,

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from kvstack.config import CacheConfig, SchedulerConfig
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.config.engine import CacheConfig, SchedulerConfig
+from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.core.request import Request, RequestStatus, SamplingParams
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstack.kv.hashing import hash_blocks, root_hash
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.radix import RadixPrefixCache
-from kvstack.request import Request, RequestStatus, SamplingParams
 from kvstack.sched.scheduler import Scheduler
 
 BS = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.core.errors import ConfigError, InvalidRequestError
 from kvstack.kv.events import BlockRemoved, BlockStored
 
 SYSTEM = (

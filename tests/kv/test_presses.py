@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.config import CacheConfig
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.config.engine import CacheConfig
+from kvstack.core.errors import ConfigError, InvalidRequestError
 from kvstack.kv.press import PRESSES, PressInput, make_press
 from kvstack.kv.press.base import window_attention
 from kvstack.kv.press.pyramidkv import pyramid_budgets
@@ -253,7 +253,7 @@ def test_a_press_without_free_blocks_is_skipped_and_counted() -> None:
     (``EngineStats.press_skipped``, ``kvstack:press_skipped_total{reason}``)."""
     from prometheus_client import generate_latest
 
-    from kvstack.serve.metrics import ServerMetrics
+    from kvstack.serve.metrics.server import ServerMetrics
 
     tight = LLM("default", dtype="float32", num_blocks=5, max_num_seqs=1)
     ids = tight.tokenizer.encode(TEXT, add_special_tokens=False)[:64]  # 4 blocks, 1 free

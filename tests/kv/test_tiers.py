@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstack.config import CacheConfig
-from kvstack.errors import ConfigError
+from kvstack.config.engine import CacheConfig
+from kvstack.core.errors import ConfigError
 from kvstack.kv.tiers.block_format import (
     HEADER_SIZE,
     BlockLayout,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstack.model.kernels import Kernels, load_kernels
+from kvstack.model.kernels.loader import Kernels, load_kernels
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The AMX bf16 linear (``csrc/amx_linear.cpp``, ``model/amx_linear.py``) against a float32
+"""The AMX bf16 linear (``csrc/amx_linear.cpp``, ``model/kernels/amx_linear.py``) against a float32
 matmul of the same bf16 values: every row count a tile boundary can split (1, 15, 16, 17,
 31, 32, 33, past the 256-row chunk), odd column-pair counts, row-strided inputs; the
 packing round trip; ``Linear`` routing decode-sized inputs to it and long ones to oneDNN;
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstack.model import amx_linear, packed_linear
-from kvstack.model.kernels import Kernels
-from kvstack.model.layers import Linear
+from kvstack.model.arch.layers import Linear
+from kvstack.model.kernels import amx_linear, packed_linear
+from kvstack.model.kernels.loader import Kernels
 from linear_util import assert_rounded_once, reference
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstack.config import ModelConfig
+from kvstack.config.engine import ModelConfig
 from kvstack.kv.storage import KVStorage
+from kvstack.model.arch.decoder import LlamaModel
 from kvstack.model.attention import AttentionMetadata, PrefillSeq, decode_attention
-from kvstack.model.kernels import Kernels, load_kernels
-from kvstack.model.llama import LlamaModel
+from kvstack.model.kernels.loader import Kernels, load_kernels
 from kvstack.testing.tiny_models import hf_config_dict, tiny_llama_config
 
 BS = 4

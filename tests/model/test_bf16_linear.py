@@ -1,6 +1,6 @@
 """The bf16 linear (``csrc/bf16_linear.cpp``: AVX512-BF16, AVX-512F over ``fma512_bf16.h``
 or AVX2 + FMA over ``fma_bf16.h``; the tests run whichever this CPU builds), the kernel choice
-(``model/packed_linear.py``) and huge-page memory (``kvstack/hugepages.py``).
+(``model/kernels/packed_linear.py``) and huge-page memory (``kvstack/core/hugepages.py``).
 
 The kernel against a float32 matmul of the same bf16 values: every row count its 6-row
 blocks and 96-row chunks can split, every column-group remainder (1-4 blocks of 16 per
@@ -17,10 +17,10 @@ import threading
 import pytest
 import torch
 
-from kvstack import hugepages
-from kvstack.model import amx_linear, packed_linear
-from kvstack.model.kernels import Kernels, fallback_counts
-from kvstack.model.layers import Linear
+from kvstack.core import hugepages
+from kvstack.model.arch.layers import Linear
+from kvstack.model.kernels import amx_linear, packed_linear
+from kvstack.model.kernels.loader import Kernels, fallback_counts
 from linear_util import assert_rounded_once, reference
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.model import attention
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: int) -> torch.Tensor:

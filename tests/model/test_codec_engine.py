@@ -16,8 +16,8 @@ import pytest
 
 from kvstack import LLM, SamplingParams
 from kvstack.kv.codecs import CODECS
-from kvstack.model import kernels as kernels_mod
-from kvstack.model.registry import default_model_path
+from kvstack.model.kernels import loader as kernels_mod
+from kvstack.model.loader.registry import default_model_path
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 PREFIX = "The bakery opens at seven and closes at two; rye bread on Tuesdays. "

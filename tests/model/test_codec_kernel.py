@@ -14,7 +14,7 @@ import torch
 from kvstack.kv.codecs import CacheShape, KVCodec, codec_class
 from kvstack.kv.storage import LayerCache
 from kvstack.model.attention import KernelRows, chunk_context, codec_attention, prefill_attention
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 
 CODECS = ["int8", "fp8", "fp8_e5m2", "int4", "kivi2", "rotated4", "bf16"]
 # (KV tokens before, rows): the decodes first (rows = 1), then the chunks.
@@ -216,10 +216,10 @@ WINDOW_CODECS = [c for c in CODECS if c not in ("kivi2", "bf16")]
 def test_kernel_window_matches_the_masked_reference(
     kernels: Kernels, name: str, dtype: torch.dtype, hd: int, heads: tuple[int, int], window: int
 ) -> None:
-    """Sliding windows (issue 21): row p reads keys (p - W, p] (``model/window.py``); the
+    """Sliding windows (issue 21): row p reads keys (p - W, p] (``model/arch/window.py``); the
     blocks no row of a sequence reads are replaced by a poison block of huge keys in the
     kernel's tables (the hybrid KV manager's freed entries), so reading one would show."""
-    from kvstack.model.window import prefill_window_mask
+    from kvstack.model.arch.window import prefill_window_mask
 
     g = torch.Generator().manual_seed(9)
     h, kvh = heads

@@ -13,7 +13,7 @@ import torch
 from kvstack.kv.codecs import CacheShape, codec_class
 from kvstack.kv.codecs.per_token import PerTokenCodec
 from kvstack.model.attention import KernelRows, codec_attention
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 
 BS = 16
 

@@ -12,7 +12,7 @@ import torch
 
 from kvstack.kv.codecs import CacheShape, KVCodec, codec_class
 from kvstack.kv.codecs.rotated4 import hadamard, rotate_rows, unrotate_rows
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 
 CODECS = ["int8", "fp8", "fp8_e5m2", "int4", "rotated4"]
 

@@ -1,4 +1,4 @@
-"""``decode_stack`` (``model/decode_stack.py``, ``csrc/decode_stack.cpp``): every layer of
+"""``decode_stack`` (``model/arch/decode_stack.py``, ``csrc/decode_stack.cpp``): every layer of
 a step in one C++ call gives the Python loop's results bit for bit — the same sampled
 tokens and the same logprobs, to the last bit, for bf16 weights (``bf16_linear`` /
 ``amx_linear``) and int8 / int4 ones (``quant_gemv``), with decodes batched beside short
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from kvstack import LLM, SamplingParams
-from kvstack.model.decode_stack import DecodeStack
-from kvstack.model.kernels import load_kernels
-from kvstack.model.packed_linear import tile_kernel
+from kvstack.model.arch.decode_stack import DecodeStack
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.kernels.packed_linear import tile_kernel
 from kvstack.model.quant.linear import GEMV
 from kvstack.testing.families import tiny_family_config
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder

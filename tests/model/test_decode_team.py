@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.model import decode_stack
-from kvstack.model.decode_stack import AMX_LINEAR, BF16_LINEAR, QUANT_GEMV
-from kvstack.model.kernels import Kernels
-from kvstack.model.packed_linear import tile_kernel
+from kvstack.model.arch import decode_stack
+from kvstack.model.arch.decode_stack import AMX_LINEAR, BF16_LINEAR, QUANT_GEMV
+from kvstack.model.kernels.loader import Kernels
+from kvstack.model.kernels.packed_linear import tile_kernel
 from kvstack.model.quant.linear import GEMV
 from kvstack.testing.families import tiny_family_config
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.model.gguf import GGUFFile
-from kvstack.model.kernels import load_kernels
-from kvstack.model.llama import LlamaModel
-from kvstack.model.ops import select_ops
-from kvstack.model.registry import load_model
-from kvstack.model_config import ModelConfig
+from kvstack.core.model_config import ModelConfig
+from kvstack.model.arch.decoder import LlamaModel
+from kvstack.model.arch.ops import select_ops
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.loader.gguf import GGUFFile
+from kvstack.model.loader.registry import load_model
 from kvstack.testing.families import (
     hf_greedy,
     paged_logits,

@@ -12,11 +12,11 @@ import gguf
 import pytest
 import torch
 
-from kvstack.errors import ModelLoadError
+from kvstack.core.errors import ModelLoadError
+from kvstack.core.model_config import ModelConfig
 from kvstack.model.arch import ARCHITECTURES
-from kvstack.model.registry import load_model
-from kvstack.model.safetensors import config_from_hf
-from kvstack.model_config import ModelConfig
+from kvstack.model.loader.registry import load_model
+from kvstack.model.loader.safetensors import config_from_hf
 from kvstack.testing.families import tiny_family_config
 from kvstack.testing.tiny_models import random_llama_weights, write_gguf, write_hf_folder
 
@@ -117,7 +117,7 @@ def test_missing_or_malformed_gguf_metadata(tmp_path: Path) -> None:
 
 
 def test_sliding_windows_load_per_layer_and_bad_ones_are_refused(tmp_path: Path) -> None:
-    """Windows shorter than the context load (``model/window.py``), on the layers
+    """Windows shorter than the context load (``model/arch/window.py``), on the layers
     transformers' configs slide: Mistral every layer; Qwen2/Qwen3 those of ``layer_types``
     or from ``max_window_layers`` on (transformers' default 28: none of 2 layers)."""
 

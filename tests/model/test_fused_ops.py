@@ -12,14 +12,14 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from kvstack.engine.stats import EngineStats
 from kvstack.kv.base import KVCacheStats
 from kvstack.kv.storage import KVStorage
-from kvstack.model import kernels as kernels_mod
-from kvstack.model.kernels import Kernels, load_kernels
-from kvstack.model.layers import Rotary
-from kvstack.model.ops import HeadShape, KernelOps, TorchOps
-from kvstack.serve.metrics import ServerMetrics
-from kvstack.stats import EngineStats
+from kvstack.model.arch.layers import Rotary
+from kvstack.model.arch.ops import HeadShape, KernelOps, TorchOps
+from kvstack.model.kernels import loader as kernels_mod
+from kvstack.model.kernels.loader import Kernels, load_kernels
+from kvstack.serve.metrics.server import ServerMetrics
 from kvstack.testing.tiny_models import tiny_llama_config
 
 DTYPES = [torch.float32, torch.bfloat16]

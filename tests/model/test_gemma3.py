@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import ModelLoadError
-from kvstack.model.gemma3 import Gemma3Model
-from kvstack.model.kernels import load_kernels
-from kvstack.model.ops import select_ops
-from kvstack.model.registry import load_model
-from kvstack.model_config import ModelConfig
+from kvstack.core.errors import ModelLoadError
+from kvstack.core.model_config import ModelConfig
+from kvstack.model.arch.gemma3_decoder import Gemma3Model
+from kvstack.model.arch.ops import select_ops
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.loader.registry import load_model
 from kvstack.testing.families import hf_greedy, paged_logits, write_transformers_folder
 from kvstack.testing.gemma3 import (
     random_gemma3_weights,

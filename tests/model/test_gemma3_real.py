@@ -13,11 +13,11 @@ import torch
 import transformers
 
 from kvstack import LLM, SamplingParams
-from kvstack.model.gemma3 import Gemma3Model
-from kvstack.model.kernels import load_kernels
-from kvstack.model.ops import select_ops
-from kvstack.model.registry import load_model, resolve_model_path
-from kvstack.model.tokenizer import Tokenizer
+from kvstack.model.arch.gemma3_decoder import Gemma3Model
+from kvstack.model.arch.ops import select_ops
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.loader.registry import load_model, resolve_model_path
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.testing.families import hf_greedy, paged_logits
 
 pytestmark = pytest.mark.slow

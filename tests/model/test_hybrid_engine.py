@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
 from kvstack.kv.codecs import CODECS
 from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.model import kernels
+from kvstack.model.kernels import loader as kernels
 
 
 def fake_cpuinfo(monkeypatch: pytest.MonkeyPatch, text: str) -> None:

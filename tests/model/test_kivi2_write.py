@@ -12,7 +12,7 @@ import torch
 
 from kvstack.kv.codecs import CacheShape, codec_class
 from kvstack.kv.codecs.kivi import Kivi2Codec
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 
 BS, KVH, HD = 16, 3, 64
 

@@ -11,18 +11,24 @@ import numpy as np
 import pytest
 import torch
 
-from kvstack.config import ModelConfig, RopeScaling
-from kvstack.errors import ModelLoadError
-from kvstack.model import registry
-from kvstack.model.gguf import GGUFFile, load_gguf, permute_qk, read_gguf_config, unpermute_qk
-from kvstack.model.registry import (
+from kvstack.config.engine import ModelConfig, RopeScaling
+from kvstack.core.errors import ModelLoadError
+from kvstack.model.loader import registry
+from kvstack.model.loader.gguf import (
+    GGUFFile,
+    load_gguf,
+    permute_qk,
+    read_gguf_config,
+    unpermute_qk,
+)
+from kvstack.model.loader.registry import (
     LoadedModel,
     default_model_path,
     load_model,
     load_tokenizer,
     resolve_model_path,
 )
-from kvstack.model.safetensors import load_hf_folder
+from kvstack.model.loader.safetensors import load_hf_folder
 from kvstack.testing.tiny_models import (
     gguf_name,
     random_llama_weights,
@@ -362,7 +368,7 @@ def test_broken_hf_folders(tmp_path: Path) -> None:
 
 
 def test_gguf_name_mapping_is_inverse() -> None:
-    from kvstack.model.gguf import hf_name
+    from kvstack.model.loader.gguf import hf_name
 
     _, w = tiny(tie_word_embeddings=False)
     assert all(hf_name(gguf_name(n)) == n for n in w)

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvstack.errors import InvalidRequestError
-from kvstack.model.sampler import Sampler, apply_logits_processors
-from kvstack.model.sampling_metadata import SamplingBatch, bad_word_bans
-from kvstack.request import Request, SamplingParams
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.request import Request, SamplingParams
+from kvstack.model.sampling.metadata import SamplingBatch, bad_word_bans
+from kvstack.model.sampling.sampler import Sampler, apply_logits_processors
 from sampler_util import V, check_logprob_dict, mk, rand_logits, sample
 
 # ------------------------------------------------------------- logits processing

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstack.model.attention import prefill_attention
-from kvstack.model.kernels import Kernels, load_kernels
+from kvstack.model.kernels.loader import Kernels, load_kernels
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tests.model.test_quant_linear import int8_activations, random_packed
 
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 from kvstack.model.quant import linear as quant_linear
 from kvstack.model.quant.linear import QuantLinear
 from kvstack.model.quant.packed import dequantize_reference, unpack_u4

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstack.model.kernels import Kernels
+from kvstack.model.kernels.loader import Kernels
 from kvstack.model.quant.gguf_blocks import PACKED_GGUF_TYPES, pack_gguf
 from kvstack.model.quant.linear import QuantLinear, int8_dot_is_avx2, torch_weight_op
 from kvstack.model.quant.packed import (

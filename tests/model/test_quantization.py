@@ -14,11 +14,11 @@ import pytest
 
 from kvstack import LLM, SamplingParams
 from kvstack.cli import build_parser
-from kvstack.errors import ConfigError
-from kvstack.model import kernels as kernels_mod
-from kvstack.model.fingerprint import model_fingerprint
+from kvstack.core.errors import ConfigError
+from kvstack.model.kernels import loader as kernels_mod
+from kvstack.model.loader.fingerprint import model_fingerprint
+from kvstack.model.loader.registry import default_model_path
 from kvstack.model.quant.linear import QuantLinear
-from kvstack.model.registry import default_model_path
 from kvstack.testing.tiny_models import (
     random_llama_weights,
     tiny_llama_config,

@@ -12,8 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvstack.model.sampler import Sampler, apply_top_k, compute_prompt_logprobs, top_p_threshold
-from kvstack.model.sampling_metadata import SamplingBatch, step_seed
+from kvstack.model.sampling.metadata import SamplingBatch, step_seed
+from kvstack.model.sampling.sampler import (
+    Sampler,
+    apply_top_k,
+    compute_prompt_logprobs,
+    top_p_threshold,
+)
 from sampler_util import V, check_logprob_dict, mk, rand_logits, sample
 
 # ----------------------------------------------------------------------------- greedy

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import ConfigError, InvalidRequestError
-from kvstack.model.kernels import load_kernels
-from kvstack.model.llama import LlamaModel
-from kvstack.model.ops import select_ops
-from kvstack.model.registry import load_model
-from kvstack.model.window import check_window_support, prefill_window_mask
-from kvstack.model_config import ModelConfig
+from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.core.model_config import ModelConfig
+from kvstack.model.arch.decoder import LlamaModel
+from kvstack.model.arch.ops import select_ops
+from kvstack.model.arch.window import check_window_support, prefill_window_mask
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.loader.registry import load_model
 from kvstack.testing.families import (
     hf_greedy,
     paged_logits,

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.structured_outputs import MAX_SPEC_BYTES, SpecTooLargeError, closed_objects
+from kvstack.core.structured_outputs import StructuredOutputsParams as SO
 from kvstack.model.structured.bitmask import StepMask, allocate_bitmask, apply_bitmask
-from kvstack.structured_outputs import MAX_SPEC_BYTES, SpecTooLargeError, closed_objects
-from kvstack.structured_outputs import StructuredOutputsParams as SO
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 SCHEMA: dict[str, Any] = {

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstack import LLM, SamplingParams
-from kvstack.model.registry import default_model_path
+from kvstack.model.loader.registry import default_model_path
 from kvstack.testing.tiny_models import (
     random_llama_weights,
     tiny_llama_config,

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from kvstack.errors import InvalidRequestError
-from kvstack.model.detokenizer import (
+from kvstack.core.errors import InvalidRequestError
+from kvstack.model.loader.registry import default_model_path, load_tokenizer
+from kvstack.model.tokenizer.detokenizer import (
     IncrementalDetokenizer,
     check_stop_strings,
     find_stop,
     stop_holdback,
 )
-from kvstack.model.registry import default_model_path, load_tokenizer
-from kvstack.model.tokenizer import Tokenizer
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
 TEXTS = [

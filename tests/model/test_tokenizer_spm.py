@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvstack.errors import ModelLoadError
-from kvstack.model.detokenizer import IncrementalDetokenizer
-from kvstack.model.gguf_reader import GGUFFile
-from kvstack.model.registry import load_tokenizer
-from kvstack.model.tokenizer import Tokenizer
+from kvstack.core.errors import ModelLoadError
+from kvstack.model.loader.gguf_reader import GGUFFile
+from kvstack.model.loader.registry import load_tokenizer
+from kvstack.model.tokenizer.detokenizer import IncrementalDetokenizer
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.testing.tiny_spm import (
     spm_gguf_metadata,
     train_spm_bpe,

@@ -24,7 +24,7 @@ import torch
 from kvstack import LLM, SamplingParams
 from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
-from kvstack.model.kernels import load_kernels
+from kvstack.model.kernels.loader import load_kernels
 from kvstack.testing.gemma3 import random_gemma3_weights, tiny_gemma3_config
 
 W, BS, NEW = 8, 4, 12

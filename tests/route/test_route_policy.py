@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.hashing import hash_blocks, root_hash
 from kvstack.route.policy import (
     ROUTING_POLICIES,

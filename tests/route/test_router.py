@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.route.router.app import status_line
 from kvstack.route.router.backends import BackendPool
 from kvstack.route.router.cli import add_router_args, run_router

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.route.router.discovery import DnsDiscovery, parse_networks, refused_reason
 from router_util import FakeReplica
 

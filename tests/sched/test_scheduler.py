@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from kvstack.config import SchedulerConfig
-from kvstack.errors import InvalidRequestError
+from kvstack.config.engine import SchedulerConfig
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.request import Request, RequestStatus, SamplingParams
 from kvstack.kv.block_pool import BlockPool
 from kvstack.kv.manager import KVCacheManager
-from kvstack.request import Request, RequestStatus, SamplingParams
 from kvstack.sched.scheduler import Scheduler
 
 EOS = 2

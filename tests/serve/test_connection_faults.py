@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from kvstack import LLM
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.server import ServerOptions, uvicorn_config
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf

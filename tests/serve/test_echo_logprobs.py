@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvstack import LLM, SamplingParams
-from kvstack.model.registry import default_model_path
-from kvstack.request import RequestOutput
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.core.request import RequestOutput
+from kvstack.model.loader.registry import default_model_path
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from kvstack import LLM
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 

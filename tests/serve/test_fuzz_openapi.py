@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from kvstack import LLM
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
-from kvstack.serve.metrics import ServerMetrics
+from kvstack.serve.metrics.server import ServerMetrics
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from server_util import free_port
 

@@ -19,14 +19,14 @@ import pytest
 import zmq
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.events import AllBlocksCleared as KvAllCleared
 from kvstack.kv.events import BlockRemoved as KvRemoved
 from kvstack.kv.events import BlockStored as KvStored
 from kvstack.kv.vllm_hashing import hash_block_tokens, hash_prompt, none_hash, sha256, sha256_cbor
-from kvstack.serve.kv_events_config import KVEventsConfig
-from kvstack.serve.kv_events_vllm import VllmEventTranslator
-from kvstack.serve.kv_events_zmq import END_SEQ, ZmqKVEventPublisher
+from kvstack.serve.events.config import KVEventsConfig
+from kvstack.serve.events.vllm import VllmEventTranslator
+from kvstack.serve.events.zmq import END_SEQ, ZmqKVEventPublisher
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 from vllm_wire import DECODER, AllBlocksCleared, BlockStored, KVEventBatch
 
@@ -238,7 +238,7 @@ def test_vllm_spelling_parses_and_an_endpoint_that_cannot_bind_is_a_clear_error(
 def test_int_block_hashes_are_vllms_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM 0.32 publishes each hash's low 64 bits as an int unless
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (what llm-d keys by); so does kvstack."""
-    from kvstack.serve.kv_events_vllm import int_block_hashes_from_env
+    from kvstack.serve.events.vllm import int_block_hashes_from_env
 
     monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
     assert int_block_hashes_from_env() is True

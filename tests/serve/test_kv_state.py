@@ -17,10 +17,10 @@ import pytest
 from kvstack import LLM
 from kvstack.kv.block_view import STATES, view_blocks
 from kvstack.kv.manager import KVCacheManager
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
-from kvstack.serve.kv_state import RecentRequests
-from kvstack.serve.kv_state_stream import MAX_ENGINE_SHARE, KVStateStream
+from kvstack.serve.ui.kv_state import RecentRequests
+from kvstack.serve.ui.kv_state_stream import MAX_ENGINE_SHARE, KVStateStream
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from server_util import serve_uvicorn
 

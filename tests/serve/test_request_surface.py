@@ -20,8 +20,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvstack import LLM, SamplingParams
-from kvstack.errors import ConfigError, InvalidRequestError
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.testing.tiny_models import (
     random_llama_weights,

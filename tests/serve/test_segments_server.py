@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from kvstack.config import EngineConfig
+from kvstack.config.engine import EngineConfig
 from kvstack.kv.events import SegmentStored
 from kvstack.route.policy.base import RouteRequest
 from kvstack.route.policy.kv_index import BlockHasher, EventIndex

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstack import LLM
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from server_util import ServerProcess
 

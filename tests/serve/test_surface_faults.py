@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 
 from kvstack import LLM
-from kvstack.errors import ModelLoadError
-from kvstack.model.safetensors import load_hf_folder
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.core.errors import ModelLoadError
+from kvstack.model.loader.safetensors import load_hf_folder
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
-from kvstack.serve.kv_events_stream import KVEventBroadcaster
-from kvstack.serve.metrics import ServerMetrics
+from kvstack.serve.events.stream import KVEventBroadcaster
+from kvstack.serve.metrics.server import ServerMetrics
 from kvstack.testing.tiny_models import (
     random_llama_weights,
     tiny_llama_config,

@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from kvstack.errors import ConfigError
-from kvstack.serve.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
+from kvstack.core.errors import ConfigError
+from kvstack.serve.chat.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
 from tool_parser_util import Call, assert_streams_like_extract, calls_of, stream
 
 # name, text, content, calls

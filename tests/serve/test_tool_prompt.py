@@ -1,4 +1,4 @@
-"""``serve/tool_prompt.py``: the Hermes-style fallback for templates without tools.
+"""``serve/chat/tool_prompt.py``: the Hermes-style fallback for templates without tools.
 
 The strongest check: a ChatML template (SmolLM2's) fed ``fallback_messages`` renders the
 same prompt, byte for byte, as Qwen 2.5's own tool template fed the original messages.
@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from kvstack.errors import InvalidRequestError
-from kvstack.model.chat_template import render_chat_template
-from kvstack.serve.tool_parsers import tool_parser
-from kvstack.serve.tool_prompt import (
+from kvstack.core.errors import InvalidRequestError
+from kvstack.model.tokenizer.chat_template import render_chat_template
+from kvstack.serve.chat.tool_parsers import tool_parser
+from kvstack.serve.chat.tool_prompt import (
     fallback_messages,
     template_messages_with_tools,
     template_supports_tools,

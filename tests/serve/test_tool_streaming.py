@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvstack.serve.tool_parsers import (
+from kvstack.serve.chat.tool_parsers import (
     TOOL_PARSERS,
     ContentDelta,
     ToolCallDelta,

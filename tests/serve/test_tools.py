@@ -18,9 +18,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvstack import LLM
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.core.structured_outputs import MAX_SPEC_BYTES
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
-from kvstack.structured_outputs import MAX_SPEC_BYTES
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 WEATHER = {

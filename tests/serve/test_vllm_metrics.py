@@ -1,4 +1,4 @@
-"""``/metrics`` under vLLM v1's names, types, labels and buckets (``serve/metric_names.py``).
+"""``/metrics`` under vLLM v1's names, types, labels and buckets (``serve/metrics/names.py``).
 
 The reference below is vLLM's ``PrometheusStatLogger`` (``vllm/v1/metrics/loggers.py``)
 and ``vllm/v1/metrics/buckets.py``, written out by hand: a dashboard, a KEDA trigger or
@@ -15,8 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstack.config import EngineConfig
-from kvstack.serve.metric_names import VLLM_FAMILIES, metric_name, request_tokens_buckets
+from kvstack.config.engine import EngineConfig
+from kvstack.serve.metrics.names import VLLM_FAMILIES, metric_name, request_tokens_buckets
 from kvstack.serve.server import ServerOptions, build_server
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
@@ -181,11 +181,11 @@ def test_values_follow_vllms_definitions(scraped: dict[str, Any]) -> None:
 def test_waiting_by_reason_counts_tier_lookups_as_deferred() -> None:
     """vLLM's ``deferred`` reason is a transient wait (KV transfer): here a request whose
     offload-tier lookup is in flight; the rest wait for capacity."""
-    from kvstack.config import SchedulerConfig
+    from kvstack.config.engine import SchedulerConfig
+    from kvstack.core.request import Request, SamplingParams
     from kvstack.kv.manager import KVCacheManager
-    from kvstack.request import Request, SamplingParams
     from kvstack.sched.scheduler import Scheduler
-    from kvstack.serve.metrics import ServerMetrics
+    from kvstack.serve.metrics.server import ServerMetrics
 
     class Loading:  # the one method of TierConnector the count reads
         def is_loading(self, req: Request) -> bool:
@@ -211,7 +211,7 @@ def test_block_residency_is_vllms_kv_cache_metrics() -> None:
     idle 2.5, one reuse gap of 0.5; block 1 never hit: lifetime 4, idle 4, no gap."""
     from kvstack.kv.block_pool import BlockPool
     from kvstack.kv.residency import BlockResidency
-    from kvstack.serve.metrics import ServerMetrics
+    from kvstack.serve.metrics.server import ServerMetrics
 
     now = [0]
     residency = BlockResidency(1.0, clock_ns=lambda: now[0])
@@ -265,7 +265,7 @@ def _kv() -> Any:
 def _stats(**kw: Any) -> Any:
     import dataclasses
 
-    from kvstack.stats import EngineStats
+    from kvstack.engine.stats import EngineStats
 
     required = [
         f for f in dataclasses.fields(EngineStats)
@@ -283,9 +283,9 @@ def test_admission_rejections_count_the_max_waiting_429s(tmp_path: Any) -> None:
     import dataclasses
 
     from kvstack import LLM
-    from kvstack.request import SamplingParams
+    from kvstack.core.request import SamplingParams
     from kvstack.serve.async_engine import AsyncEngine, QueueFullError
-    from kvstack.serve.metrics import ServerMetrics
+    from kvstack.serve.metrics.server import ServerMetrics
     from kvstack.serve.output_stream import RequestInfo
 
     cfg = tiny_llama_config()

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvstack import LLM
-from kvstack.serve.app import ServerConfig, create_app
+from kvstack.serve.api.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from server_util import free_port, serve_uvicorn

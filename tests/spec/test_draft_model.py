@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (``spec/draft_model.py``, ``model/drafter.py``).
+"""Speculative decoding with a draft model (``spec/draft_model.py``, ``spec/drafter.py``).
 
 Tiny random models in float32. The draft writes its rows into the target's KV cache, so
 what is checked: greedy output token-identical to plain decoding under batching,
@@ -17,8 +17,8 @@ import pytest
 from test_spec_engine import GREEDY, prompts, reference, run
 
 from kvstack import LLM
-from kvstack.errors import ConfigError
-from kvstack.request import SamplingParams
+from kvstack.core.errors import ConfigError
+from kvstack.core.request import SamplingParams
 from kvstack.spec import PROPOSERS
 from kvstack.spec.config import SpeculativeConfig, parse_speculative_config
 from kvstack.testing.families import tiny_family_config

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.spec import PROPOSERS, build_proposer
 from kvstack.spec.config import SpeculativeConfig, parse_speculative_config
 from kvstack.spec.ngram import NgramProposer
@@ -124,7 +124,7 @@ def test_bad_configs_are_one_clear_error(value: object, match: str) -> None:
 def test_the_draft_length_follows_what_was_accepted() -> None:
     """``next_draft_len``: all kept doubles the draft (at most k), else one more than
     kept; the speculator asks the proposer for that many on the request's next step."""
-    from kvstack.request import Request, SamplingParams
+    from kvstack.core.request import Request, SamplingParams
     from kvstack.sched.output import ScheduledRequest
     from kvstack.spec.speculator import Speculator, next_draft_len
 
@@ -147,7 +147,7 @@ def test_the_draft_length_follows_what_was_accepted() -> None:
 def test_repeated_misses_pause_proposals() -> None:
     """Two verifies in a row that keep nothing pause proposing for 1 step, then 2, 4, 8
     (at most); one kept draft ends the pause."""
-    from kvstack.request import Request, SamplingParams
+    from kvstack.core.request import Request, SamplingParams
     from kvstack.sched.output import ScheduledRequest
     from kvstack.spec.speculator import MAX_PAUSE, Speculator, pause_after
 

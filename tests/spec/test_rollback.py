@@ -9,9 +9,9 @@ then the drafts), so slots 6..9::
 
 from __future__ import annotations
 
-from kvstack.config import SchedulerConfig
+from kvstack.config.engine import SchedulerConfig
+from kvstack.core.request import Request, RequestStatus, SamplingParams
 from kvstack.kv.manager import KVCacheManager
-from kvstack.request import Request, RequestStatus, SamplingParams
 from kvstack.sched.scheduler import Scheduler
 
 

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 from kvstack import LLM
-from kvstack.engine import LLMEngine
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.core.request import Request, RequestOutput, SamplingParams
+from kvstack.core.structured_outputs import StructuredOutputsParams
+from kvstack.engine.llm_engine import LLMEngine
 from kvstack.kv.codecs.int8 import Int8Codec
 from kvstack.kv.codecs.kivi import Kivi2Codec
 from kvstack.kv.events import BlockStored
 from kvstack.kv.manager import KVCacheManager
-from kvstack.request import Request, RequestOutput, SamplingParams
 from kvstack.spec.config import SpeculativeConfig
 from kvstack.spec.speculator import (
     Speculator,
@@ -30,7 +31,6 @@ from kvstack.spec.speculator import (
     no_speculation_reason,
     pause_after,
 )
-from kvstack.structured_outputs import StructuredOutputsParams
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
 VOCAB = 320

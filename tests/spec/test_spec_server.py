@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstack.cli import main
-from kvstack.config import EngineConfig
+from kvstack.config.engine import EngineConfig
 from kvstack.serve.server import ServerOptions, build_server
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 

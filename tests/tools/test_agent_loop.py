@@ -18,9 +18,9 @@ import jsonschema
 import pytest
 from aiohttp import web
 
-from kvstack.errors import ConfigError
-from kvstack.model.registry import load_tokenizer
-from kvstack.model.tokenizer import Tokenizer
+from kvstack.core.errors import ConfigError
+from kvstack.model.loader.registry import load_tokenizer
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 from kvstack.tools.bench import StreamAccumulator, main
 from kvstack.tools.bench.agent import LOCAL_SOURCE, SERVER_SOURCE, check_call, run_agent_loop

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from kvstack.config import SchedulerConfig
-from kvstack.errors import ConfigError
+from kvstack.config.engine import SchedulerConfig
+from kvstack.core.errors import ConfigError
+from kvstack.core.request import Request, SamplingParams
 from kvstack.kv.manager import KVCacheManager
-from kvstack.request import Request, SamplingParams
 from kvstack.sched.scheduler import Scheduler
 from kvstack.tools.analyze import (
     AnalyzeOptions,
@@ -302,7 +302,7 @@ def test_replay_matches_the_engine_scheduler(tmp_path: Path, policy: str) -> Non
 
 
 def test_openai_format_with_default_tokenizer(tmp_path: Path) -> None:
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
     from kvstack.tools.workloads import make_workload, write_jsonl
 
     tok = load_tokenizer("default")

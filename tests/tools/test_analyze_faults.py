@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.analyze import add_analyze_args, read_log, run_analyze
 
 IDS = "[1, 2, 3, 4, 5, 6, 7, 8]"

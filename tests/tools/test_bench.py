@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bench_serve_util import parse, wreq
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.bench import (
     DONE,
     StreamAccumulator,

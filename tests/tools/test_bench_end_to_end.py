@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from bench_serve_util import parse, wreq
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.bench.cli import run_bench_serve
 from kvstack.tools.workloads import write_jsonl
 from server_util import serve_aiohttp

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvstack.cli import main
-from kvstack.errors import ConfigError
-from kvstack.model.registry import load_tokenizer
+from kvstack.core.errors import ConfigError
+from kvstack.model.loader.registry import load_tokenizer
 from kvstack.tools.eval import EvalConfig, codec_variant, run_eval
 from kvstack.tools.eval import report as rep
 from kvstack.tools.eval.corpus import (

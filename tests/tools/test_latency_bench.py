@@ -26,7 +26,7 @@ def test_variants_are_names_plus_engine_keywords() -> None:
 
 
 def test_fixed_prompts_are_512_tokens() -> None:
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
 
     prompts = latency.build_prompts()
     assert set(prompts) == {"repetitive", "open"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.plan import (
     GB,
     GiB,
@@ -166,8 +166,8 @@ def test_the_models_kvstack_serves_by_name_match_their_weights(name: str) -> Non
     the shapes, windows and parameter count of the GGUF the engine loads."""
     import math
 
-    from kvstack.model.gguf import expected_shapes, read_gguf_config
-    from kvstack.model.registry import resolve_model_path
+    from kvstack.model.loader.gguf import expected_shapes, read_gguf_config
+    from kvstack.model.loader.registry import resolve_model_path
 
     cfg = read_gguf_config(resolve_model_path("default" if name == "smollm2-135m" else name))
     spec = resolve_model(name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstack.cli import main
-from kvstack.model.registry import default_model_path
+from kvstack.model.loader.registry import default_model_path
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.errors import ConfigError
-from kvstack.model.registry import load_tokenizer
-from kvstack.model.tokenizer import Tokenizer
+from kvstack.core.errors import ConfigError
+from kvstack.model.loader.registry import load_tokenizer
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.tools.workloads import (
     WORKLOADS,
     WorkloadRequest,

@@ -19,7 +19,7 @@ import kvstack
 from kvstack.cli import analyze, bench, chat, deploy, generate, plan, profile, router, serve
 from kvstack.cli import eval as evaluate
 from kvstack.cli.config_file import expand_config_file
-from kvstack.errors import KvstackError
+from kvstack.core.errors import KvstackError
 
 COMMANDS = (generate, chat, serve, bench, plan, profile, analyze, evaluate, router, deploy)
 

@@ -10,7 +10,7 @@ from kvstack.cli.engine_args import (
     build_llm,
     sampling_from_args,
 )
-from kvstack.errors import KvstackError
+from kvstack.core.errors import KvstackError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 
 def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

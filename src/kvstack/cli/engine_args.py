@@ -1,6 +1,6 @@
 """Flags shared by the engine commands: the engine options and the sampling parameters.
 
-The engine flags are derived from ``EngineConfig``'s declarations (``kvstack.config``):
+The engine flags are derived from ``EngineConfig``'s declarations (``kvstack.config.engine``):
 a new engine option appears here, in ``LLM(**options)`` and in ``EngineConfig.from_cli_args``
 without being written again. ``--print-stats`` and ``-v`` are options of the command,
 not of the engine.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstack.config import ENGINE, KV, EngineConfig
-from kvstack.options import add_arguments
-from kvstack.request import SamplingParams
-from kvstack.vllm_args import add_cli_flags
+from kvstack.config.engine import ENGINE, KV, EngineConfig
+from kvstack.config.vllm_args import add_cli_flags
+from kvstack.core.options import add_arguments
+from kvstack.core.request import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,12 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     groups[ENGINE].add_argument(
         "-v", "--verbose", action="store_true", help="log what the engine does"
     )
-    add_cli_flags(p.add_argument_group("vLLM engine flags (kvstack.vllm_args)"))
+    add_cli_flags(p.add_argument_group("vLLM engine flags (kvstack.config.vllm_args)"))
 
 
 def build_llm(a: argparse.Namespace) -> Any:
     """The ``LLM`` the engine flags in ``a`` describe (loads the model)."""
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
     return LLM.from_config(EngineConfig.from_cli_args(a))
 

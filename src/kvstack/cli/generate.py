@@ -13,7 +13,7 @@ from kvstack.cli.engine_args import (
     build_llm,
     sampling_from_args,
 )
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

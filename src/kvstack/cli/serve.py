@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 from kvstack.cli.engine_args import add_engine_args
-from kvstack.config import EngineConfig
-from kvstack.errors import ConfigError
-from kvstack.options import add_arguments
+from kvstack.config.engine import EngineConfig
+from kvstack.core.errors import ConfigError
+from kvstack.core.options import add_arguments
 from kvstack.route.ray import RayOptions
 from kvstack.serve.server import ServerOptions
 

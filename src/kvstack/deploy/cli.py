@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvstack.core.errors import ConfigError
 from kvstack.deploy.k8s import render_yaml, write_files
 from kvstack.deploy.k8s_cli import add_k8s_args, options_from_args
-from kvstack.errors import ConfigError
 
 
 def add_deploy_args(p: argparse.ArgumentParser) -> None:

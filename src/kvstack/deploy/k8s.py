@@ -41,8 +41,8 @@ from typing import Any
 
 import yaml
 
+from kvstack.core.errors import ConfigError
 from kvstack.deploy.k8s_objects import render_components
-from kvstack.errors import ConfigError
 from kvstack.route.policy import ROUTING_POLICIES
 from kvstack.tools.plan import make_plan, parse_tokens, resolve_gpu, resolve_model
 

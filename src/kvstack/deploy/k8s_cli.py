@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from kvstack.core.errors import ConfigError
 from kvstack.deploy.k8s import DEFAULT_PLAN_CONTEXT, DEFAULT_PLAN_MODEL, K8sOptions
-from kvstack.errors import ConfigError
 from kvstack.route.policy import ROUTING_POLICIES
 
 D = K8sOptions()

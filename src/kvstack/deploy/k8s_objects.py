@@ -2,7 +2,7 @@
 
 Probes follow the server: ``GET /health`` answers 200 once the model is loaded and the
 engine loop runs, 503 when the loop has died. The engine's first start also compiles the C++
-kernels (``kvstack.model.kernels``, 30-60 s, cached in an ``emptyDir`` that survives
+kernels (``kvstack.model.kernels.loader``, 30-60 s, cached in an ``emptyDir`` that survives
 container restarts), so a ``startupProbe`` allows 3 minutes before the liveness probe
 takes over. On SIGTERM ``kvstack serve`` stops accepting and lets in-flight requests finish
 for ``--shutdown-grace`` seconds; the preStop sleep first lets

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Protocol
 from kvstack.kv.events import KVEventLog
 
 if TYPE_CHECKING:
+    from kvstack.core.request import Request
     from kvstack.kv.block_pool import KVCacheBlock
-    from kvstack.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -4,7 +4,7 @@
 a ``BlockView``: one cell per block, or, for pools with more blocks than ``max_cells``,
 one cell per run of ``group`` consecutive block ids with how many of them are in each
 state. The view is what the server's ``/v1/kv/state`` stream sends; it is only ever
-computed while someone watches (``serve/kv_state_stream.py``), on the engine thread.
+computed while someone watches (``serve/ui/kv_state_stream.py``), on the engine thread.
 
 States (``STATES``; a block is in exactly one, first match wins):
 

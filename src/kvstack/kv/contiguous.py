@@ -30,13 +30,13 @@ import bisect
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.core.errors import ConfigError, InvalidRequestError
 from kvstack.kv.base import KVCacheStats, KVRoutingInfo, cdiv
 from kvstack.kv.events import KVEventLog
 
 if TYPE_CHECKING:
+    from kvstack.core.request import Request
     from kvstack.kv.block_pool import KVCacheBlock
-    from kvstack.request import Request
 
 
 class ContiguousKVManager:

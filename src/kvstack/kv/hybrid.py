@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
+from kvstack.core.request import Request
 from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
@@ -51,7 +52,6 @@ from kvstack.kv.hybrid_window_radix import WindowRadixCache
 from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.policies import make_policy
 from kvstack.kv.residency import BlockResidency
-from kvstack.request import Request
 
 UNSUPPORTED = "with the hybrid KV manager (a sliding-window model); pass "
 UNSUPPORTED += "--disable-hybrid-kv-cache-manager to keep one block table for all layers"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
 from kvstack.kv.base import cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.hashing import BlockHash, root_hash

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstack.core.registry import Registry
 from kvstack.kv.base import KVManager
 from kvstack.kv.contiguous import ContiguousKVManager
 from kvstack.kv.groups import KVGroups
 from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.residency import BlockResidency
-from kvstack.registry import Registry
 
 
 @dataclass(frozen=True)

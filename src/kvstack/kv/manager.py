@@ -37,7 +37,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.registry import Registry
+from kvstack.core.request import Request
 from kvstack.kv.base import KVCacheStats, cdiv
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
@@ -48,8 +50,6 @@ from kvstack.kv.prefix_cache import HashPrefixCache, PrefixCache
 from kvstack.kv.radix import RadixPrefixCache
 from kvstack.kv.residency import BlockResidency
 from kvstack.kv.segments import SegmentCache
-from kvstack.registry import Registry
-from kvstack.request import Request
 
 __all__ = ["PREFIX_CACHES", "KVCacheManager", "KVCacheStats", "cdiv"]
 

@@ -17,12 +17,12 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.request import Request
 from kvstack.kv.base import KVCacheStats, KVRoutingInfo
 from kvstack.kv.block_pool import BlockPool, KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
-from kvstack.request import Request
 
 if TYPE_CHECKING:
     from kvstack.kv.prefix_cache import PrefixCache

@@ -30,8 +30,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import ClassVar
 
-from kvstack.errors import ConfigError
-from kvstack.registry import Registry
+from kvstack.core.errors import ConfigError
+from kvstack.core.registry import Registry
 
 
 def _require(ok: bool, key: Hashable, problem: str) -> None:

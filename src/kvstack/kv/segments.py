@@ -9,7 +9,7 @@ position-independent context caching; CacheBlend, Yao et al., EuroSys 2025).
 An entry is computed once *standalone*: the scheduler runs ``[sink][primer][segment]``
 as its own sequence at positions ``0 .. s + L - 1`` into blocks the entry owns (``s``
 lead tokens: the tokenizer's BOS, the attention sink of StreamingLLM, and the mark's
-optional primer, ``serve/segment_primers.py``). A request holding the segment at
+optional primer, ``serve/chat/segment_primers.py``). A request holding the segment at
 positions ``a .. a + L - 1`` gets a copy with the keys re-rotated from position
 ``s + i`` to ``a + i`` (``model/segment_rows.py``: RoPE is a rotation), so requests
 never share an entry's blocks; they copy from them::

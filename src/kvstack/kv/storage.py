@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
+from kvstack.core.model_config import ModelConfig
 from kvstack.kv.codecs import CacheShape, IdentityCodec, KernelView, KVCodec, codec_class
 from kvstack.kv.groups import KVGroups
-from kvstack.model_config import ModelConfig
 
 
 @dataclass

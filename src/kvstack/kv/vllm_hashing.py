@@ -36,7 +36,7 @@ from typing import Any
 
 import cbor2
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 #: vLLM 0.32's ``PrefixCachingHashAlgo`` choices, then kvstack's own chain.
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "builtin")

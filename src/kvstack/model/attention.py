@@ -48,7 +48,7 @@ Rows of one step are ordered decodes first, then prefill chunks::
 
 * A sliding-window layer (``window``; Mistral, Qwen2's sliding layers, Gemma 3's local
   layers) sees only keys ``(p - W, p]`` on every path: the kernels start each row at key
-  ``max(0, L - W)``, the PyTorch paths mask the older keys (``model/window.py``).
+  ``max(0, L - W)``, the PyTorch paths mask the older keys (``model/arch/window.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ import torch.nn.functional as F
 
 from kvstack.kv.codecs import KernelView
 from kvstack.kv.storage import LayerCache
-from kvstack.model.kernels import Kernels, note_fallback
-from kvstack.model.window import decode_window_bias, prefill_window_mask
+from kvstack.model.arch.window import decode_window_bias, prefill_window_mask
+from kvstack.model.kernels.loader import Kernels, note_fallback
 
 
 @dataclass
@@ -160,7 +160,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [D] long (context incl. the new token)
     decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size]; fallback path only
     prefills: list[PrefillSeq]
-    kernels: Kernels | None = None  # torch.ops.kvstack (model/kernels.py) if built
+    kernels: Kernels | None = None  # torch.ops.kvstack (model/kernels/loader.py) if built
     # Per-layer decode bias [layers, D, 1, 1, S] when a pressed request keeps different
     # token counts per layer (PyramidKV, Layer-DefensiveKV); replaces decode_bias.
     decode_layer_bias: torch.Tensor | None = None
@@ -373,7 +373,7 @@ def paged_attention(
     KV storage. Unencoded caches are read in place (the C++ decode kernel, or indexing);
     an encoded one (era 5 codecs) is read through ``cache.gather``, which dequantizes
     just the blocks a row needs. ``window``: this layer's sliding window (None: every key;
-    ``model/window.py``). Returns ``[T, H, d]``.
+    ``model/arch/window.py``). Returns ``[T, H, d]``.
     """
     every = meta.kernel_rows
     w = window or 0  # the kernels' "no window"

@@ -4,7 +4,7 @@ The runner never sees hashes or free lists: only token ids, positions, block tab
 It reorders the step's requests so single-token rows (decodes) come first, which lets
 attention batch them (see ``model/attention.py``). A request verifying a draft
 (speculative decoding, ``spec/``) is a short chunk: its last token, then the draft
-tokens, every row's logits kept for ``model/rejection_sampler.py``.
+tokens, every row's logits kept for ``spec/rejection_sampler.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstack.core.request import Logprob, Request
 from kvstack.kv.storage import KVStorage
 from kvstack.model.allocator import tune_host_allocator
+from kvstack.model.arch.decoder import LlamaModel
 from kvstack.model.attention import (
     KERNEL_CHUNK_ROWS,
     AttentionMetadata,
@@ -26,20 +28,18 @@ from kvstack.model.attention import (
     make_kernel_rows,
 )
 from kvstack.model.group_meta import group_metadata, virtual_tables
-from kvstack.model.kernels import load_kernels
-from kvstack.model.llama import LlamaModel
-from kvstack.model.logit_capture import LogitCapture
-from kvstack.model.rejection_sampler import RejectionSampler
-from kvstack.model.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
-from kvstack.model.sampling_metadata import plain_greedy
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.sampling.logit_capture import LogitCapture
+from kvstack.model.sampling.metadata import plain_greedy
+from kvstack.model.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.model.segment_rows import append_rows, rows_on_paged_kernel, segment_rows
-from kvstack.request import Logprob, Request
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
+from kvstack.spec.rejection_sampler import RejectionSampler
 
 if TYPE_CHECKING:
     from kvstack.kv.press.coordinator import PressCoordinator
-    from kvstack.model.drafter import Drafter
     from kvstack.model.structured.manager import StructuredOutputManager
+    from kvstack.spec.drafter import Drafter
 
 
 @dataclass
@@ -151,7 +151,7 @@ class ModelRunner:
         # Request id -> where to keep the full next-token log-distributions of its prompt
         # (``kvstack eval`` teacher forcing; only requests with prompt_logprobs).
         self.capture_logits: dict[str, LogitCapture] = {}
-        self.drafter: Drafter | None = None  # draft_model speculation (model/drafter.py)
+        self.drafter: Drafter | None = None  # draft_model speculation (spec/drafter.py)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: inputs -> forward -> prompt logprobs and sampling."""

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstack.model.arch.layers import Rotary, apply_rope
 from kvstack.model.attention import (
     AttentionMetadata,
     KernelSeq,
@@ -42,13 +43,12 @@ from kvstack.model.attention import (
     causal_kernel_takes,
     make_kernel_rows,
 )
-from kvstack.model.layers import Rotary, apply_rope
 from kvstack.sched.output import ScheduledRequest
 
 if TYPE_CHECKING:
     from kvstack.kv.storage import KVStorage
-    from kvstack.model.kernels import Kernels
-    from kvstack.model.llama import LlamaModel
+    from kvstack.model.arch.decoder import LlamaModel
+    from kvstack.model.kernels.loader import Kernels
 
 
 def rerotate(k: torch.Tensor, rotary: Rotary, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

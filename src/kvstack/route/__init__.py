@@ -16,7 +16,7 @@ replicas; it only chooses among those it is given.
   Prometheus ``metrics``.
 * ``ray/``: the same routing as a Ray Serve deployment.
 
-``policy`` does no network I/O (``prompt`` parses bodies with ``kvstack.serve.protocol``);
+``policy`` does no network I/O (``prompt`` parses bodies with ``kvstack.serve.api.protocol``);
 ``router`` and ``ray`` build on ``policy`` and ``kvstack.serve``'s protocol and errors
 (the Ray router reuses ``router.events_client``).
 Importing this package imports nothing heavy: the policies are pure bookkeeping and are

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstack.request import Request
+from kvstack.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvstack.errors import InvalidRequestError
-from kvstack.request import Request, RequestStatus
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.request import Request, RequestStatus
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from kvstack.config import SchedulerConfig
+    from kvstack.config.engine import SchedulerConfig
     from kvstack.kv.base import KVManager
     from kvstack.kv.press.coordinator import PressCoordinator
     from kvstack.kv.tiers.connector import TierConnector

@@ -6,7 +6,7 @@ A request with segments (``Request.segments``) goes through three stages:
    ``SegmentCache``. A missing one is reserved and computed standalone in this step as
    a *fill*: a ``ScheduledRequest`` of a request the scheduler never tracks, tokens
    ``[sink][primer][segment]`` at positions ``0 ..`` in the entry's blocks, that samples
-   nothing (the primer: the mark's optional third element, ``serve/segment_primers.py``).
+   nothing (the primer: the mark's optional third element, ``serve/chat/segment_primers.py``).
    The request waits (keeping its place in the queue) until its entries are ready, the
    step after; then it holds each entry (``users``) until it has copied it, so no
    eviction can change what it computes.
@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstack.core.request import Request, SamplingParams
 from kvstack.kv.segments import (
     LOADING,
     SegmentCache,
@@ -46,7 +47,6 @@ from kvstack.kv.segments import (
     segment_key,
     segment_namespace,
 )
-from kvstack.request import Request, SamplingParams
 from kvstack.sched.output import (
     RecomputeSpan,
     ScheduledRequest,

@@ -36,15 +36,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvstack.engine import LLMEngine
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.request import RequestOutput, SamplingParams
+from kvstack.engine.llm_engine import LLMEngine
+from kvstack.engine.segments import automatic_segments
+from kvstack.engine.stats import EngineStats
 from kvstack.kv.base import KVRoutingInfo
 from kvstack.kv.events import KVEvent
-from kvstack.model.tokenizer import Tokenizer
-from kvstack.request import RequestOutput, SamplingParams
-from kvstack.segment_support import automatic_segments
-from kvstack.serve.kv_state import RecentRequests, build_state
-from kvstack.serve.metrics import ServerMetrics
+from kvstack.model.tokenizer.tokenizer import Tokenizer
+from kvstack.serve.api.request_log import RequestLog
+from kvstack.serve.metrics.server import ServerMetrics
 from kvstack.serve.output_stream import (
     OutputSlot,
     OutputStream,
@@ -52,9 +53,8 @@ from kvstack.serve.output_stream import (
     StreamQueue,
     deliver,
 )
-from kvstack.serve.prefix_view import PrefixTree, build_prefix_tree
-from kvstack.serve.request_log import RequestLog
-from kvstack.stats import EngineStats
+from kvstack.serve.ui.kv_state import RecentRequests, build_state
+from kvstack.serve.ui.prefix_view import PrefixTree, build_prefix_tree
 
 logger = logging.getLogger("kvstack.serve")
 LOG_INTERVAL_S = 10.0
@@ -304,12 +304,12 @@ class AsyncEngine:
         return self._llm_engine.held_segment_keys()
 
     def kv_state(self, max_cells: int) -> dict[str, Any]:
-        """The web view's snapshot (``serve/kv_state.py``). Engine thread only."""
+        """The web view's snapshot (``serve/ui/kv_state.py``). Engine thread only."""
         assert threading.current_thread() is self._loop_thread, "engine thread only"
         return build_state(self._llm_engine, self.stats, self.recent, max_cells=max_cells)
 
     def prefix_tree(self, limit: int) -> PrefixTree:
-        """The hottest cached prefixes (``serve/prefix_view.py``). Engine thread only."""
+        """The hottest cached prefixes (``serve/ui/prefix_view.py``). Engine thread only."""
         assert threading.current_thread() is self._loop_thread, "engine thread only"
         return build_prefix_tree(self._llm_engine, self.recent, limit)
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstack.request import RequestOutput, SamplingParams
+from kvstack.core.request import RequestOutput, SamplingParams
 
 
 class RequestTimeoutError(Exception):

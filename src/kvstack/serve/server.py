@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstack.config import EngineConfig
-from kvstack.errors import ConfigError
-from kvstack.options import Switch, check_choices, from_namespace, option
-from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
+from kvstack.config.engine import EngineConfig
+from kvstack.core.errors import ConfigError
+from kvstack.core.options import Switch, check_choices, from_namespace, option
+from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
 
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
     from kvstack.serve.async_engine import AsyncEngine
 
 logger = logging.getLogger("kvstack.serve")
@@ -170,7 +170,7 @@ class ServerOptions:
         if self.allowed_origins is not None:
             object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         if self.kv_events_config is not None:
-            from kvstack.serve.kv_events_config import KVEventsConfig
+            from kvstack.serve.events.config import KVEventsConfig
 
             KVEventsConfig.parse(self.kv_events_config)  # one clear line at startup
         if self.max_waiting < 1:
@@ -235,14 +235,14 @@ def _hash_algos() -> tuple[str, ...]:
 
 
 def _tool_parsers() -> tuple[str, ...]:
-    from kvstack.serve.tool_parsers import TOOL_PARSERS
+    from kvstack.serve.chat.tool_parsers import TOOL_PARSERS
 
     return TOOL_PARSERS.names()
 
 
 def default_served_name(model: str) -> str:
     """The model file's stem (``SmolLM2-135M-Instruct.Q4_1``) or the HF folder's name."""
-    from kvstack.model.registry import resolve_model_path
+    from kvstack.model.loader.registry import resolve_model_path
 
     path = Path(resolve_model_path(model))
     return path.stem if path.is_file() else path.name
@@ -270,10 +270,10 @@ def build_server(
 ) -> tuple[LLM, AsyncEngine, FastAPI, str]:
     """Check the options, load the model and build ``(llm, async engine, app, name)``.
     ``kv_events``: the ZMQ publisher ``bind_kv_events`` bound before the load, if any."""
-    from kvstack.llm import LLM
-    from kvstack.serve.app import ServerConfig, create_app
+    from kvstack.engine.llm import LLM
+    from kvstack.serve.api.app import ServerConfig, create_app
     from kvstack.serve.async_engine import AsyncEngine
-    from kvstack.serve.metrics import ServerMetrics
+    from kvstack.serve.metrics.server import ServerMetrics
 
     options.check(engine_config)
     llm = LLM.from_config(engine_config)
@@ -308,7 +308,7 @@ def build_server(
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)
     if pub is not None:
-        from kvstack.serve.kv_events_vllm import VllmEventTranslator, int_block_hashes_from_env
+        from kvstack.serve.events.vllm import VllmEventTranslator, int_block_hashes_from_env
 
         translator = VllmEventTranslator(
             options.prefix_caching_hash_algo, int_block_hashes_from_env()
@@ -323,7 +323,7 @@ def bind_kv_events(options: ServerOptions) -> Any:
     """vLLM's ZMQ publisher, its sockets bound (not started), if ``--kv-events-config``
     asks for one; an endpoint that cannot bind is a ``ConfigError`` now, before the model
     loads, as a port in use is (``bind_http``)."""
-    from kvstack.serve.kv_events_config import KVEventsConfig
+    from kvstack.serve.events.config import KVEventsConfig
 
     if options.kv_events_config is None:
         return None
@@ -331,8 +331,8 @@ def bind_kv_events(options: ServerOptions) -> Any:
     if not config.publishes:
         return None
     from kvstack.kv.vllm_hashing import hash_function
-    from kvstack.serve.kv_events_vllm import int_block_hashes_from_env
-    from kvstack.serve.kv_events_zmq import ZmqKVEventPublisher
+    from kvstack.serve.events.vllm import int_block_hashes_from_env
+    from kvstack.serve.events.zmq import ZmqKVEventPublisher
 
     if options.prefix_caching_hash_algo != "builtin":
         hash_function(options.prefix_caching_hash_algo)  # xxhash without its package: now
@@ -361,7 +361,7 @@ def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
     connection cap of ``o`` (issue 20, finding 5)."""
     import uvicorn
 
-    from kvstack.serve.http_limits import header_deadline_protocol
+    from kvstack.serve.api.http_limits import header_deadline_protocol
 
     return uvicorn.Config(
         app,

@@ -1,19 +1,19 @@
 """Speculative decoding: proposers, limits, counters (layer 1).
 
-``PROPOSERS`` is the ``speculative_config`` "method" registry (``registry.py``); each
+``PROPOSERS`` is the ``speculative_config`` "method" registry (``core/registry.py``); each
 entry builds a ``Proposer`` (``spec/base.py``) from the ``SpeculativeConfig``. Where
 each part of speculation lives::
 
     spec/config.py        SpeculativeConfig (vLLM's --speculative-config JSON)
     spec/ngram.py         prompt lookup: the n-gram proposer (vLLM's "ngram")
     spec/draft_model.py   a draft model's placeholder rows (vLLM's "draft_model")
-    model/drafter.py      the draft model's forwards that fill them, in the runner
+    spec/drafter.py      the draft model's forwards that fill them, in the runner
     spec/speculator.py    engine hooks: who may speculate, proposals, counters
     spec/stats.py         SpecDecodeStats (vLLM's spec_decode_* counters)
     sched/scheduler.py    draft rows in the step's budget; rollback after verification
     kv/manager.py         rollback_slots: blocks holding only rejected tokens freed
     model/runner.py       the draft rows' inputs and logits
-    model/rejection_sampler.py   which drafts are kept (greedy and random rows)
+    spec/rejection_sampler.py   which drafts are kept (greedy and random rows)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvstack.registry import Registry
+from kvstack.core.registry import Registry
 from kvstack.spec.base import Proposer
 from kvstack.spec.draft_model import DraftModelProposer
 from kvstack.spec.ngram import NgramProposer

@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both bounds ("arbitrarily chosen")
 DRAFT_MODEL = "draft_model"

@@ -4,7 +4,7 @@ vLLM spells it ``{"model": DRAFT, "num_speculative_tokens": k}`` (and ``quantiza
 for the draft's weights). A draft model must run a forward per guessed token, which
 only the runner can do, and only once the scheduler has given the step's rows their KV
 slots. So this proposer guesses nothing itself: it asks for ``k`` rows, holding
-placeholders (the last token, repeated), and ``model/drafter.py`` replaces them with the
+placeholders (the last token, repeated), and ``spec/drafter.py`` replaces them with the
 draft model's greedy tokens in place, at the start of the step that verifies them::
 
     after step t    propose  -> [x x x x]             placeholders (k rows asked)
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 
 class DraftModelProposer:
-    """``k`` placeholder rows; ``model/drafter.py`` fills them (``fills_in_runner``)."""
+    """``k`` placeholder rows; ``spec/drafter.py`` fills them (``fills_in_runner``)."""
 
     fills_in_runner = True
 

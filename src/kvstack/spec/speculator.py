@@ -8,7 +8,7 @@ Life of one draft (``k = num_speculative_tokens``)::
                                    none for a while after repeated misses: pause_after)
     step t+1   scheduler        -> rows [x d1 .. dk'] (k' <= k: cut to the budget and the
                                    request's room), slots for all of them allocated
-               runner           -> logits of every row; model/rejection_sampler.py keeps
+               runner           -> logits of every row; spec/rejection_sampler.py keeps
                                    d1..da and one token of its own (bonus / correction)
                scheduler        -> tokens appended one by one under the stop rules; the
                                    rejected slots rolled back (sched/scheduler.py)
@@ -34,13 +34,13 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from kvstack.errors import ConfigError, InvalidRequestError
+from kvstack.core.errors import ConfigError, InvalidRequestError
 from kvstack.spec import build_proposer
 from kvstack.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
-    from kvstack.config import EngineConfig
-    from kvstack.request import Request, SamplingParams
+    from kvstack.config.engine import EngineConfig
+    from kvstack.core.request import Request, SamplingParams
     from kvstack.sched.output import ScheduledRequest
     from kvstack.spec.config import SpeculativeConfig
 

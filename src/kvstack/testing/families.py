@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from kvstack.core.model_config import ModelConfig
 from kvstack.kv.storage import KVStorage
+from kvstack.model.arch.decoder import LlamaModel
 from kvstack.model.attention import AttentionMetadata, PrefillSeq
-from kvstack.model.kernels import load_kernels
-from kvstack.model.llama import LlamaModel
-from kvstack.model.tokenizer import Tokenizer
-from kvstack.model_config import ModelConfig
+from kvstack.model.kernels.loader import load_kernels
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.testing.tiny_models import (
     hf_config_dict,
     minimal_tokenizer_metadata,

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from kvstack.model.gguf import expected_shapes
-from kvstack.model_config import ModelConfig
+from kvstack.core.model_config import ModelConfig
+from kvstack.model.loader.gguf import expected_shapes
 
 
 def tiny_gemma3_config(**overrides: Any) -> ModelConfig:

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from kvstack.core.model_config import ModelConfig
 from kvstack.model.arch import ARCHITECTURES
-from kvstack.model.gguf import (
+from kvstack.model.loader.gguf import (
     GLOBAL_NAMES,
     LAYER_NAMES,
     GGUFFile,
@@ -33,8 +34,7 @@ from kvstack.model.gguf import (
     llama3_freq_factors,
     permute_qk,
 )
-from kvstack.model.tokenizer import Tokenizer, bytes_to_unicode
-from kvstack.model_config import ModelConfig
+from kvstack.model.tokenizer.tokenizer import Tokenizer, bytes_to_unicode
 
 MINIMAL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstack.errors import KvstackError
+from kvstack.core.errors import KvstackError
 
 
 def run_tool(

@@ -41,6 +41,7 @@ asymmetric codecs' bounds (the rounding of the zero point).
 
 from __future__ import annotations
 
+from kvstack.core.registry import Registry
 from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 from kvstack.kv.codecs.bf16 import BF16Codec
 from kvstack.kv.codecs.fp8 import FP8Codec, FP8E5M2Codec
@@ -50,7 +51,6 @@ from kvstack.kv.codecs.int8 import Int8Codec
 from kvstack.kv.codecs.kivi import Kivi2Codec
 from kvstack.kv.codecs.per_token import PerTokenCodec
 from kvstack.kv.codecs.rotated4 import Rotated4Codec, hadamard
-from kvstack.registry import Registry
 
 CODECS: Registry[type[KVCodec]] = Registry("--kv-cache-dtype")
 CODECS.add("auto", IdentityCodec, "the model dtype (default)")

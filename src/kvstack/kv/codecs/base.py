@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

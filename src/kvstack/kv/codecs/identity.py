@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvstack import hugepages
+from kvstack.core import hugepages
 from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 
 
@@ -22,7 +22,7 @@ class IdentityCodec(KVCodec):
         self.identity = sd == dtype
         s = shape
         full = (s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-        # On huge pages (kvstack/hugepages.py): attention reads blocks scattered over the
+        # On huge pages (kvstack/core/hugepages.py): attention reads blocks scattered over the
         # pool, and with 4 KiB pages nearly every block read missed the TLB (batch 32 x 230
         # tokens, random blocks, 2-core EPYC: 30 layers 19-21 ms -> 16.6-18.5 ms).
         # Faulted in now (zero_), as torch.zeros did: first-touch faults would otherwise

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.codecs.bits import pack, quant_asym, unpack
 from kvstack.kv.codecs.per_token import PerTokenCodec
 

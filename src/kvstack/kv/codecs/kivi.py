@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.codecs.base import CacheShape, KernelView, KVCodec
 from kvstack.kv.codecs.bits import pack, quant_asym, unpack
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.codecs.base import CacheShape, KernelView
 from kvstack.kv.codecs.bits import pack, quant_asym, unpack
 from kvstack.kv.codecs.int4 import Int4Codec

@@ -10,6 +10,7 @@ file, entered below.
 
 from __future__ import annotations
 
+from kvstack.core.registry import Registry
 from kvstack.kv.press.base import Press, PressInput
 from kvstack.kv.press.defensivekv import DefensiveKVPress
 from kvstack.kv.press.h2o import H2OPress
@@ -18,7 +19,6 @@ from kvstack.kv.press.layer_defensivekv import LayerDefensiveKVPress
 from kvstack.kv.press.pyramidkv import PyramidKVPress
 from kvstack.kv.press.snapkv import SnapKVPress
 from kvstack.kv.press.streaming_llm import StreamingLLMPress
-from kvstack.registry import Registry
 
 # In the order ``--help`` and error messages list them.
 PRESSES: Registry[type[Press]] = Registry("press")

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstack.core.request import Request
 from kvstack.kv.base import KVManager, cdiv
 from kvstack.kv.hybrid_cache import first_live
 from kvstack.kv.press.base import PressInput
 from kvstack.kv.storage import KVStorage
-from kvstack.request import Request
 
 logger = logging.getLogger("kvstack.kv.press")
 

@@ -52,7 +52,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
 from kvstack.kv.press import check_repress, make_press
 from kvstack.kv.press.base import Press, append_window, nothing_to_press
 from kvstack.kv.press.compact import (
@@ -67,9 +67,9 @@ from kvstack.kv.press.state import PressState
 if TYPE_CHECKING:
     import torch
 
+    from kvstack.core.request import Request, SamplingParams
     from kvstack.kv.base import KVManager
     from kvstack.kv.storage import KVStorage
-    from kvstack.request import Request, SamplingParams
 
 logger = logging.getLogger("kvstack.kv.press")
 
@@ -85,7 +85,7 @@ class PressDefaults:
     every: int | None = None
     paged: bool = True  # presses compact blocks: the paged layout only
     # Each layer's sliding window (None: full attention; empty: none slides). Presses
-    # compress the full-attention layers only (``compact.py``, ``model/window.py``).
+    # compress the full-attention layers only (``compact.py``, ``model/arch/window.py``).
     windows: tuple[int | None, ...] = ()
 
     @property

@@ -55,7 +55,7 @@ class CorruptBlockError(ValueError):
 class BlockLayout:
     """What must match for stored KV to be loadable: model, dtype and shapes.
 
-    ``model_fingerprint`` identifies the weights (``model/fingerprint.py``), not only
+    ``model_fingerprint`` identifies the weights (``model/loader/fingerprint.py``), not only
     the model's name, so two fine-tunes with one name never share KV.
     """
 

@@ -41,6 +41,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstack.core.request import Request
 from kvstack.kv.block_pool import KVCacheBlock
 from kvstack.kv.paged_common import PagedCommon
 from kvstack.kv.storage import KVStorage
@@ -48,7 +49,6 @@ from kvstack.kv.tiers.base import TierStats
 from kvstack.kv.tiers.block_format import BlockLayout
 from kvstack.kv.tiers.manager import OffloadManager, StagedLoad
 from kvstack.kv.tiers.spec import build_tiers, parse_offload_spec
-from kvstack.request import Request
 
 logger = logging.getLogger("kvstack.kv.tiers")
 
@@ -221,7 +221,7 @@ def make_connector(
 ) -> TierConnector:  # fmt: skip
     """Build the tiers of a ``--kv-offload`` spec and the connector over them.
 
-    ``fingerprint`` names the model and its weights (``model/fingerprint.py``); tiers
+    ``fingerprint`` names the model and its weights (``model/loader/fingerprint.py``); tiers
     keep blocks of different fingerprints, dtypes or codecs apart. ``auth_key``
     (``--kv-offload-key-file``): blocks are HMAC-signed with it (``block_format.py``).
     """

@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
+from kvstack.core.registry import Registry
 from kvstack.kv.tiers.base import OffloadTier
 from kvstack.kv.tiers.block_format import BlockLayout
 from kvstack.kv.tiers.redis_url import REDIS_SCHEMES, redacted
-from kvstack.registry import Registry
 
 TIER_POLICIES = ("lru", "lfu")
 EXAMPLE = "host:2GiB,disk:/tmp/kvstack-kv:20GiB,redis://127.0.0.1:6379"
@@ -51,7 +51,7 @@ def _bad(part: str, why: str) -> ConfigError:
 
 
 def _size_and_policy(part: str, fields: list[str]) -> tuple[int, str]:
-    from kvstack.units import parse_size
+    from kvstack.core.units import parse_size
 
     policy = "lru"
     if fields and fields[-1].lower() in TIER_POLICIES:

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ModelLoadError
+from kvstack.core.errors import ModelLoadError
+from kvstack.core.registry import Registry
 from kvstack.model.arch.base import Architecture, Features, check_window
 from kvstack.model.arch.gemma3 import GEMMA3
 from kvstack.model.arch.llama import LLAMA
 from kvstack.model.arch.mistral import MISTRAL
 from kvstack.model.arch.qwen2 import QWEN2
 from kvstack.model.arch.qwen3 import QWEN3
-from kvstack.registry import Registry
 
 __all__ = [
     "ARCHITECTURES",

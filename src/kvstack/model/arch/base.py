@@ -1,7 +1,7 @@
 """``Architecture``: one model family, as a checkpoint names it and as the forward runs it.
 
 Every family kvstack serves is the Llama decoder (RMSNorm, RoPE, grouped-query attention,
-SwiGLU; ``model/llama.py``) plus a few typed features of ``ModelConfig`` (``Features``).
+SwiGLU; ``model/arch/decoder.py``) plus a few typed features of ``ModelConfig`` (``Features``).
 A family is a small module of ``model/arch/`` holding one ``Architecture`` registered in
 ``ARCHITECTURES`` (``model/arch/__init__.py``); it says
 
@@ -14,9 +14,9 @@ A family is a small module of ``model/arch/`` holding one ``Architecture`` regis
   its ``LLAMA`` arch interleaves each head's RoPE pairs; Qwen2/Qwen3 are written as they
   are, since llama.cpp runs them with NeoX-style rotate-half RoPE).
 
-The loaders (``model/safetensors.py``, ``model/gguf.py``) parse what every family shares
-(sizes, RoPE, epsilon) and ask the family for the rest; weight names and shapes follow
-from the features (``model/gguf.py`` ``expected_shapes``).
+The loaders (``model/loader/safetensors.py``, ``model/loader/gguf.py``) parse what every
+family shares (sizes, RoPE, epsilon) and ask the family for the rest; weight names and shapes follow
+from the features (``model/loader/gguf.py`` ``expected_shapes``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvstack.errors import ModelLoadError
+from kvstack.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Architecture:
     needs_head_dim: bool = False  # config.json must give head_dim (no hidden/heads default)
     hidden_act_key: str = "hidden_act"  # config.json key of the MLP activation ...
     hidden_act: str = "silu"  # ... and the one value the forward runs
-    # GGUF: llama.cpp names that differ from ``model/gguf.py`` LAYER_NAMES, and what its
+    # GGUF: llama.cpp names that differ from ``model/loader/gguf.py`` LAYER_NAMES, and what its
     # converter added to every ``*norm.weight`` (Gemma: 1), subtracted back on load.
     gguf_layer_names: ClassVar[Mapping[str, str]] = {}
     gguf_norm_offset: float = 0.0
@@ -83,7 +83,7 @@ def reject_keys(cfg: Mapping[str, Any], keys: tuple[str, ...], why: str, where: 
 
 def check_window(window: object, context: int, where: Path, field: str) -> int | None:
     """A sliding window: None (full attention) or a positive token count (one shorter than
-    ``context`` hides older keys, ``model/window.py``); else ``ModelLoadError`` naming
+    ``context`` hides older keys, ``model/arch/window.py``); else ``ModelLoadError`` naming
     ``field``."""
     if window is None:
         return None

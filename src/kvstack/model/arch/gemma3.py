@@ -1,9 +1,9 @@
 """Gemma 3, text only (``Gemma3ForCausalLM``; transformers ``models/gemma3/modeling_gemma3.py``).
 
-What differs from Llama (the forward: ``model/gemma3.py``):
+What differs from Llama (the forward: ``model/arch/gemma3_decoder.py``):
 
 - local and global layers interleave: layers ``layer_types`` names ``sliding_attention``
-  attend to the last ``sliding_window`` keys (``model/window.py``), the others to all;
+  attend to the last ``sliding_window`` keys (``model/arch/window.py``), the others to all;
   without ``layer_types`` every ``sliding_window_pattern``-th layer (default 6) is global,
   as ``Gemma3TextConfig`` decides;
 - two RoPE bases: ``rope_local_base_freq`` (10k) on local layers, ``rope_theta`` (1M) on
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvstack.errors import ModelLoadError
+from kvstack.core.errors import ModelLoadError
 from kvstack.model.arch.base import Architecture, Features, check_window, reject_keys
 from kvstack.model.arch.qwen2 import layer_types
 

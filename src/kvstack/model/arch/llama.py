@@ -2,7 +2,7 @@
 
 The reference family: no biases, no q/k norms, no sliding window. llama.cpp's converter
 writes its GGUFs as ``general.architecture = "llama"`` with the q/k rows permuted for
-interleaved RoPE (``model/gguf.py`` ``unpermute_qk`` undoes it); it writes Mistral
+interleaved RoPE (``model/loader/gguf.py`` ``unpermute_qk`` undoes it); it writes Mistral
 checkpoints the same way, so a Mistral GGUF from llama.cpp loads as this family.
 """
 

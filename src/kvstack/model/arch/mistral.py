@@ -1,7 +1,7 @@
 """Mistral (``MistralForCausalLM``; transformers ``models/mistral/modeling_mistral.py``).
 
 The Llama layout; what differs is ``sliding_window``: Mistral-7B v0.1 attends to the last
-4,096 keys only (every layer; ``model/window.py``), later releases set it to null (full
+4,096 keys only (every layer; ``model/arch/window.py``), later releases set it to null (full
 attention). A null window, or one covering the whole context, is the Llama forward
 exactly. The hybrid KV manager (``kv/hybrid.py``) frees the KV of keys older than the window.
 llama.cpp writes Mistral GGUFs as ``general.architecture = "llama"`` (the llama family);

@@ -4,7 +4,7 @@ Llama plus a bias on the q, k and v projections (never on o_proj, whatever the c
 says: ``Qwen2Attention`` builds them so). Its config may declare sliding-window layers:
 ``use_sliding_window`` true makes layers from ``max_window_layers`` on (or those that
 ``layer_types`` names ``sliding_attention``) attend to the last ``sliding_window`` keys
-only (``Features.window_layers`` says which; ``model/window.py``). llama.cpp writes
+only (``Features.window_layers`` says which; ``model/arch/window.py``). llama.cpp writes
 ``general.architecture = "qwen2"`` GGUFs with q/k rows as Hugging Face has them
 (``Qwen2Model`` in ``convert_hf_to_gguf.py`` does not permute; llama.cpp runs qwen2 with
 NeoX rotate-half RoPE) and the biases as ``blk.N.attn_{q,k,v}.bias``.
@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ModelLoadError
+from kvstack.core.errors import ModelLoadError
 from kvstack.model.arch.base import Architecture, Features, check_window, reject_keys
 
 

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from kvstack.model.gguf import gguf_family, hf_name, unpermute_qk
-from kvstack.model.gguf_reader import GGUFFile
-from kvstack.model.kernels import note_fallback
+from kvstack.core.model_config import ModelConfig
+from kvstack.model.kernels.loader import note_fallback
+from kvstack.model.loader.gguf import gguf_family, hf_name, unpermute_qk
+from kvstack.model.loader.gguf_reader import GGUFFile
 from kvstack.model.quant.packed import PackedWeight, pack_u4
-from kvstack.model_config import ModelConfig
 
 Q = GGMLQuantizationType
 

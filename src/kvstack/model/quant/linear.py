@@ -54,8 +54,8 @@ from typing import Any
 
 import torch
 
-from kvstack.model.kernels import Kernels, direct, note_fallback
-from kvstack.model.layers import Linear, dense_linear
+from kvstack.model.arch.layers import Linear, dense_linear
+from kvstack.model.kernels.loader import Kernels, direct, note_fallback
 from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpack_u4
 from kvstack.model.quant.tiled import TiledWeight, tiled_copy
 

@@ -35,12 +35,12 @@ from typing import Protocol
 
 import torch
 
-from kvstack.model.kernels import Kernels, note_fallback
-from kvstack.model.layers import Linear
+from kvstack.core.registry import Registry
+from kvstack.model.arch.layers import Linear
+from kvstack.model.kernels.loader import Kernels, note_fallback
 from kvstack.model.quant.linear import QuantLinear
 from kvstack.model.quant.packed import PackedWeight, concat_rows
 from kvstack.model.quant.quantize import INT4_GROUP, quantize_int4, quantize_int8
-from kvstack.registry import Registry
 
 logger = logging.getLogger("kvstack.quant")
 

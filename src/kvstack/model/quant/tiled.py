@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack import hugepages
+from kvstack.core import hugepages
 from kvstack.model.quant.packed import PackedWeight, unpack_u4
 
 TILE = 16
@@ -90,7 +90,7 @@ def tile_weight(w: PackedWeight) -> TiledWeight:
 
 def tiled_copy(w: PackedWeight) -> TiledWeight:
     """``tile_weight(w)`` with its tensors in the weight arena on huge pages (a decode token
-    streams every weight once: ``kvstack/hugepages.py``)."""
+    streams every weight once: ``kvstack/core/hugepages.py``)."""
     t = tile_weight(w)
     mn = None if t.min is None else hugepages.weight_copy(t.min)
     codes, scale = hugepages.weight_copy(t.codes), hugepages.weight_copy(t.scale)

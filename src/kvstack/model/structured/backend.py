@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from kvstack.structured_outputs import StructuredOutputsParams
+from kvstack.core.structured_outputs import StructuredOutputsParams
 
 
 class GrammarMatcher(Protocol):

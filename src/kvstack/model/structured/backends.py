@@ -6,9 +6,9 @@ registered below (this module imports them all, so no backend imports the regist
 
 from __future__ import annotations
 
+from kvstack.core.registry import Registry
 from kvstack.model.structured.backend import GrammarBackend
 from kvstack.model.structured.llguidance_backend import LLGuidanceBackend
-from kvstack.registry import Registry
 
 STRUCTURED_BACKENDS: Registry[type[GrammarBackend]] = Registry("structured outputs backend")
 STRUCTURED_BACKENDS.add(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.model.kernels import load_kernels
+from kvstack.model.kernels.loader import load_kernels
 
 _BITS = torch.arange(32, dtype=torch.int32)
 

@@ -30,9 +30,9 @@ import llguidance
 import llguidance.torch
 import torch
 
-from kvstack.errors import InvalidRequestError
+from kvstack.core.errors import InvalidRequestError
+from kvstack.core.structured_outputs import StructuredOutputsParams, closed_objects
 from kvstack.model.structured.backend import GrammarMatcher
-from kvstack.structured_outputs import StructuredOutputsParams, closed_objects
 
 # Bounded grammar size and per-step work (llguidance's defaults are 500k symbols and
 # 200k lexer fuel per step; these keep a hostile grammar under ~50 ms of compile time).

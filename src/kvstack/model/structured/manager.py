@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstack.core.request import Request
+from kvstack.core.structured_outputs import StructuredOutputsParams
 from kvstack.model.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from kvstack.model.structured.backends import STRUCTURED_BACKENDS
 from kvstack.model.structured.bitmask import StepMask, allocate_bitmask
-from kvstack.model.tokenizer import Tokenizer
-from kvstack.request import Request
-from kvstack.structured_outputs import StructuredOutputsParams
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

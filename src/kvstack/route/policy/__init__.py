@@ -17,7 +17,7 @@ which needs pydantic, is imported only by its users).
 
 from __future__ import annotations
 
-from kvstack.registry import Registry
+from kvstack.core.registry import Registry
 from kvstack.route.policy.base import (
     BalanceConfig,
     Decision,

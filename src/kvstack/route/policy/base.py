@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvstack.errors import ConfigError, KvstackError
+from kvstack.core.errors import ConfigError, KvstackError
 
 
 @dataclass

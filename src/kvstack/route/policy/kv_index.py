@@ -31,7 +31,7 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.hashing import DIGEST_SIZE, hash_blocks, root_hash
 
 logger = logging.getLogger("kvstack.route")

@@ -1,7 +1,7 @@
 """The token ids a replica will see for an OpenAI request body, computed at the router.
 
 A KV-aware router must hash exactly the tokens the engine will hash, so it tokenizes
-the same way ``serve/routes_openai.py`` does: a completion's (first) prompt with
+the same way ``serve/api/routes_openai.py`` does: a completion's (first) prompt with
 ``tokenizer.encode`` or as given ids, a chat with ``ChatCompletionRequest.prompt_ids``
 (the model's chat template, as the replica renders it) or, when its tools, documents or
 marked parts are segments, ``ChatCompletionRequest.segments`` (each segment tokenized on
@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvstack.errors import KvstackError
-from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvstack.core.errors import KvstackError
+from kvstack.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import signal
 import threading
 from typing import Any
 
-from kvstack.config import EngineConfig
+from kvstack.config.engine import EngineConfig
 from kvstack.route.ray.config import RayOptions
 from kvstack.serve.server import ServerOptions
 

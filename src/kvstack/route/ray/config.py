@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstack.errors import ConfigError
-from kvstack.options import check_choices, from_namespace, option
+from kvstack.core.errors import ConfigError
+from kvstack.core.options import check_choices, from_namespace, option
 
 RAY = "Ray Serve (replicas behind kvstack's routing policy)"
 

@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvstack.route.policy.prompt import prompt_info
 from kvstack.route.ray import state
 from kvstack.route.ray.replica import EngineCall
-from kvstack.serve.http_errors import ApiError, check_bearer, read_body
-from kvstack.serve.protocol import error_body
+from kvstack.serve.api.http_errors import ApiError, check_bearer, read_body
+from kvstack.serve.api.protocol import error_body
 
 logger = logging.getLogger("kvstack.route.ray")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -46,7 +46,7 @@ class Ingress:
     """The OpenAI front of the Ray deployment: tokenizes, then calls the engine handle."""
 
     def __init__(self, engine: Any, model: str, limits: IngressLimits | None = None) -> None:
-        from kvstack.model.registry import load_tokenizer
+        from kvstack.model.loader.registry import load_tokenizer
 
         self.tokenizer = load_tokenizer(model)
         self.engine = engine.options(stream=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from kvstack.config import EngineConfig
+from kvstack.config.engine import EngineConfig
 from kvstack.serve.server import ServerOptions
 
 logger = logging.getLogger("kvstack.route.ray")

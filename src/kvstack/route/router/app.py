@@ -34,7 +34,7 @@ from kvstack.route.policy import RoutingPolicy
 from kvstack.route.router.backends import BackendPool
 from kvstack.route.router.event_sources import EventEndpoints
 from kvstack.route.router.proxy import SERVING_ROLES, PolicyFactory, ProxyConfig, Router
-from kvstack.serve.http_errors import ApiError, check_bearer, install_error_handlers, read_body
+from kvstack.serve.api.http_errors import ApiError, check_bearer, install_error_handlers, read_body
 
 logger = logging.getLogger("kvstack.route")
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.route.policy import Replica
 from kvstack.route.router.discovery import (
     MAX_DISCOVERED,

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.vllm_hashing import HASH_ALGOS, NON_CRYPTO_ALGOS, hash_function
 from kvstack.route.policy import ROUTING_POLICIES, BalanceConfig, RoutingPolicy, make_policy
 from kvstack.route.router.discovery import (
@@ -264,7 +264,7 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
 
     tokenizer = None
     if ROUTING_POLICIES.get(a.policy).kv_aware:
-        from kvstack.model.registry import load_tokenizer
+        from kvstack.model.loader.registry import load_tokenizer
 
         tokenizer = load_tokenizer(a.model)
     pool = BackendPool(
@@ -303,7 +303,7 @@ def run_router(a: argparse.Namespace) -> int:
     """``kvstack router``: validate, build, serve until SIGTERM; 0 on a clean stop."""
     import uvicorn
 
-    from kvstack.serve.http_limits import header_deadline_protocol
+    from kvstack.serve.api.http_limits import header_deadline_protocol
 
     class _Server(uvicorn.Server):
         """uvicorn without its own signal capture: the handlers below (as in ``kvstack

@@ -23,7 +23,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 logger = logging.getLogger("kvstack.route")
 

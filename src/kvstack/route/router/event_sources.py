@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvstack.errors import ConfigError
-from kvstack.registry import Registry
+from kvstack.core.errors import ConfigError
+from kvstack.core.registry import Registry
 from kvstack.route.policy.kv_index import EventIndex
 from kvstack.route.policy.vllm_index import VllmEventIndex
 from kvstack.route.router.discovery import normalize_url

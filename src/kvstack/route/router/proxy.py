@@ -50,7 +50,7 @@ from kvstack.route.router.backends import Backend, BackendPool
 from kvstack.route.router.event_sources import EventEndpoints, EventFeeds
 from kvstack.route.router.metrics import RouterMetrics
 from kvstack.route.router.relay import relay_response
-from kvstack.serve.protocol import error_body
+from kvstack.serve.api.protocol import error_body
 
 logger = logging.getLogger("kvstack.route")
 

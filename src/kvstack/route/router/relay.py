@@ -27,13 +27,13 @@ from starlette.types import Receive, Scope, Send
 
 from kvstack.route.router.backends import Backend, BackendPool
 from kvstack.route.router.metrics import RouterMetrics
-from kvstack.serve.protocol import error_body
+from kvstack.serve.api.protocol import error_body
 
 logger = logging.getLogger("kvstack.route")
 
 FORWARD_RESPONSE_HEADERS = frozenset(
     {"content-type", "content-encoding", "retry-after", "x-request-id", "cache-control",
-     "kvstack-ignored-fields"}  # serve/leniency.py: the body fields the replica ignored
+     "kvstack-ignored-fields"}  # serve/api/leniency.py: the body fields the replica ignored
 )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError, KvstackError
+from kvstack.core.errors import ConfigError, KvstackError
 from kvstack.kv.hashing import BlockHash
 from kvstack.tools.analyze.log import LogRequest, ParseResult
 from kvstack.tools.analyze.replay import ALL_POLICIES, Prepared, prepare, replay
@@ -123,9 +123,9 @@ def auto_cache_sizes(requests: Sequence[LogRequest], prep: Prepared, bs: int) ->
 def model_kv_bytes_per_token(model: str | Path, dtype_bytes: int) -> int | None:
     """KV bytes per token of ``model`` from its config alone, or None if not loadable."""
     try:
-        from kvstack.model.gguf import read_gguf_config
-        from kvstack.model.registry import model_format, resolve_model_path
-        from kvstack.model.safetensors import config_from_hf, read_hf_config
+        from kvstack.model.loader.gguf import read_gguf_config
+        from kvstack.model.loader.registry import model_format, resolve_model_path
+        from kvstack.model.loader.safetensors import config_from_hf, read_hf_config
 
         path = resolve_model_path(model)
         if model_format(path) == "gguf":

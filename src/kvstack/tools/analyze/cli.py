@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
+from kvstack.core.units import parse_size
 from kvstack.tools.analyze.analysis import AnalyzeOptions, analyze
 from kvstack.tools.analyze.log import FORMATS, read_log
 from kvstack.tools.analyze.replay import ALL_POLICIES, ENGINE_POLICIES
 from kvstack.tools.analyze.report import check_cache_regression, format_report, write_plot
 from kvstack.tools.command import run_tool
-from kvstack.units import parse_size
 
 PROG = "python -m kvstack.tools.analyze"
 

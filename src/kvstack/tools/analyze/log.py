@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError, KvstackError
+from kvstack.core.errors import ConfigError, KvstackError
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -211,7 +211,7 @@ class _Tokenize:
 
     def get(self) -> Any:
         if self._tok is None:
-            from kvstack.model.registry import load_tokenizer
+            from kvstack.model.loader.registry import load_tokenizer
 
             self._tok = load_tokenizer(self.source)
         return self._tok

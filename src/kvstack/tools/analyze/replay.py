@@ -37,11 +37,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
+from kvstack.core.request import Request, SamplingParams
 from kvstack.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.policies import EVICTION_POLICIES, EvictionPolicy
-from kvstack.request import Request, SamplingParams
 from kvstack.tools.analyze.log import LogRequest
 
 __all__ = [

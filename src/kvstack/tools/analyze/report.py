@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 
 def find_knee(curve: Sequence[tuple[int, float]], tolerance: float = 0.02) -> int | None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import jsonschema
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.bench.agent_report import AgentStep, AgentSummary, summarize_agent
 from kvstack.tools.bench.client import (
     BenchConfig,
@@ -58,7 +58,7 @@ from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
 from kvstack.tools.workloads.text import TextMaker
 
 if TYPE_CHECKING:
-    from kvstack.model.tokenizer import Tokenizer
+    from kvstack.model.tokenizer.tokenizer import Tokenizer
 
 SERVER_SOURCE = "server /tokenize"
 LOCAL_SOURCE = "local tokenizer (the server's /tokenize ignored tools)"

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.bench.agent import AgentRun, run_agent_loop
 from kvstack.tools.bench.agent_report import format_agent_report
 from kvstack.tools.bench.client import BenchConfig, normalize_base_url, run_benchmark
@@ -249,7 +249,7 @@ def load_requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]
         if args.max_tokens is not None:
             reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
         return reqs, Path(args.dataset).stem
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer or "default")
     reqs = make_workload(
@@ -286,7 +286,7 @@ def _send(
         f"{cfg.burstiness:g}, max concurrency {cfg.max_concurrency or 'unlimited'}"
     )
     if args.workload == "agent-loop" and not args.dataset:
-        from kvstack.model.registry import load_tokenizer
+        from kvstack.model.loader.registry import load_tokenizer
 
         spec = agent_spec(args)
         tok = load_tokenizer(args.tokenizer or "default")
@@ -318,7 +318,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """Run ``kvstack bench serve`` with parsed ``args``. Returns 0 when a request succeeded,
-    1 when none did; raises :class:`~kvstack.errors.KvstackError` (the CLI prints it and
+    1 when none did; raises :class:`~kvstack.core.errors.KvstackError` (the CLI prints it and
     exits 2) for a bad option or workload file, or when ``/v1/models`` cannot be read."""
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.bench.report import RequestResult
 from kvstack.tools.bench.stream import StreamAccumulator, error_message
 from kvstack.tools.bench.traffic import arrival_offsets, order_requests, run_schedule

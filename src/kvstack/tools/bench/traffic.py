@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.bench.report import RequestResult
 from kvstack.tools.workloads.spec import WorkloadRequest
 

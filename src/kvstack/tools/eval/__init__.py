@@ -2,7 +2,7 @@
 
 Every variant (a ``--kv-cache-dtype`` codec, or a ``--kv-press`` at one ratio) runs the
 model on the same inputs as the baseline (``auto``: the KV cache in the model's
-``--dtype``), each with a fresh :class:`~kvstack.llm.LLM` (one engine alive at a time),
+``--dtype``), each with a fresh :class:`~kvstack.engine.llm.LLM` (one engine alive at a time),
 and is compared on:
 
 (a) teacher-forced quality: ``LLM.score`` of every corpus text from its middle on (prompt

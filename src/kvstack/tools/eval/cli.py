@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import kvstack.tools.eval.report as rep
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
+from kvstack.core.units import parse_size
 from kvstack.tools.command import run_tool
 from kvstack.tools.eval.config import (
     DEFAULT_CODECS,
@@ -25,7 +26,6 @@ from kvstack.tools.eval.config import (
 )
 from kvstack.tools.eval.runner import run_eval
 from kvstack.tools.eval.tasks import DECODE_PROMPT_TOKENS
-from kvstack.units import parse_size
 
 PROG = "python -m kvstack.tools.eval"
 

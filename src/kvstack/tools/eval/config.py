@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 DEFAULT_CODECS = ("fp8", "int8", "int4", "kivi2", "rotated4")
 BASELINE = "auto"

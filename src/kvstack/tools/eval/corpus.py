@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from kvstack.tools.workloads.text import TextMaker, TokenizerLike
 
 if TYPE_CHECKING:
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
 
 @dataclass
@@ -139,7 +139,7 @@ def generated_corpus(
     so top-1 agreement measures the KV method rather than near-ties in flat distributions
     (synthetic prose: perplexity ~50).
     """
-    from kvstack.request import SamplingParams
+    from kvstack.core.request import SamplingParams
 
     prompts, params, keys = [], [], []
     for ctx in contexts:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """The run of ``kvstack eval``: the baseline, then every variant, one engine at a time.
 
-Each variant gets a fresh :class:`~kvstack.llm.LLM` (the previous one is freed first) with
+Each variant gets a fresh :class:`~kvstack.engine.llm.LLM` (the previous one is freed first) with
 the same number of KV blocks, so scheduling (and with it the numerics of batched steps)
 is identical and differences come from the codec or press alone. The baseline's
 log-distributions wait in a temporary directory: at most two ``[n, vocab]`` matrices are
@@ -41,7 +41,7 @@ from kvstack.tools.eval.tasks import (
 )
 
 if TYPE_CHECKING:
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
 
 def _kv_numbers(llm: LLM, memory: int, max_seqs: int, context: int) -> dict[str, Any]:
@@ -109,7 +109,7 @@ class _Inputs:
 
 def _inputs(config: EvalConfig, tok: Any) -> _Inputs:
     """The corpus, the needle cases, the speed test's prompts and the KV blocks they need."""
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
     if config.corpus == "generated":
         gen = LLM(config.model, dtype=config.dtype, seed=config.seed, prefix_cache="none")
@@ -205,8 +205,8 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     """Run the baseline and every variant; the JSON-ready report (:mod:`.report` formats it)."""
     from tqdm import tqdm
 
-    from kvstack.llm import LLM
-    from kvstack.model.registry import load_tokenizer, read_model_config
+    from kvstack.engine.llm import LLM
+    from kvstack.model.loader.registry import load_tokenizer, read_model_config
 
     t_start = time.perf_counter()
     model_config = read_model_config(config.model)

@@ -37,8 +37,8 @@ from kvstack.tools.eval.corpus import has_chat_template
 from kvstack.tools.workloads.text import TextMaker, TokenizerLike
 
 if TYPE_CHECKING:
-    from kvstack.llm import LLM
-    from kvstack.request import SamplingParams
+    from kvstack.core.request import SamplingParams
+    from kvstack.engine.llm import LLM
 
 HAYSTACK_REPEAT = (
     "The grass is green.",
@@ -229,7 +229,7 @@ def check_answer(text: str, key: str) -> bool:
 def greedy_params(max_tokens: int, press_after: int | None = None) -> SamplingParams:
     """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored); a press, if the
     engine has one, runs after ``press_after`` prompt tokens (default: the prompt)."""
-    from kvstack.request import SamplingParams
+    from kvstack.core.request import SamplingParams
 
     return SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, kv_press_after=press_after

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.command import run_tool
 from kvstack.tools.plan.operators import format_operator_plan, make_operator_plan
 from kvstack.tools.plan.report import format_plan

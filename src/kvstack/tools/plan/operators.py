@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 
 SCHEMA = "kvstack-profile/1"
 

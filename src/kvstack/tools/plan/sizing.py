@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.groups import blocks_held
 from kvstack.tools.plan.specs import (
     DTYPE_BYTES,

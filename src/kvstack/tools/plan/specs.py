@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvstack.errors import ConfigError
-from kvstack.units import parse_size
+from kvstack.core.errors import ConfigError
+from kvstack.core.units import parse_size
 
 GB = 10**9
 GiB = 2**30

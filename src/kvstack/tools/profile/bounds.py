@@ -44,7 +44,7 @@ def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, runs: int = 5) -> float:
 
 
 def gemm_flops_per_s(layer: Any, m: int, dtype: torch.dtype, runs: int = 5) -> float:
-    """GEMM throughput of ``layer`` (a ``kvstack.model.layers.Linear``) at ``m`` rows."""
+    """GEMM throughput of ``layer`` (a ``kvstack.model.arch.layers.Linear``) at ``m`` rows."""
     n, k = layer.weight.shape
     x = torch.randn(m, k).to(dtype)
     return 2.0 * m * n * k / best_time_s(lambda: layer(x), runs)
@@ -81,7 +81,7 @@ def measure_bounds(model: Any, ms: tuple[int, ...] = ()) -> MachineBounds:
     dense copy in the model dtype when the weights are quantized (``--quantization``)."""
     layer = model.layers[0].gate_up
     if isinstance(layer, QuantLinear):  # (a dense Linear's ``packed`` is oneDNN's copy)
-        from kvstack.model.layers import Linear
+        from kvstack.model.arch.layers import Linear
 
         layer = Linear(layer.dequantize(model.dtype), model.dtype)
     peak = gemm_flops_per_s(layer, 2048, model.dtype)

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstack.config_choices import quantizations
-from kvstack.errors import ConfigError
+from kvstack.config.choices import quantizations
+from kvstack.core.errors import ConfigError
 from kvstack.kv.codecs import KV_CACHE_DTYPES
 from kvstack.tools.command import run_tool
 from kvstack.tools.profile.bounds import measure_bounds
@@ -83,8 +83,8 @@ def run_profile(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
     from tqdm import tqdm
 
-    from kvstack.llm import LLM
-    from kvstack.model.registry import read_model_config
+    from kvstack.engine.llm import LLM
+    from kvstack.model.loader.registry import read_model_config
 
     w = Workload(args.batch, args.context, steps=args.steps, seed=args.seed)
     # Before the engine sizes its KV cache for batch x context (which a context far

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-import kvstack.model.llama as llama_mod
+import kvstack.model.arch.decoder as llama_mod
 from kvstack.model.attention import AttentionMetadata
 from kvstack.model.quant.linear import QuantLinear
 

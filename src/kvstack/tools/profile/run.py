@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kvstack.errors import ConfigError
-from kvstack.request import SamplingParams
+from kvstack.core.errors import ConfigError
+from kvstack.core.request import SamplingParams
 from kvstack.tools.profile.instrument import OpStat, Recorder, instrument
 
 

@@ -42,7 +42,7 @@ from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
 from kvstack.tools.workloads.text import NOUNS, TextMaker
 
 if TYPE_CHECKING:
-    from kvstack.model.tokenizer import Tokenizer
+    from kvstack.model.tokenizer.tokenizer import Tokenizer
 
 SYSTEM_LEAD = (
     "You are the operations assistant of a small company. You act through the tools you "
@@ -174,9 +174,9 @@ def parse_chat(
     tool_choice: str | dict[str, Any] | None = None,
 ) -> tuple[list[Any], Any]:
     """A chat body's messages and tool plan as ``kvstack serve`` parses them."""
-    from kvstack.serve.protocol import ChatMessage
-    from kvstack.serve.protocol_tools import NamedToolChoice, ToolDef
-    from kvstack.serve.tool_calls import ToolPlan
+    from kvstack.serve.api.protocol import ChatMessage
+    from kvstack.serve.api.protocol_tools import NamedToolChoice, ToolDef
+    from kvstack.serve.chat.tool_calls import ToolPlan
 
     choice: Any = tool_choice
     if isinstance(tool_choice, dict):
@@ -194,7 +194,7 @@ def render_ids(
 ) -> list[int]:
     """Token ids of a chat request exactly as ``kvstack serve`` renders it with this
     tokenizer: the template's tool section, or the fallback in the system prompt."""
-    from kvstack.serve.chat_prompt import chat_prompt_ids
+    from kvstack.serve.chat.prompt import chat_prompt_ids
 
     msgs, plan = parse_chat(messages, tools, tool_choice)
     return chat_prompt_ids(tokenizer, msgs, add_generation_prompt=True, plan=plan)

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.workloads.agent import agent_loop_requests
 from kvstack.tools.workloads.shuffled import agent_tools_shuffled, rag_shuffled
 from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
@@ -31,7 +31,7 @@ from kvstack.tools.workloads.text import (
 )
 
 if TYPE_CHECKING:
-    from kvstack.model.tokenizer import Tokenizer
+    from kvstack.model.tokenizer.tokenizer import Tokenizer
 
 
 def _n(value: int | float | None) -> int:

@@ -45,7 +45,7 @@ def add_workloads_args(p: argparse.ArgumentParser) -> None:
 
 def run_workloads(args: argparse.Namespace) -> int:
     """Build the workload, write it with ``--out``, print its summary as JSON; 0."""
-    from kvstack.model.registry import load_tokenizer
+    from kvstack.model.loader.registry import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     reqs = make_workload(

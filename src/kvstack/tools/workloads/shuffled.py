@@ -10,7 +10,7 @@ different subsets and orders, which only segment reuse (``kv/segments.py``) can 
 
 Each request carries its pieces the way a client sends them: ``tools`` (an OpenAI body
 field) or ``documents`` (vLLM's), in ``body_extra``; its ``prompt_token_ids`` and
-``segments`` are what ``kvstack serve`` computes from that body (``serve/segments.py``:
+``segments`` are what ``kvstack serve`` computes from that body (``serve/chat/segments.py``:
 each piece tokenized on its own), so offline runs and the server see the same ids.
 """
 
@@ -25,7 +25,7 @@ from kvstack.tools.workloads.spec import WorkloadRequest, WorkloadSpec
 from kvstack.tools.workloads.text import TextMaker, tool_schema
 
 if TYPE_CHECKING:
-    from kvstack.model.tokenizer import Tokenizer
+    from kvstack.model.tokenizer.tokenizer import Tokenizer
 
 TOOLS_PER_REQUEST = (3, 8)
 TOOL_TOKENS = (120, 250)
@@ -53,7 +53,7 @@ def segment_ids(
 ) -> tuple[list[int], list[Any]]:
     """Ids and segment marks of a chat body exactly as ``kvstack serve`` computes them
     (``[start, end]``, a tool's with its primer: ``[start, end, primer ids]``)."""
-    from kvstack.serve.segments import chat_segments
+    from kvstack.serve.chat.segments import chat_segments
 
     msgs, plan = parse_chat(messages, tools)
     found = chat_segments(

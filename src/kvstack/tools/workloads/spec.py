@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.tools.workloads.agent_pool import POOL_SIZE
 
 # Per-workload defaults of the knobs that apply to it; other knobs are rejected.

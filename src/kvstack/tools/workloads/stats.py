@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from kvstack.errors import ConfigError
+from kvstack.core.errors import ConfigError
 from kvstack.kv.hashing import hash_blocks, root_hash
 from kvstack.tools.workloads.spec import WorkloadRequest
 

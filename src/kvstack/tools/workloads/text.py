@@ -90,7 +90,7 @@ def sys_user(system: str, user: str) -> list[dict[str, str]]:
 
 
 class TokenizerLike(Protocol):
-    """What the workloads need from :class:`kvstack.model.tokenizer.Tokenizer`."""
+    """What the workloads need from :class:`kvstack.model.tokenizer.tokenizer.Tokenizer`."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -1,0 +1,62 @@
+"""Choices of ``config/engine.py``'s options: the extension points' registries, read lazily,
+and vLLM's spellings of kvstack's values (accepted as choices, converted)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+# Choices are the extension points' registries, imported when first read: ``kvstack
+# --help`` builds every parser, and the codec and press modules import torch.
+def prefix_caches() -> Iterable[str]:
+    from kvstack.kv.manager import PREFIX_CACHES
+
+    return PREFIX_CACHES.names()
+
+
+def eviction_policies() -> Iterable[str]:
+    from kvstack.kv.policies import EVICTION_POLICIES
+
+    return EVICTION_POLICIES.names()
+
+
+def kv_layouts() -> Iterable[str]:
+    from kvstack.kv.layouts import KV_LAYOUTS
+
+    return KV_LAYOUTS.names()
+
+
+def codecs() -> Iterable[str]:
+    from kvstack.kv.codecs import CODECS
+
+    return CODECS.names()
+
+
+# vLLM's spellings of kvstack's values (``--dtype auto``, ``--kv-cache-dtype fp8_e4m3``):
+# accepted as choices and converted to kvstack's name (idempotent, as ``convert`` must be).
+VLLM_DTYPES = {"auto": "bfloat16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+VLLM_KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "bfloat16": "bf16"}
+
+
+def to_dtype(value: str) -> str:
+    return VLLM_DTYPES.get(value, value)
+
+
+def to_kv_cache_dtype(value: str) -> str:
+    return VLLM_KV_CACHE_DTYPES.get(value, value)
+
+
+def codecs_and_aliases() -> Iterable[str]:
+    return (*codecs(), *VLLM_KV_CACHE_DTYPES)
+
+
+def quantizations() -> Iterable[str]:
+    from kvstack.model.quant.schemes import QUANTIZATIONS
+
+    return QUANTIZATIONS.names()
+
+
+def presses() -> Iterable[str]:
+    from kvstack.kv.press import PRESSES
+
+    return PRESSES.names()

@@ -1,0 +1,3 @@
+"""The vocabulary every layer shares: requests, options, registries, errors, units, model
+configs.
+"""

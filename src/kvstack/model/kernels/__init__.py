@@ -1,0 +1,1 @@
+"""The C++ kernels (``csrc/``): building and loading them, and which kernel runs on this CPU."""

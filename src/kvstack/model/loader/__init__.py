@@ -1,0 +1,3 @@
+"""Checkpoints to weights: GGUF and Hugging Face folders, model names, fingerprints, generation
+configs.
+"""

@@ -1,0 +1,1 @@
+"""Sampling: per-step sampling metadata, the vectorized sampler, whole-distribution capture."""

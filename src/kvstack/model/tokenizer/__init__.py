@@ -1,0 +1,3 @@
+"""Tokenizers (GGUF metadata, SentencePiece, ``tokenizer.json``), chat templates and streaming
+detokenization.
+"""

@@ -1,0 +1,1 @@
+"""The HTTP surface: OpenAI routes and bodies, ops routes, errors, auth and limits."""

@@ -1,0 +1,179 @@
+"""What the server's route modules share: its options and the request checks.
+
+``ServerContext`` holds the ``AsyncEngine`` and the ``ServerConfig`` and turns raw
+requests into validated ones, raising ``ApiError`` (an OpenAI error object with its
+status) for anything wrong, so no malformed input reaches the engine: bodies are read
+under ``max_body_bytes``, decoded as UTF-8, parsed as JSON (nesting bounded by the
+recursion limit), required to be objects, and only then validated by pydantic. Fields
+no model declares are ignored, logged and named in the response's
+``kvstack-ignored-fields`` header (``serve/api/leniency.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvstack.core.errors import InvalidRequestError
+from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
+from kvstack.serve.api.http_errors import ApiError, check_bearer, read_body
+from kvstack.serve.api.leniency import note_ignored
+from kvstack.serve.api.protocol import ChatMessage, TokenizeRequest, ignored_fields
+from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.chat.prompt import chat_prompt_ids
+from kvstack.serve.chat.segments import chat_segments
+from kvstack.serve.chat.tool_calls import ToolPlan
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+# Threads that tokenize and render chat templates off the event loop: a 2 MB prompt takes
+# seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout (issue
+# 20, finding 3). Two: more only queue for the GIL; requests past them wait their turn.
+CPU_WORKERS = 2
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    model_aliases: tuple[str, ...] = ()  # --served-model-name's other names (vLLM's)
+    allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); empty: no CORS
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float | None = 30.0  # the whole body must arrive within it (408)
+    request_timeout_s: float | None = None
+    max_sequences_per_request: int = 64  # prompts x n (--max-sequences-per-request)
+    shutdown_grace_s: float = 30.0
+    # Prefill/decode split (``--role``): a prefill replica computes the prompt's KV, waits
+    # until its offload tiers hold it, and answers one token; "both" is a plain server.
+    role: str = "both"
+    prefill_flush_timeout_s: float = 30.0
+    # Tools (``tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
+    tool_call_parser: str = "hermes"
+    enable_auto_tool_choice: bool = True
+    # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).
+    open_endpoints: frozenset[str] = field(
+        default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
+    )
+
+
+class NonFiniteNumberError(ValueError):
+    """The body has ``NaN``, ``Infinity`` or ``-Infinity``: not JSON (RFC 8259), and a
+    NaN passes every range check (``nan < 0`` is false), so it is refused at parse."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise NonFiniteNumberError(f"{name} is not valid JSON: numbers must be finite")
+
+
+class ServerContext:
+    """The engine, the options and the checks every route applies."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="kvstack-tokenize")
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (tokenizing, templating: CPU work) in a worker thread, so the event
+        loop keeps answering while it runs."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    def count_error(self, status: int) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.http_errors.labels(str(status)).inc()
+
+    def count_internal(self) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.internal_errors.labels("http").inc()
+
+    def check_auth(self, raw: Request) -> None:
+        """401 unless the request carries the API key (none configured: open)."""
+        check_bearer(raw, self.config.api_key)
+
+    def check_ops_auth(self, raw: Request, endpoint: str) -> None:
+        """401 unless ``endpoint`` (one of ``OPS_ENDPOINTS``) is open or the key is sent."""
+        assert endpoint in OPS_ENDPOINTS, endpoint
+        if endpoint not in self.config.open_endpoints:
+            check_bearer(raw, self.config.api_key)
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model name other than the served ones (None: the served one)."""
+        c = self.config
+        if name is not None and name != c.model_name and name not in c.model_aliases:
+            raise ApiError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    async def parse(self, raw: Request, model: type[M]) -> M:
+        """The body as ``model``; 413 / 400 with the first problem found."""
+        body = await read_body(raw, self.config.max_body_bytes, self.config.body_timeout_s)
+        try:
+            data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        except NonFiniteNumberError as e:
+            raise ApiError(400, str(e)) from None
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"malformed JSON: {e.msg} at position {e.pos}") from None
+        except RecursionError:
+            raise ApiError(400, "JSON nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
+        except RecursionError:
+            raise ApiError(400, "JSON nested too deeply") from None
+        note_ignored(raw, ignored_fields(parsed))
+        return parsed
+
+    def ids_of(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[ChatMessage] | None,
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: TokenizeRequest | None = None,  # its tools, tool_choice and documents
+    ) -> list[int]:
+        """Token ids of exactly one of ``prompt`` (text or ids) or ``messages`` (templated
+        as a chat completion templates them: ``protocol.chat_prompt_ids``, with the tools
+        and documents of ``tools``)."""
+        if (prompt is None) == (messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages")
+        tok = self.tokenizer
+        try:
+            if tools is not None and (tools.tools or tools.documents) and messages is None:
+                raise InvalidRequestError("tools and documents need messages", param="tools")
+            if messages is not None:
+                plan = None if tools is None else ToolPlan.build(
+                    tools.tools, tools.tool_choice, None, self.config.tool_call_parser
+                )  # fmt: skip
+                kw: dict[str, Any] = dict(
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs, plan=plan,
+                    documents=None if tools is None else tools.documents,
+                )  # fmt: skip
+                seg = chat_segments(tok, messages, **kw) if self.engine.segments_enabled else None
+                return seg[0] if seg is not None else chat_prompt_ids(tok, messages, **kw)
+            if isinstance(prompt, str):
+                return tok.encode(prompt, add_special_tokens=add_special_tokens)
+            return list(prompt or [])
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None

@@ -1,0 +1,102 @@
+"""OpenAI-style HTTP errors, bearer auth and bounded bodies: shared by ``kvstack serve``
+(``serve/api/app.py``) and ``kvstack router`` (``route/router/app.py``).
+
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with its
+status; a route raises ``ApiError`` and never builds a response by hand. Light on
+imports (no engine, no torch) so the router loads fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvstack.serve.api.protocol import error_body
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error",
+        param: str | None = None, code: Any = None, headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code if code is not None else status
+        self.headers = headers
+
+
+def install_error_handlers(
+    app: FastAPI,
+    logger: logging.Logger,
+    on_error: Callable[[int], None] | None = None,
+    on_internal: Callable[[], None] | None = None,
+) -> Callable[[ApiError], JSONResponse]:
+    """Answer ``ApiError``, Starlette's HTTP errors (404, 405...) and any other exception
+    (500, logged with its traceback) as OpenAI errors; ``on_error(status)`` counts them
+    and ``on_internal()`` the unexpected exceptions. An internal error stays a 500: no
+    catch-all turns one into a 400. Returns the function that turns an ``ApiError`` into
+    its response."""
+
+    def err(e: ApiError) -> JSONResponse:
+        if on_error is not None:
+            on_error(e.status)
+        return JSONResponse(
+            error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers
+        )
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return err(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return err(ApiError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        if on_internal is not None:
+            on_internal()
+        return err(ApiError(500, f"internal error: {e}", "server_error"))
+
+    return err
+
+
+def check_bearer(raw: Request, api_key: str | None) -> None:
+    """401 unless ``Authorization: Bearer <api_key>`` (constant-time); no key = open."""
+    if api_key is None:
+        return
+    got = raw.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+        raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+
+
+async def read_body(raw: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, 413 as soon as it passes ``limit`` bytes (declared or streamed),
+    408 if it has not all arrived within ``timeout_s`` (a client that declares 100 bytes
+    and sends 10 held the handler forever: issue 20, finding 5)."""
+    length = raw.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body over {limit} bytes")
+    body = bytearray()
+
+    async def read() -> None:
+        async for chunk in raw.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, f"request body over {limit} bytes")
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            await read()
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout_s} s", "timeout") from None
+    return bytes(body)

@@ -1,0 +1,3 @@
+"""Chat requests: prompts through templates, documents, tools (prompt, constraint, parsers) and
+segments.
+"""

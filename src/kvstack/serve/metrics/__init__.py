@@ -1,0 +1,1 @@
+"""Prometheus metrics under vLLM's names: the server's own families and the engine's snapshot."""
