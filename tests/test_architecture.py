@@ -1,9 +1,11 @@
 """The shape of the source tree (docs/architecture.md): layers, no import circles, sizes.
 
 Walks ``src/kvstack`` with ``ast`` (nothing is imported). An import counts wherever it is
-written, inside a function too; only ``if TYPE_CHECKING:`` blocks are skipped, since they
-never run. The layer rule: a module imports only modules of its own layer or lower ones
-(``LAYERS``, lowest first), except the pairs in ``EXCEPTIONS``, each with its reason.
+written: inside a function, and inside ``if TYPE_CHECKING:`` too (a type-only import is
+still a dependency; a circle it closes is a circle). The layer of a module is the layer of
+its top-level folder (``LAYERS``, lowest first); a module imports only modules of its own
+layer or lower ones, except the pairs in ``EXCEPTIONS``, each with its reason. No module
+imports another module's ``_private`` name.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "kvstack"
 
-# Module name prefixes by layer, lowest first; the longest matching prefix decides.
+# Top-level folders of src/kvstack by layer, lowest first ("" = the package itself).
 LAYERS: list[tuple[str, ...]] = [
     ("core",),  # 0 the shared vocabulary: requests, options, registries, errors
     ("kv", "sched"),  # 1 KV memory and bookkeeping, the scheduler
@@ -31,10 +33,17 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 # (importer, imported) pairs allowed to go upward, at most 5, each with its reason.
-EXCEPTIONS: dict[tuple[str, str], str] = {}
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("core.request", "kv.press.state"): (
+        "a request carries its press's per-request state (type only); the state's class "
+        "lives with the presses that define it"
+    ),
+}
 
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 120
+# Files allowed past MAX_FILE_LINES, at most 5, each with its reason (none today).
+LONG_FILES: dict[str, str] = {}
 
 
 @dataclass
@@ -50,14 +59,6 @@ def _module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
-
-
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
 
 
 def _targets(mod: Module, node: ast.Import | ast.ImportFrom, names: set[str]) -> set[str]:
@@ -91,9 +92,8 @@ def load_modules() -> dict[str, Module]:
         mods[mod.name] = mod
     names = set(mods)
     for mod in mods.values():
-        skip = _type_checking_nodes(mod.tree)
         for node in ast.walk(mod.tree):
-            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in skip:
+            if isinstance(node, ast.Import | ast.ImportFrom):
                 mod.imports |= _targets(mod, node, names)
         # A package importing its own parent is Python loading the parent first.
         mod.imports = {m for m in mod.imports if m != mod.name and not _is_parent(m, mod.name)}
@@ -105,14 +105,12 @@ def _is_parent(candidate: str, name: str) -> bool:
 
 
 def layer_of(name: str) -> int:
-    best, best_len = -1, -1
-    for i, prefixes in enumerate(LAYERS):
-        for p in prefixes:
-            hit = name == p or (p != "" and name.startswith(p + "."))
-            if hit and len(p) > best_len:
-                best, best_len = i, len(p)
-    assert best >= 0, f"module kvstack.{name} is in no layer: add it to LAYERS"
-    return best
+    """The layer of the top-level folder holding ``kvstack.name``."""
+    top = name.split(".")[0] if name else ""
+    for i, folders in enumerate(LAYERS):
+        if top in folders:
+            return i
+    raise AssertionError(f"kvstack.{name}: folder {top!r} is in no layer: add it to LAYERS")
 
 
 def import_cycles(mods: dict[str, Module]) -> list[list[str]]:
@@ -179,10 +177,11 @@ def test_exceptions_are_still_needed() -> None:
 
 
 def test_file_and_function_sizes() -> None:
+    assert len(LONG_FILES) <= 5, "at most 5 files past the size limit, each with its reason"
     big, long = [], []
     for mod in load_modules().values():
         lines = len(mod.path.read_text(encoding="utf-8").splitlines())
-        if lines > MAX_FILE_LINES:
+        if lines > MAX_FILE_LINES and str(mod.path.relative_to(SRC)) not in LONG_FILES:
             big.append(f"{mod.path.relative_to(SRC)}: {lines} lines")
         for node in ast.walk(mod.tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -192,17 +191,51 @@ def test_file_and_function_sizes() -> None:
     assert not big and not long, "\n".join(big + long)
 
 
-def test_checker_sees_function_local_imports(tmp_path: Path) -> None:
-    """The walker must count an import inside a function and skip TYPE_CHECKING ones."""
+def private_imports(mods: dict[str, Module]) -> list[str]:
+    """``from kvstack.x import _name`` lines: another module's private name."""
+    bad = []
+    for mod in mods.values():
+        for node in ast.walk(mod.tree):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
+                "kvstack"
+            ):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    bad.append(f"kvstack.{mod.name} imports {node.module}.{alias.name}")
+    return bad
+
+
+def test_no_private_name_imports() -> None:
+    bad = private_imports(load_modules())
+    assert not bad, "imports of private names:\n" + "\n".join(bad)
+
+
+def test_package_root_holds_no_loose_modules() -> None:
+    """Every module lives in the folder of its concept; the root only has the package."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py",))
+    assert not loose, f"modules at src/kvstack/ outside any folder: {loose}"
+
+
+def test_checker_sees_function_local_and_type_only_imports(tmp_path: Path) -> None:
+    """The walker counts an import inside a function and one under TYPE_CHECKING, and the
+    private-name check names the offender."""
     code = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from kvstack import cli\n"
         "def f():\n    from kvstack.kv import manager\n"
+        "from kvstack.kv.manager import _hidden\n"
     )
     mod = Module("x", tmp_path / "x.py", ast.parse(code))
-    skip = _type_checking_nodes(mod.tree)
     found: set[str] = set()
     for node in ast.walk(mod.tree):
-        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in skip:
+        if isinstance(node, ast.Import | ast.ImportFrom):
             found |= _targets(mod, node, {"cli", "kv", "kv.manager"})
-    assert found == {"kv", "kv.manager"}
+    assert found == {"cli", "kv", "kv.manager"}
+    assert private_imports({"x": mod}) == ["kvstack.x imports kvstack.kv.manager._hidden"]
+
+
+def test_a_circle_through_a_type_only_import_is_found(tmp_path: Path) -> None:
+    a = Module("a", tmp_path / "a.py", ast.Module(body=[], type_ignores=[]), {"b"})
+    b = Module("b", tmp_path / "b.py", ast.Module(body=[], type_ignores=[]), {"a"})
+    assert import_cycles({"a": a, "b": b}) == [["a", "b"]]

@@ -114,4 +114,5 @@ def test_not_taken_where_the_python_loop_must_run(tiny: Path) -> None:
     assert calls["n"] == 0  # an encoded cache: the Python loop
     dense = LLM(str(tiny), dtype="float32", num_blocks=64)  # F.linear
     assert dense.engine.runner.model.stack is None
-    assert DecodeStack.build(dense.engine.runner.model) is None
+    m = dense.engine.runner.model
+    assert DecodeStack.build(m.config, m.layers, m.windows, m.dtype, m.ops.name) is None

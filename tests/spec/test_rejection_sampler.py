@@ -1,4 +1,4 @@
-"""Rejection sampling of point-mass drafts (``spec/rejection_sampler.py``).
+"""Rejection sampling of point-mass drafts (``model/sampling/rejection.py``).
 
 Leviathan et al. 2023 / Chen et al. 2023 with a deterministic draft ``x``: keep ``x``
 with probability ``p(x)``, else sample ``p`` without ``x``; the kept token is then
@@ -14,8 +14,8 @@ import torch
 
 from kvstack.core.request import Request, SamplingParams
 from kvstack.model.sampling.metadata import SamplingBatch
+from kvstack.model.sampling.rejection import RejectionSampler, greedy_run
 from kvstack.model.sampling.sampler import Sampler
-from kvstack.spec.rejection_sampler import RejectionSampler, greedy_run
 
 V = 6
 # chi-square critical value for 5 degrees of freedom at p = 0.001

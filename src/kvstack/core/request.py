@@ -341,6 +341,16 @@ class Request:
         hold a token prefix, so the prefix cache must not take them)."""
         return self.press is not None and self.press.applied
 
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens ``start .. start + n`` of prompt + output, without joining the lists
+        when the range lies in one of them."""
+        p = self.num_prompt_tokens
+        if start + n <= p:
+            return self.prompt_token_ids[start : start + n]
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        return self.all_token_ids[start : start + n]
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -11,7 +11,7 @@ import argparse
 import shlex
 
 from kvstack.core.errors import ConfigError
-from kvstack.deploy.k8s import DEFAULT_PLAN_CONTEXT, DEFAULT_PLAN_MODEL, K8sOptions
+from kvstack.deploy.k8s_options import DEFAULT_PLAN_CONTEXT, DEFAULT_PLAN_MODEL, K8sOptions
 from kvstack.route.policy import ROUTING_POLICIES
 
 D = K8sOptions()

@@ -15,7 +15,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvstack.deploy.k8s import K8sOptions
+    from kvstack.deploy.k8s_options import K8sOptions
 
 Manifest = dict[str, Any]
 

@@ -120,11 +120,10 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
         self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
         self.speculator = build_speculator(
-            config,
-            max_len,
-            token_capacity(num_blocks, self.kv_groups, cc.block_size),
-            codec.rolls_back,
-        )  # spec/: speculative decoding, or None
+            config.speculative_config, config.scheduler.max_num_batched_tokens, max_len,
+            token_capacity(num_blocks, self.kv_groups, cc.block_size), cc.kv_cache_dtype,
+            codec.rolls_back, cc.kv_press_every,
+        )  # fmt: skip
         stats = self.speculator.stats if self.speculator is not None else None
         self.runner.drafter = build_drafter(  # draft_model: its forwards (spec/drafter.py)
             self.model, config.speculative_config, config.dtype, config.seed, stats

@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any
 from kvstack.core.errors import InvalidRequestError
 from kvstack.core.request import SamplingParams
 from kvstack.core.segment_marks import SegmentMarks, make_marks
+from kvstack.engine.parts import EngineParts
 from kvstack.kv.hybrid import HybridKVManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.tiers.segments import SegmentTiers
 from kvstack.sched.segments import SegmentPlanner
 
 if TYPE_CHECKING:
-    from kvstack.engine.llm_engine import LLMEngine
     from kvstack.kv.segments import SegmentCache
 
 
-def enable_segments(engine: LLMEngine) -> None:
+def enable_segments(engine: EngineParts) -> None:
     """Attach the segment cache and planner (``--segment-cache`` not ``none``, paged
     layout); ``auto`` evicts entries in the order of ``--eviction-policy``."""
     cfg = engine.config.segments
@@ -50,7 +50,7 @@ def enable_segments(engine: LLMEngine) -> None:
     engine.scheduler.segments = planner
 
 
-def automatic_segments(engine: LLMEngine) -> bool:
+def automatic_segments(engine: EngineParts) -> bool:
     """Whether the server turns tools, documents and marked parts into segments: the
     feature is on and nothing engine-wide refuses them (the hybrid KV manager, kivi2, a
     default press), so a chat request that never asked for segments cannot fail on them."""
@@ -62,7 +62,7 @@ def automatic_segments(engine: LLMEngine) -> bool:
 
 
 def request_marks(
-    engine: LLMEngine,
+    engine: EngineParts,
     spans: Sequence[Sequence[Any]] | None,
     ids: list[int],
     sp: SamplingParams,

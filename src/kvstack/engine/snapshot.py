@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
+from kvstack.engine.parts import EngineParts
 from kvstack.engine.stats import EngineStats
 from kvstack.kv.base import KVCacheStats
 from kvstack.model.kernels.loader import fallback_counts
 
-if TYPE_CHECKING:
-    from kvstack.engine.llm_engine import LLMEngine
 
-
-def engine_stats(engine: LLMEngine, kv: KVCacheStats) -> EngineStats:
+def engine_stats(engine: EngineParts, kv: KVCacheStats) -> EngineStats:
     """``LLMEngine.stats``: the engine's counters with the KV snapshot ``kv``."""
     self = engine
     sched = self.scheduler

@@ -33,7 +33,7 @@ from kvstack.kv.hashing import BlockHash, root_hash
 from kvstack.kv.policies import EvictionPolicy
 from kvstack.kv.prefix_cache import HashPrefixCache
 
-_HASH_LEN = len(root_hash())
+HASH_LEN = len(root_hash())  # bytes of an untagged block hash
 
 
 def first_live(window: int | None, position: int, block_size: int) -> int:
@@ -43,7 +43,7 @@ def first_live(window: int | None, position: int, block_size: int) -> int:
 
 def tagged(h: BlockHash) -> bool:
     """True for a key of a group other than 0 (never published)."""
-    return len(h) != _HASH_LEN
+    return len(h) != HASH_LEN
 
 
 def group_key(group: int, h: BlockHash) -> BlockHash:

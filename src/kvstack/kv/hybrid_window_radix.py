@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kvstack.kv.block_pool import KVCacheBlock
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.hashing import BlockHash
-from kvstack.kv.hybrid_cache import _HASH_LEN, GroupedHashCache, tagged
+from kvstack.kv.hybrid_cache import HASH_LEN, GroupedHashCache, tagged
 from kvstack.kv.policies import EvictionPolicy
 
 Chunk = tuple[int, ...]
@@ -138,7 +138,7 @@ class WindowRadixCache(GroupedHashCache):
 
     def _detach(self, block_hash: BlockHash) -> KVCacheBlock:
         block = super()._detach(block_hash)
-        node = self.nodes.get(block_hash[:_HASH_LEN])
+        node = self.nodes.get(block_hash[:HASH_LEN])
         while node is not None and node.parent is not None:
             if node.children or self._live(node):
                 return block

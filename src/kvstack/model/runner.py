@@ -1,17 +1,16 @@
 """ModelRunner: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
 
 The runner never sees hashes or free lists: only token ids, positions, block tables.
-It reorders the step's requests so single-token rows (decodes) come first, which lets
-attention batch them (see ``model/attention.py``). A request verifying a draft
-(speculative decoding, ``spec/``) is a short chunk: its last token, then the draft
-tokens, every row's logits kept for ``spec/rejection_sampler.py``.
+Single-token rows (decodes) come first, so attention batches them (``model/attention.py``).
+A request verifying a draft (``spec/``) is a short chunk: its last token, then the draft
+tokens, every row's logits kept for ``model/sampling/rejection.py``.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,15 +30,14 @@ from kvstack.model.group_meta import group_metadata, virtual_tables
 from kvstack.model.kernels.loader import load_kernels
 from kvstack.model.sampling.logit_capture import LogitCapture
 from kvstack.model.sampling.metadata import plain_greedy
+from kvstack.model.sampling.rejection import RejectionSampler
 from kvstack.model.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvstack.model.segment_rows import append_rows, rows_on_paged_kernel, segment_rows
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
-from kvstack.spec.rejection_sampler import RejectionSampler
 
 if TYPE_CHECKING:
     from kvstack.kv.press.coordinator import PressCoordinator
     from kvstack.model.structured.manager import StructuredOutputManager
-    from kvstack.spec.drafter import Drafter
 
 
 @dataclass
@@ -62,16 +60,7 @@ class RunnerOutput:
 def _row_ids(s: ScheduledRequest) -> list[int]:
     """The input tokens of a scheduled chunk: the request's, then its draft rows."""
     d = s.draft_token_ids
-    return _tokens(s.request, s.num_computed_tokens, s.num_new_tokens - len(d)) + d
-
-
-def _tokens(req: Request, start: int, n: int) -> list[int]:
-    p = req.num_prompt_tokens
-    if start + n <= p:
-        return req.prompt_token_ids[start : start + n]
-    if start >= p:
-        return req.output_token_ids[start - p : start - p + n]
-    return (req.prompt_token_ids + req.output_token_ids)[start : start + n]
+    return s.request.tokens(s.num_computed_tokens, s.num_new_tokens - len(d)) + d
 
 
 def _layer_lens(req: Request) -> list[int] | None:
@@ -122,6 +111,12 @@ def _wants_prompt_logprobs(s: ScheduledRequest) -> bool:
     return end >= len(have)
 
 
+class DraftFiller(Protocol):
+    """What fills a step's draft rows before it runs (``spec/drafter.py``'s ``Drafter``)."""
+
+    def fill(self, runner: ModelRunner, scheduled: list[ScheduledRequest]) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -151,7 +146,7 @@ class ModelRunner:
         # Request id -> where to keep the full next-token log-distributions of its prompt
         # (``kvstack eval`` teacher forcing; only requests with prompt_logprobs).
         self.capture_logits: dict[str, LogitCapture] = {}
-        self.drafter: Drafter | None = None  # draft_model speculation (spec/drafter.py)
+        self.drafter: DraftFiller | None = None  # draft_model speculation (spec/drafter.py)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: inputs -> forward -> prompt logprobs and sampling."""
@@ -201,6 +196,20 @@ class ModelRunner:
         return result
 
     # ------------------------------------------------------------------ inputs
+    def decode_rows(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions and attention metadata of one-token rows, built exactly as a decode
+        step's (the hybrid manager's per-group tables included): what a draft forward over
+        this runner's KV cache needs (``spec/drafter.py``)."""
+        phys = None
+        if self.groups is not None:
+            rows, phys = virtual_tables(rows, self.groups.num_groups)
+        inputs = StepInputs(kernel_seqs=[] if self._kernel_attention(rows) else None)
+        self._decode_inputs(rows, inputs)
+        meta = self._metadata(rows, inputs, {})
+        if phys is not None:
+            group_metadata(meta, phys, self.layer_groups, self.block_size)
+        return torch.tensor(inputs.positions), meta
+
     def _decode_inputs(self, decodes: list[ScheduledRequest], inputs: StepInputs) -> None:
         """One row per decode. After a press (era 5) a token's KV slot is its position
         minus the tokens the press dropped (``Request.num_kv_tokens``); positions (RoPE)

@@ -47,10 +47,10 @@ from kvstack.core.request import Request, RequestStatus
 from kvstack.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from kvstack.config.engine import SchedulerConfig
     from kvstack.kv.base import KVManager
     from kvstack.kv.press.coordinator import PressCoordinator
     from kvstack.kv.tiers.connector import TierConnector
+    from kvstack.sched.config import SchedulerConfig
     from kvstack.sched.segments import Placement, SegmentPlanner
 
 

@@ -13,7 +13,7 @@ each part of speculation lives::
     sched/scheduler.py    draft rows in the step's budget; rollback after verification
     kv/manager.py         rollback_slots: blocks holding only rejected tokens freed
     model/runner.py       the draft rows' inputs and logits
-    spec/rejection_sampler.py   which drafts are kept (greedy and random rows)
+    model/sampling/rejection.py   which drafts are kept (greedy and random rows)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Speculative Decoding", ICML 2023; Chen et al., "Accelerating Large Language Mode
 Decoding with Speculative Sampling", 2023): a cheap proposer guesses ``k`` tokens, the
 target model scores all of them in one forward of ``k + 1`` rows, and rejection
 sampling keeps a prefix of the guesses plus one token of its own
-(``spec/rejection_sampler.py``). A proposal is only a guess: whatever a proposer
+(``model/sampling/rejection.py``). A proposal is only a guess: whatever a proposer
 returns, the output is the target model's (greedy: token for token; sampling: in
 distribution).
 

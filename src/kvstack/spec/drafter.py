@@ -21,7 +21,7 @@ draft must have the target's KV shape (layers, KV heads, head_dim, windows) and
 vocabulary — the same model with other weights or quantization (``check_compatible``),
 e.g. a bf16 target drafted by its own GGUF weights kept quantized. Presses, codecs and
 sliding windows need nothing extra: a draft row's attention metadata is built exactly
-as a decode row's (``ModelRunner._decode_inputs`` / ``_metadata``).
+as a decode row's (``ModelRunner.decode_rows``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstack.core.errors import ConfigError
-from kvstack.model.group_meta import group_metadata, virtual_tables
-from kvstack.model.runner import StepInputs, _tokens
 from kvstack.sched.output import ScheduledRequest
 from kvstack.spec.config import DRAFT_MODEL, SpeculativeConfig
 from kvstack.spec.stats import SpecDecodeStats
@@ -102,7 +100,7 @@ class Drafter:
         if not todo:
             return
         t0 = time.perf_counter()
-        cur = [_tokens(s.request, s.num_computed_tokens, 1)[0] for s in todo]
+        cur = [s.request.tokens(s.num_computed_tokens, 1)[0] for s in todo]
         for j in range(max(len(s.draft_token_ids) for s in todo)):
             live = [i for i, s in enumerate(todo) if len(s.draft_token_ids) > j]
             rows = [
@@ -119,16 +117,9 @@ class Drafter:
     @torch.inference_mode()
     def _step(self, runner: ModelRunner, rows: list[ScheduledRequest], ids: list[int]) -> list[int]:
         """One draft forward of one row per request: its greedy next tokens."""
-        phys = None
-        if runner.groups is not None:  # hybrid KV manager: one table per group
-            rows, phys = virtual_tables(rows, runner.groups.num_groups)
-        inputs = StepInputs(kernel_seqs=[] if runner._kernel_attention(rows) else None)
-        runner._decode_inputs(rows, inputs)
-        meta = runner._metadata(rows, inputs, {})
-        if phys is not None:
-            group_metadata(meta, phys, runner.layer_groups, runner.block_size)
+        positions, meta = runner.decode_rows(rows)
         logits = self.model.forward(
-            torch.tensor(ids), torch.tensor(inputs.positions), meta, runner.kv, None,
+            torch.tensor(ids), positions, meta, runner.kv, None,
             float_logits=False,
         )  # fmt: skip
         self.forwards += 1

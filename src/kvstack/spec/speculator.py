@@ -8,7 +8,7 @@ Life of one draft (``k = num_speculative_tokens``)::
                                    none for a while after repeated misses: pause_after)
     step t+1   scheduler        -> rows [x d1 .. dk'] (k' <= k: cut to the budget and the
                                    request's room), slots for all of them allocated
-               runner           -> logits of every row; spec/rejection_sampler.py keeps
+               runner           -> logits of every row; model/sampling/rejection.py keeps
                                    d1..da and one token of its own (bonus / correction)
                scheduler        -> tokens appended one by one under the stop rules; the
                                    rejected slots rolled back (sched/scheduler.py)
@@ -39,23 +39,27 @@ from kvstack.spec import build_proposer
 from kvstack.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
-    from kvstack.config.engine import EngineConfig
     from kvstack.core.request import Request, SamplingParams
     from kvstack.sched.output import ScheduledRequest
     from kvstack.spec.config import SpeculativeConfig
 
 
 def build_speculator(
-    config: EngineConfig, max_model_len: int, num_slots: int, codec_rolls_back: bool
+    spec: SpeculativeConfig | None,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    num_slots: int,
+    kv_cache_dtype: str,
+    codec_rolls_back: bool,
+    kv_press_every: int | None,
 ) -> Speculator | None:
-    """The engine's ``Speculator`` for ``config.speculative_config`` (None: off), after
-    ``Speculator.check_engine``."""
-    spec, cc = config.speculative_config, config.cache
+    """The engine's ``Speculator`` for ``spec`` (None: off), after
+    ``Speculator.check_engine`` (the engine's step budget, context, KV slots and cache)."""
     if spec is None:
         return None
     Speculator.check_engine(
-        spec, config.scheduler.max_num_batched_tokens, max_model_len, num_slots,
-        cc.kv_cache_dtype, codec_rolls_back, cc.kv_press_every,
+        spec, max_num_batched_tokens, max_model_len, num_slots,
+        kv_cache_dtype, codec_rolls_back, kv_press_every,
     )  # fmt: skip
     return Speculator(spec)
 

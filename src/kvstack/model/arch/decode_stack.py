@@ -30,19 +30,20 @@ takes unencoded caches only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstack.core.model_config import ModelConfig
 from kvstack.model.arch.layers import Linear
+from kvstack.model.arch.weights import LayerWeights
 from kvstack.model.kernels.loader import Kernels, load_kernels
 from kvstack.model.quant.linear import QuantLinear
 
 if TYPE_CHECKING:
     from kvstack.kv.storage import KVStorage
-    from kvstack.model.arch.decoder import LlamaModel
     from kvstack.model.arch.ops import HeadShape, RopeInput
     from kvstack.model.attention import AttentionMetadata
 
@@ -118,31 +119,37 @@ class DecodeStack:
         )  # fmt: skip
 
     @staticmethod
-    def build(model: LlamaModel) -> DecodeStack | None:
-        """The stack of ``model``, or None when its layers cannot run in one call."""
-        cfg = model.config
+    def build(
+        cfg: ModelConfig,
+        layers: Sequence[LayerWeights],
+        windows: Sequence[int | None],
+        dtype: torch.dtype,
+        ops_name: str,
+    ) -> DecodeStack | None:
+        """The stack of a model's ``layers`` (run by the ``ops_name`` ops, each layer's
+        sliding window in ``windows``), or None when they cannot run in one call."""
         k = load_kernels()
-        if not ENABLED or k is None or model.ops.name != "kernels":
+        if not ENABLED or k is None or ops_name != "kernels":
             return None
         if not hasattr(k, "decode_stack") or cfg.qkv_bias or cfg.qk_norm:
             return None
-        lins = [stack_linear(getattr(layer, n)) for layer in model.layers for n in LINEARS]
+        lins = [stack_linear(getattr(layer, n)) for layer in layers for n in LINEARS]
         if any(lin is None for lin in lins):
             return None
         kinds = [lin.kind for lin in lins if lin is not None]
         team = (
-            model.dtype == torch.bfloat16
+            dtype == torch.bfloat16
             and hasattr(k, "decode_team")
             and bool(k.decode_team_supported(kinds, cfg.num_heads, cfg.num_kv_heads,
                                              cfg.head_dim))
         )  # fmt: skip
         return DecodeStack(
             kernels=k,
-            in_norms=[layer.input_norm for layer in model.layers],
-            post_norms=[layer.post_norm for layer in model.layers],
+            in_norms=[layer.input_norm for layer in layers],
+            post_norms=[layer.post_norm for layer in layers],
             linears=[lin for lin in lins if lin is not None],
-            windows=[w or 0 for w in model.windows],
-            dtype=model.dtype,
+            windows=[w or 0 for w in windows],
+            dtype=dtype,
             team=team,
             heads=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
         )

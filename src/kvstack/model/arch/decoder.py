@@ -30,8 +30,6 @@ previous sub-layer's output to ``residual``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvstack.core.errors import ModelLoadError
@@ -40,22 +38,10 @@ from kvstack.kv.storage import KVStorage
 from kvstack.model.arch.decode_stack import DecodeStack
 from kvstack.model.arch.layers import Rotary
 from kvstack.model.arch.ops import HeadShape, LayerOps, select_ops
+from kvstack.model.arch.weights import LayerWeights
 from kvstack.model.attention import AttentionMetadata, capture_queries, paged_attention
 from kvstack.model.kernels.loader import load_kernels
 from kvstack.model.quant.schemes import LinearBuilder, LinearOp
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: LinearOp
-    o: LinearOp
-    post_norm: torch.Tensor
-    gate_up: LinearOp
-    down: LinearOp
-    qkv_bias: torch.Tensor | None = None  # [(H + 2 KVH) d] (Qwen2)
-    q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights (Qwen3)
-    k_norm: torch.Tensor | None = None
 
 
 def head_rms_norm(
@@ -135,7 +121,7 @@ class LlamaModel:
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
         # Every layer in one C++ call where the step allows (model/arch/decode_stack.py).
-        self.stack = DecodeStack.build(self)
+        self.stack = DecodeStack.build(config, self.layers, self.windows, self.dtype, self.ops.name)
 
     def rotary_for(self, layer: int) -> Rotary:
         """The RoPE tables layer ``layer``'s keys were rotated with."""

@@ -196,7 +196,7 @@ class Sampler:
 def random_probs(x: torch.Tensor, row_max: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The sampling distribution [R, V] of the random rows of the processed logits ``x``:
     temperature, top-k, softmax, then top-p / min-p zeroing (not renormalized: the
-    exponential race does not need it; ``spec/rejection_sampler.py`` renormalizes)."""
+    exponential race does not need it; ``model/sampling/rejection.py`` renormalizes)."""
     sel = None if batch.all_random else batch.random_rows
     z = x if sel is None else x[sel]
     # Shift each row's max to 0 before scaling: no overflow to +inf, no inf - inf.

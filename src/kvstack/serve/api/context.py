@@ -25,8 +25,9 @@ from kvstack.core.errors import InvalidRequestError
 from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.api.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.api.leniency import note_ignored
-from kvstack.serve.api.protocol import ChatMessage, TokenizeRequest, ignored_fields
+from kvstack.serve.api.protocol import TokenizeRequest
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.chat.messages import ChatMessage, ignored_fields
 from kvstack.serve.chat.prompt import chat_prompt_ids
 from kvstack.serve.chat.segments import chat_segments
 from kvstack.serve.chat.tool_calls import ToolPlan

@@ -1,7 +1,7 @@
 """Unknown request fields: accepted, ignored and reported, as vLLM does.
 
 ``ServerContext.parse`` validates a body, finds the fields no request model declares
-(``protocol.ignored_fields``), logs one warning naming them and records them on the
+(``chat/messages.ignored_fields``), logs one warning naming them and records them on the
 request (``note_ignored``); ``IgnoredFieldsHeader``, an ASGI middleware, then answers
 them in the ``kvstack-ignored-fields`` response header (comma-separated dotted paths,
 e.g. ``messages.0.foo,stream_options.bar``), on streamed and error responses too.

@@ -12,11 +12,10 @@ truth for what a valid request is.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     StrictBool,
@@ -27,16 +26,15 @@ from pydantic import (
 from kvstack.core.errors import InvalidRequestError
 from kvstack.core.prompts import check_cache_salt
 from kvstack.core.request import SamplingParams
-from kvstack.model.tokenizer.chat_template import join_text_parts, template_role
 from kvstack.model.tokenizer.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer
 from kvstack.serve.api.protocol_tools import (
     MAX_TOOLS,
     StructuredFields,
-    ToolCallMessage,
     ToolChoice,
     ToolDef,
 )
 from kvstack.serve.chat.documents import MAX_DOCUMENTS
+from kvstack.serve.chat.messages import ChatMessage, StrictBody
 from kvstack.serve.chat.prompt import chat_prompt_ids
 from kvstack.serve.chat.segments import Mark, chat_segments
 from kvstack.serve.chat.tool_calls import ToolPlan
@@ -46,36 +44,13 @@ MAX_STOP = 8
 MAX_LOGPROBS = 20
 
 
-class _Strict(BaseModel):
-    """Known fields strictly typed; unknown ones kept aside and reported (``ignored_fields``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted paths of the fields of ``body`` (nested models and lists included) that no
-    model declares, in the order they appear."""
-    out = [f"{prefix}{name}" for name in body.model_extra or {}]
-    for name in type(body).model_fields:
-        out += _ignored_in(getattr(body, name), f"{prefix}{name}.")
-    return out
-
-
-def _ignored_in(value: Any, prefix: str) -> list[str]:
-    if isinstance(value, BaseModel):
-        return ignored_fields(value, prefix)
-    if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in _ignored_in(v, f"{prefix}{i}.")]
-    return []
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: StrictBool = False
     # vLLM: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: StrictBool = False
 
 
-class _Sampling(_Strict, StructuredFields):
+class _Sampling(StrictBody, StructuredFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -244,37 +219,6 @@ class CompletionRequest(_Sampling):
         return sp
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-    kvstack_segment: StrictBool = False  # issue 18: reuse this part's KV at any offset
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallMessage] | None = None  # assistant messages
-    tool_call_id: str | None = None  # tool messages
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (``developer`` becomes ``system``)."""
-        out: dict[str, Any] = {"role": template_role(self.role), "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
-            out["name"] = self.name
-        return out
-
-    def text(self) -> str:
-        """The content as one text: parts joined as ``LLM.chat`` joins them."""
-        if isinstance(self.content, list):
-            return join_text_parts([p.text for p in self.content])
-        return self.content or ""
-
-
 def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     """No name of the render path's own parameters (``source``, ``self``, ``tokenize``...):
     passing one would be a TypeError inside the handler, a 500 (issue 20, finding 2)."""
@@ -361,7 +305,7 @@ class ChatCompletionRequest(_Sampling):
         return last.text() if self.echo and last.role == self.response_role else ""
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictBody):
     """``POST /tokenize``: a prompt, or messages rendered exactly as a chat renders them
     (with the same ``tools`` and ``documents``)."""
 
@@ -379,12 +323,12 @@ class TokenizeRequest(_Strict):
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[StrictInt]
 
 
-class PinRequest(_Strict):
+class PinRequest(StrictBody):
     """``POST /v1/cache/pin`` and ``/v1/cache/unpin``: a prefix as text, ids or messages."""
 
     model: str | None = None

@@ -22,7 +22,7 @@ MAX_TOOLS = 128
 
 
 class _Body(BaseModel):
-    # Unknown fields are kept aside and reported (``protocol.ignored_fields``), as vLLM
+    # Unknown fields are kept aside and reported (``chat/messages.ignored_fields``), as vLLM
     # accepts them: e.g. the ``index`` clients keep on streamed tool_calls.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 

@@ -13,7 +13,7 @@ from kvstack.serve.chat.tool_calls import ToolPlan
 from kvstack.serve.chat.tool_prompt import fallback_messages, template_supports_tools
 
 if TYPE_CHECKING:
-    from kvstack.serve.api.protocol import ChatMessage
+    from kvstack.serve.chat.messages import ChatMessage
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from kvstack.serve.chat.prompt import chat_prompt_text
 from kvstack.serve.chat.segment_primers import tool_primer
 
 if TYPE_CHECKING:
-    from kvstack.serve.api.protocol import ChatMessage
+    from kvstack.serve.chat.messages import ChatMessage
     from kvstack.serve.chat.tool_calls import ToolPlan
 
 MIN_SEGMENT_TOKENS = 8  # shorter texts are not worth a standalone prefill

@@ -12,8 +12,8 @@ fallbacks). Names come from ``serve/metrics/names.py`` only.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,17 +23,32 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvstack.engine.stats import EngineStats
+from kvstack.kv.base import KVCacheStats
 from kvstack.kv.tiers.base import LOAD_LATENCY_BUCKETS, TierStats
 from kvstack.serve.metrics.names import ENGINE_INDEX, VLLM_LABELS, WAITING_REASONS, metric_name
 
-if TYPE_CHECKING:
-    from kvstack.serve.metrics.server import ServerMetrics
+
+class Snapshot(Protocol):
+    """What the collector reads of ``Snapshot`` (``serve/metrics/server.py``): the
+    latest engine snapshot, set by the engine thread and read here at scrape time."""
+
+    @property
+    def stats(self) -> EngineStats | None: ...
+    @property
+    def kv(self) -> KVCacheStats | None: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def cache_info(self) -> dict[str, str]: ...
+    @property
+    def kv_events_dropped(self) -> Callable[[], int]: ...
 
 
 class EngineCollector(Collector):
     """Families of the latest engine snapshot of ``metrics`` (none before the first)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: Snapshot) -> None:
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
@@ -137,7 +152,7 @@ def _info(cache_info: Mapping[str, str]) -> Metric:
     return g
 
 
-def _own_metrics(m: ServerMetrics, name: str) -> Iterator[Metric]:
+def _own_metrics(m: Snapshot, name: str) -> Iterator[Metric]:
     s, kv = m.stats, m.kv
     assert s is not None and kv is not None
     gauges = {

@@ -174,8 +174,8 @@ def parse_chat(
     tool_choice: str | dict[str, Any] | None = None,
 ) -> tuple[list[Any], Any]:
     """A chat body's messages and tool plan as ``kvstack serve`` parses them."""
-    from kvstack.serve.api.protocol import ChatMessage
     from kvstack.serve.api.protocol_tools import NamedToolChoice, ToolDef
+    from kvstack.serve.chat.messages import ChatMessage
     from kvstack.serve.chat.tool_calls import ToolPlan
 
     choice: Any = tool_choice
