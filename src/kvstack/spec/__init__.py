@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers, limits, counters (layer 1).
+"""Speculative decoding: proposers, the draft model's forwards, limits, counters.
 
 ``PROPOSERS`` is the ``speculative_config`` "method" registry (``core/registry.py``); each
 entry builds a ``Proposer`` (``spec/base.py``) from the ``SpeculativeConfig``. Where
