@@ -26,7 +26,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python benchmarks/docs_tables.py --check
-	$(BIN)/mkdocs build --strict --quiet -d site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d site
 
 # The shared KV tier's tests need redis-server, the dashboard test prometheus, the web
 # view's browser tests chromium + chromedriver: installed
@@ -48,7 +48,7 @@ test-fast: lint
 
 # The docs site (mkdocs-material): pages in docs/, nav in mkdocs.yml, built into site/.
 docs: setup
-	$(BIN)/mkdocs build --strict -d site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 bench-peers:
 	bash benchmarks/setup_peers.sh
