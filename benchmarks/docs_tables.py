@@ -141,26 +141,10 @@ def load_results(results_dir: Path = RESULTS_DIR) -> list[Result]:
     return sorted((r for r in found if r is not None), key=lambda r: r.order)
 
 
-def offline_cases(r: Result) -> frozenset[tuple[Any, ...]]:
-    """The cases an offline-throughput file holds: (prompts, new tokens, dtype, prefix)."""
-    return frozenset(
-        (
-            e["num_prompts"],
-            e["max_new_tokens"],
-            e["config"]["dtype"],
-            bool(e["config"].get("prefix_caching")),
-        )
-        for e in r.doc.get("entries", [])
-        if "error" not in e and "config" in e
-    )
-
-
 def group_key(r: Result) -> tuple[Any, ...]:
     """Results with the same key measure the same thing on the same CPU; the newest wins.
-    Offline-throughput files split their cases over several files, so the case set is
-    part of the key there."""
-    if r.bench.startswith("offline_throughput"):
-        return (r.bench, r.cpu, offline_cases(r))
+    (Offline-throughput files split their cases over several files: ``prune`` keeps each
+    case's newest, ``offline_entries`` reads each case from its newest file.)"""
     return (r.bench, r.cpu)
 
 
@@ -315,10 +299,18 @@ def eras_section(results: list[Result]) -> str:
 
 
 def index_section(results: list[Result]) -> str:
-    """Every benchmark's newest result file on every CPU."""
+    """Every benchmark's newest result files on every CPU: all files of its newest date
+    (offline-throughput cases are split over files; and the list stays the same without
+    git history to order one day's files)."""
+    newest_date: dict[tuple[str, str], str] = {}
+    for r in results:
+        key = (r.bench, r.cpu)
+        newest_date[key] = max(newest_date.get(key, ""), r.date)
     rows = ["| benchmark | CPU | date | commit | file |", "|---|---|---|---|---|"]
-    for r in sorted(latest(results), key=lambda r: (r.bench, r.cpu, r.path.name)):
-        rows.append(f"| {r.bench} | {r.cpu} | {r.date or '–'} | {r.commit} | `{r.path.name}` |")
+    for r in sorted(results, key=lambda r: (r.bench, r.cpu, r.path.name)):
+        if r.date == newest_date[(r.bench, r.cpu)]:
+            date = r.date or "–"
+            rows.append(f"| {r.bench} | {r.cpu} | {date} | {r.commit} | `{r.path.name}` |")
     return "\n".join(rows)
 
 
