@@ -15,7 +15,7 @@ vLLM fleet (``docs/distributed.md``):
 3. the same with a ``cache_salt``: a salted prefix matches only under its salt (vLLM
    0.32's tagged first-block extra key, recomputed by the router).
 
-    python benchmarks/router_vllm_zmq.py [--bench-venvs /work/main/.bench-venvs]
+    python benchmarks/router_vllm_zmq.py [--bench-venvs .bench-venvs]
 
 Writes ``benchmarks/results/router_vllm_zmq.json`` and exits 1 if a check failed.
 """
