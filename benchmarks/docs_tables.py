@@ -19,6 +19,7 @@ not record the ISA are listed in the index only.
     python benchmarks/docs_tables.py            # rewrite the generated blocks
     python benchmarks/docs_tables.py --check    # exit 1 (naming the files) if they are stale
     python benchmarks/docs_tables.py --prune    # git rm all but the newest result per group
+                                                # (and those the code, tests or docs cite)
 """
 
 from __future__ import annotations
@@ -350,20 +351,22 @@ def targets() -> list[Path]:
     return [README, PERF_PAGE, DESIGN_PAGE]
 
 
-def cited_by_code(results: list[Result]) -> set[Path]:
-    """Result files that the code or the tests name (their docstrings cite the figures)."""
-    text = "\n".join(
-        p.read_text(errors="replace")
-        for folder in ("src", "tests")
-        for p in (REPO_ROOT / folder).rglob("*.py")
-    )
+def cited(results: list[Result]) -> set[Path]:
+    """Result files that the code, the tests or the docs' hand-written text name (a
+    docstring or a table cites its figures; generated blocks are left out, they follow
+    the results)."""
+    sources = [p for folder in ("src", "tests") for p in (REPO_ROOT / folder).rglob("*.py")]
+    sources += [README, *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    generated = re.compile(r"<!-- generated:[a-z_]+ -->.*?" + re.escape(END), re.S)
+    text = "\n".join(generated.sub("", p.read_text(errors="replace")) for p in sources)
     return {r.path for r in results if r.path.name in text}
 
 
 def prune(results: list[Result], dry_run: bool) -> list[Path]:
     """``git rm`` every result JSON that is not the newest of its group (with its PNG);
-    an offline-throughput file stays while it is the newest of any case it holds."""
-    keep = {r.path for r in latest(results)} | cited_by_code(results)
+    an offline-throughput file stays while it is the newest of any case it holds, and a
+    file stays while the code, the tests or a docs page cites it (``cited``)."""
+    keep = {r.path for r in latest(results)} | cited(results)
     for cpu in {r.cpu for r in results}:
         keep |= {r.path for r, _ in offline_entries(results, cpu, any_model=True)}
     gone = [r.path for r in results if r.path not in keep]

@@ -60,6 +60,19 @@ def test_no_tracker_numbers_or_outside_paths(pattern: re.Pattern[str]) -> None:
     assert not hits, "\n".join(hits[:20])
 
 
+def test_every_result_file_a_page_cites_is_committed() -> None:
+    dated = re.compile(r"[a-z_]+(?:-[a-z0-9.]+)*-\d{4}-?\d{2}-?\d{2}[a-z0-9.-]*\.(?:json|png)")
+    in_folder = re.compile(r"benchmarks/results/([a-z][\w.-]+\.(?:json|png))")
+    missing = set()
+    for page in [README, *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        names = set(dated.findall(text)) | set(in_folder.findall(text))
+        missing |= {
+            f"{page.name}: {n}" for n in names if not (REPO / "benchmarks/results" / n).exists()
+        }
+    assert not missing, sorted(missing)
+
+
 def test_every_docs_page_is_in_the_nav() -> None:
     nav = (REPO / "mkdocs.yml").read_text()
     pages = sorted(p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md"))
