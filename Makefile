@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvstack-installed
 
-.PHONY: setup serve test test-fast lint pytest bench bench-peers clean
+.PHONY: setup serve test test-fast lint pytest bench bench-peers docs clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,8 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/python benchmarks/docs_tables.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d site
 
 # The shared KV tier's tests need redis-server, the dashboard test prometheus, the web
 # view's browser tests chromium + chromedriver: installed
@@ -44,6 +46,10 @@ test-fast: lint
 	bash scripts/redis.sh ensure
 	$(BIN)/python -m pytest -m "not slow"
 
+# The docs site (mkdocs-material): pages in docs/, nav in mkdocs.yml, built into site/.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 bench-peers:
 	bash benchmarks/setup_peers.sh
 
@@ -51,4 +57,4 @@ bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py --write-readme
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info

@@ -1,11 +1,11 @@
-"""Run ``kvstack analyze`` on a log of each synthetic workload; table and curves for the README.
+"""Run ``kvstack analyze`` on a log of each synthetic workload; table and curves for the docs.
 
 For each workload (``kvstack.tools.workloads``, seed 0) the script writes its JSONL log,
 runs ``kvstack analyze LOG --format openai --model default`` at the same cache sizes for
 every policy (LRU, LFU, adaptive, the Belady oracle), saves the JSON report and the PNG
 curve under ``benchmarks/results/``, and prints a markdown table of the token hit rate
-per policy at each size plus the knee. ``--write-readme`` puts the table between
-``<!-- bench:analyze -->`` and ``<!-- /bench -->`` in README.md.
+per policy at each size plus the knee. ``--write-readme`` then
+re-renders the docs' measured tables from the results (``benchmarks/docs_tables.py``).
 
     .venv/bin/python benchmarks/analyze_workloads.py --write-readme
 """
@@ -19,12 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, RESULTS_DIR, log
+from bench_common import RESULTS_DIR, log, render_docs
 
 WORKLOADS = {"multi-turn": 40, "rag-qa": 32, "agent-tools": 32, "few-shot": 32, "shared-prefix": 32}
 SIZES = "2048,4096,8192,16384,32768"
 POLICIES = ("lru", "lfu", "adaptive", "oracle")
-BEGIN, END = "<!-- bench:analyze -->", "<!-- /bench -->"
 
 
 def analyze(name: str, n: int, out_dir: Path) -> dict[str, Any]:
@@ -71,21 +70,13 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
-    readme = REPO_ROOT / "README.md"
-    text = readme.read_text()
-    if BEGIN not in text:
-        at = text.find("\n## Layout")
-        text = f"{text[:at].rstrip()}\n\n{BEGIN}\n{END}\n{text[at:]}"
-    start = text.find(BEGIN) + len(BEGIN)
-    end = text.find(END, start)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
-    log(f"updated the analyzer table in {readme}")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write-readme", action="store_true", help="put the table into README.md")
+    p.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="then re-render the docs' measured tables (benchmarks/docs_tables.py)",
+    )
     args = p.parse_args(argv)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     results = []
@@ -94,16 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(analyze(name, n, RESULTS_DIR))
     md = table(results)
     print(md)
-    pngs = " ".join(f"[{r['name']}]({r['png'].relative_to(REPO_ROOT)})" for r in results)
-    section = (
-        "#### Prefix-cache analyzer on the synthetic workloads\n\n"
-        "Token hit rate (%) by cache size (tokens) and policy, from `kvstack analyze` replaying "
-        "each workload's log through the engine's own prefix cache (block size 16; requests in "
-        "arrival order; ideal = infinite cache). Knee = smallest size within 2 points of the "
-        f"largest size's rate. Curves: {pngs}. `benchmarks/analyze_workloads.py`.\n\n{md}"
-    )
     if args.write_readme:
-        write_readme(section)
+        render_docs()
 
 
 if __name__ == "__main__":

@@ -352,20 +352,16 @@ def dumps(obj: Any) -> str:
     return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(re.split(r",\s*", m.group(1))) + "]", text)
 
 
-README_END = "<!-- /bench -->"
+def render_docs() -> None:
+    """Re-render the measured tables of README.md and docs/ from ``benchmarks/results``.
 
+    A benchmark writes only its JSON result; ``benchmarks/docs_tables.py`` is the one place
+    that turns results into the tables the docs show. A script's ``--write-readme`` (or
+    ``--readme``) calls this after writing its result."""
+    import docs_tables  # here, not at the top: the peers' venvs import this module too
 
-def write_readme_block(section: str, begin: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the README block after the marker ``begin`` (up to ``<!-- /bench -->``) with
-    ``section``; a missing block is added after the last benchmark block."""
-    text = readme.read_text()
-    if begin not in text:
-        end = text.rfind(README_END)
-        at = end + len(README_END) if end >= 0 else len(text)
-        text = f"{text[:at]}\n\n{begin}\n{README_END}{text[at:]}"
-    start = text.find(begin) + len(begin)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[text.find(README_END, start) :]}")
-    log(f"updated {begin} in {readme}")
+    docs_tables.regenerate()
+    log("re-rendered the generated tables of README.md and docs/ from benchmarks/results")
 
 
 def write_json(obj: Any, path: str | Path | None) -> None:

@@ -36,8 +36,9 @@ era2-paged's (first run; bf16 numerics may flip a few, so this is reported, not 
 
 Results: ``benchmarks/results/eras-<workload>-<date>.json`` (merged: a rerun replaces the
 entry of the same workload and settings), a markdown table on stdout, a 2x2 bar chart
-``benchmarks/results/eras-<workload>.png`` (needs matplotlib), and with ``--write-readme``
-the tables in README.md between ``<!-- bench:eras -->`` and ``<!-- /bench -->``.
+``benchmarks/results/eras-<workload>.png`` (needs matplotlib), and ``--write-readme``
+re-renders the docs' measured tables from the results
+(``benchmarks/docs_tables.py``): the eras tables of ``docs/design.md``.
 
 Examples::
 
@@ -59,14 +60,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import RESULTS_DIR, LoadMeter, log, median, wait_for_idle, write_json
+from bench_common import RESULTS_DIR, LoadMeter, log, median, render_docs, wait_for_idle, write_json
 from eras_plot import (
     REFERENCE_ERA,
     markdown_table,
     plot_eras,
-    readme_block,
     settings_line,
-    write_readme,
 )
 
 ERAS: dict[str, dict[str, str]] = {
@@ -316,9 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the workload is added to the name)",
     )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument(
-        "--write-readme", action="store_true", help="put the tables into README.md's eras block"
-    )
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     p.add_argument(
         "--tqdm",
         action=argparse.BooleanOptionalAction,
@@ -335,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run every selected era on every selected workload; write JSON, table, plot, README."""
+    """Run every selected era on every selected workload; write JSON, table, plot."""
     args = build_parser().parse_args(argv)
     from kvstack.model.loader.registry import load_tokenizer
     from kvstack.tools.workloads import DEFAULTS, WORKLOADS, make_workload, summarize
@@ -375,7 +372,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     results: list[dict] = doc.setdefault("results", [])
     tokenizer = load_tokenizer("default")
-    blocks: dict[str, str] = {}
     for wl in workloads:
         overrides = {k: v for k, v in knobs.items() if k in DEFAULTS[wl]}
         reqs = make_workload(
@@ -409,7 +405,6 @@ def main(argv: list[str] | None = None) -> None:
         results.append(res)
         write_json(doc, out)  # after every workload, so that a later failure keeps results
         print(f"\n{wl}: {settings_line(res)}\n\n{markdown_table(res)}\n", flush=True)
-        blocks[wl] = readme_block(res, doc)
         if not args.no_plot:
             plot = args.plot or RESULTS_DIR / f"eras-{wl}{suffix}.png"
             if args.plot and len(workloads) > 1:
@@ -418,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"[{wl}] wrote {plot}")
     log(f"wrote {out}")
     if args.write_readme:
-        write_readme(blocks)
+        render_docs()
 
 
 if __name__ == "__main__":

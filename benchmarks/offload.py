@@ -18,8 +18,8 @@ expected source (``cached_tokens_by_tier``). TTFT = wall time of ``generate``, m
 ``--runs`` (a request during which other processes used > 0.1 core is repeated); speedup =
 recompute / mode; MiB loaded and GB/s from the tier's ``TierStats`` deltas (the I/O time
 inside its lookup, without staging or the copy into the device pool). Results go to
-``benchmarks/results/offload-<date>.json`` and ``.png``; ``--write-readme`` puts the table
-in README.md between ``<!-- bench:offload -->`` and ``<!-- /bench -->``.
+``benchmarks/results/offload-<date>.json`` and ``.png``; ``--write-readme`` then
+re-renders the docs' measured tables from the results (``benchmarks/docs_tables.py``).
 
     .venv/bin/python benchmarks/offload.py [--quick] [--modes host,disk] [--lengths 64,4000]
 """
@@ -46,9 +46,9 @@ from bench_common import (
     LoadMeter,
     log,
     median,
+    render_docs,
     wait_for_idle,
     write_json,
-    write_readme_block,
 )
 from kvstack import LLM, SamplingParams
 from offline_throughput import machine_info
@@ -56,7 +56,6 @@ from offline_throughput import machine_info
 MODES = ("recompute", "device", "host", "disk", "disk-restart", "redis")
 TIER = {"host": "host", "disk": "disk", "disk-restart": "disk", "redis": "redis"}
 SUFFIX_LEN = 16
-BEGIN = "<!-- bench:offload -->"
 MAX_OTHER_LOAD = 0.1  # cores other processes may use during a timed request
 ONE_TOKEN = SamplingParams(max_tokens=1)
 GBS = "GB/s = bytes / (TTFT - device TTFT), in parentheses bytes / time inside the tier's lookup"
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--retries", type=int, default=2, help="repeats of a busy request (2)")
     p.add_argument("--quick", action="store_true", help="lengths 64,512,2000, 1 run, no idle wait")
     p.add_argument("--tag", default="", help="suffix of the result files (keeps other runs)")
-    p.add_argument("--write-readme", action="store_true", help="put the table into README.md")
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.runs, args.wait_idle = "64,512,2000", 1, 0.0
@@ -321,15 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table, flush=True)
     log(f"wrote {RESULTS_DIR / stem}.json and .png")
     if args.write_readme:
-        note = (
-            f"_{date}, {machine.get('cpu_model', '?')} ({machine.get('cpu_count')} cores), "
-            f"{args.dtype}; prompt = shared prefix + distinct {SUFFIX_LEN}-token suffix, 1 new "
-            f"token; TTFT = wall ms of `generate`, median of {args.runs}; {GBS}; {DISK}. "
-            f"`benchmarks/offload.py`, `benchmarks/results/{stem}.json`._"
-        )
-        png = f"![TTFT by KV source](benchmarks/results/{stem}.png)"
-        head = "#### KV tiers (era 4): TTFT by where a shared prefix's KV comes from"
-        write_readme_block(f"{head}\n\n{table}\n\n{png}\n\n{note}", BEGIN)
+        render_docs()
 
 
 if __name__ == "__main__":

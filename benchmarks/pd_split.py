@@ -16,8 +16,8 @@ tokens, all distinct, so no prefix reuse helps either set-up), ``max_tokens`` 64
 tok/s, TTFT p50/p99, ITL p50/p99 (the decode's smoothness: the point of a split is that
 a long prefill never stalls running decodes) and E2E p50, and split / colocated ratios.
 
-Output: ``benchmarks/results/pd-split-<date>.json``, a table on stdout and, with
-``--write-readme``, in README.md between ``<!-- bench:pd -->`` and ``<!-- /bench -->``.
+Output: ``benchmarks/results/pd-split-<date>.json``, a table on stdout; ``--write-readme`` then
+re-renders the docs' measured tables from the results (``benchmarks/docs_tables.py``).
 
     .venv/bin/python benchmarks/pd_split.py --write-readme
 """
@@ -32,11 +32,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
+from bench_common import REPO_ROOT, RESULTS_DIR, log, median, render_docs, write_json
 from bench_procs import ChildServer, bench_serve
 from kvstack.testing.redis_server import LocalRedis
 
-BEGIN = "<!-- bench:pd -->"
 KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 KEYS += ("median_e2el_ms",)
 
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="requests/s (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="seeds per set-up (default 3)")
     p.add_argument("--out", default=None, help="JSON path (default results/pd-split-DATE.json)")
-    p.add_argument("--write-readme", action="store_true", help="put the table in README.md")
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     a = p.parse_args(argv)
     logs = REPO_ROOT / ".bench-venvs" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(doc)
     print(table)
     if a.write_readme:
-        write_readme_block(table, BEGIN)
+        render_docs()
 
 
 if __name__ == "__main__":

@@ -48,9 +48,9 @@ from bench_common import (
     REPO_ROOT,
     RESULTS_DIR,
     log,
+    render_docs,
     venv_python,
     write_json,
-    write_readme_block,
 )
 
 PRESSES = ("streaming_llm", "snapkv", "knorm", "pyramidkv")
@@ -64,7 +64,6 @@ DEFAULT_LENGTHS = (662, 1500)
 DEFAULT_RATIOS = (0.5, 0.8)
 GREEDY_TOKENS = 32
 RESULT = RESULTS_DIR / "presses_vs_kvpress.json"
-README_BEGIN = "<!-- bench:presses-vs-kvpress -->"
 MIN_JACCARD = 0.999  # the bar for StreamingLLM, SnapKV and Knorm
 
 Kept = list[list[list[int]]]  # per layer, per KV head, sorted kept positions
@@ -399,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(report)
     print(table)
     if args.write_readme:
-        write_readme_block(table, README_BEGIN)
+        render_docs()
     bad = [
         r for r in results
         if r["press"] != "pyramidkv" and r["compare"]["jaccard_pooled"] < MIN_JACCARD

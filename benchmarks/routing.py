@@ -31,8 +31,9 @@ Reported per (policy, workload), medians over the seeds:
   the prompt tokens each replica actually computed (its ``/metrics`` deltas);
 * ratios of ``prefix`` and ``kv_events`` to ``round_robin`` in the same run of the script.
 
-Output: ``benchmarks/results/routing-<date>.json``, a markdown table on stdout and, with
-``--write-readme``, in README.md between ``<!-- bench:routing -->`` and ``<!-- /bench -->``.
+Output: ``benchmarks/results/routing-<date>.json``, a markdown table on stdout;
+``--write-readme`` then re-renders the docs' measured tables from the results
+(``benchmarks/docs_tables.py``).
 
     .venv/bin/python benchmarks/routing.py --write-readme
     .venv/bin/python benchmarks/routing.py --quick   # 1 seed, smaller workloads
@@ -47,7 +48,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, RESULTS_DIR, log, median, write_json, write_readme_block
+from bench_common import REPO_ROOT, RESULTS_DIR, log, median, render_docs, write_json
 from bench_procs import ChildServer, bench_serve, get_json
 
 POLICIES = ("round_robin", "prefix", "kv_events")
@@ -66,7 +67,6 @@ QUICK = {
     "shared-prefix": ["--num-prompts", "35", *SHARED],
 }
 NUM_BLOCKS = 384
-BEGIN = "<!-- bench:routing -->"
 
 
 def replica_counters(url: str) -> dict[str, float]:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="seeds per workload (default 3)")
     p.add_argument("--quick", action="store_true", help="1 seed, half the requests")
     p.add_argument("--out", default=None, help="JSON path (default results/routing-DATE.json)")
-    p.add_argument("--write-readme", action="store_true", help="put the table in README.md")
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     a = p.parse_args(argv)
     repeats = 1 if a.quick else a.repeats
     workloads = QUICK if a.quick else WORKLOADS
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(doc)
     print(table)
     if a.write_readme:
-        write_readme_block(table, BEGIN)
+        render_docs()
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ of both are compared as a sanity check (bf16 batches of different shapes may fli
 Output: ``benchmarks/results/serve-<date>.json`` (``--out``; merged: a rerun replaces the
 runs of the same server, workload and rate), a markdown table on stdout, the figure
 ``benchmarks/results/serve-latency.png`` (TTFT and TPOT against the request rate; next to
-``--out`` as ``<stem>-latency.png`` with ``--out`` or ``--quick``) and, with
-``--write-readme``, the table in README.md between ``<!-- bench:serve -->`` and
-``<!-- /bench -->``.
+``--out`` as ``<stem>-latency.png`` with ``--out`` or ``--quick``) and
+``--write-readme`` then re-renders the docs' measured tables from the results
+(``benchmarks/docs_tables.py``).
 
 Examples::
 
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="8 prompts, 8 tokens, rate inf, no peers")
     p.add_argument("--wait-idle", type=float, default=120.0, help="s to wait for an idle machine")
     p.add_argument("--out", type=Path, default=None, help="result file (default: dated)")
-    p.add_argument("--write-readme", action="store_true", help="put the table in README.md")
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     p.add_argument("--report-only", action="store_true", help="only print/plot the result file")
     p.add_argument("--worker-offline", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """The report of ``serve.py``: the result file (run keys, order, saving), the markdown
-table, the HTTP-overhead line, the latency figure, and the README block between the serve
-markers.
+table, the HTTP-overhead line, and the latency figure (the docs'
+tables are rendered by ``benchmarks/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -9,10 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, log, write_json
-from serve_servers import MAX_MODEL_LEN, MAX_NUM_SEQS
-
-README_BEGIN, README_END = "<!-- bench:serve -->", "<!-- /bench -->"
+from bench_common import log, render_docs, write_json
+from serve_servers import MAX_NUM_SEQS
 
 
 def rate_key(rate: float) -> float | str:
@@ -72,50 +70,6 @@ def overhead_line(doc: dict[str, Any]) -> str:
         f"{o['offline_output_tok_s']:.1f} output tok/s = **{o['ratio']:.2f}×** "
         f"({'meets' if o['pass'] else 'FAILS'} ≥ {o['required']}){same}."
     )
-
-
-def readme_section(doc: dict[str, Any], png: Path | None) -> str:
-    m, s = doc["machine"], doc["settings"]
-    note = (
-        f"_{doc['date']}, {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores), commit "
-        f"{m.get('git_commit')}{' (dirty)' if m.get('git_dirty') else ''}; max_num_seqs "
-        f"{MAX_NUM_SEQS}, max_model_len {MAX_MODEL_LEN}, {s['max_tokens']} new tokens, greedy, "
-        f"EOS ignored, prefix cache emptied before every run; latencies in ms; others' load = "
-        f"cores used by other processes during the run. `benchmarks/serve.py`, "
-        f"`benchmarks/results/{doc['file']}`._"
-    )
-    fig = (
-        f"\n\n![TTFT and TPOT against the request rate]({png.relative_to(REPO_ROOT)})"
-        if png
-        else ""
-    )
-    loads = []
-    for name, w in doc.get("workload_summary", {}).items():
-        loads.append(
-            f"`{name}` {w['num_requests']} requests ({w['prompt_tokens_mean']:.0f} prompt tokens "
-            f"on average, {w['num_rounds']} round(s), ideal hit rate {w['ideal_hit_rate']:.2f})"
-        )
-    head = (
-        "#### Serving: `kvstack serve` under `kvstack bench serve`\n\n"
-        f"Streaming chat requests, {'; '.join(loads)}; Poisson arrivals at each rate, or all "
-        "at once (inf) with at most 16 in flight; one run each."
-    )
-    return f"{head}\n\n{markdown_table(doc)}\n\n{overhead_line(doc)}{fig}\n\n{note}"
-
-
-def write_readme(section: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the block between the serve markers (added before the section after
-    ``## Performance`` when missing)."""
-    text = readme.read_text()
-    if README_BEGIN not in text:
-        perf = text.find("\n## Performance")
-        nxt = text.find("\n## ", perf + 1) if perf >= 0 else -1
-        at = nxt + 1 if nxt >= 0 else len(text)
-        text = f"{text[:at].rstrip()}\n\n{README_BEGIN}\n{README_END}\n\n{text[at:]}"
-    start = text.find(README_BEGIN) + len(README_BEGIN)
-    end = text.find(README_END, start)
-    readme.write_text(f"{text[:start]}\n{section}\n{text[end:]}")
-    log(f"updated the serving table in {readme}")
 
 
 def plot(doc: dict[str, Any], path: Path) -> bool:
@@ -208,5 +162,4 @@ def report(doc: dict[str, Any], png: Path, readme: bool) -> None:
     if drawn:
         log(f"wrote {png}")
     if readme:
-        default_png = drawn and png.resolve().is_relative_to(REPO_ROOT)
-        write_readme(readme_section(doc, png.resolve() if default_png else None))
+        render_docs()

@@ -1,4 +1,5 @@
-"""The soak of issue 20: a real ``kvstack serve`` on loopback under every attack at once.
+"""The fault suite's long soak (the threat model: SECURITY.md): a real ``kvstack serve`` on
+loopback under every attack at once.
 
 Runs ``kvstack.testing.soak.run_soak`` (the attacks and the fault timeline are described
 there and in ``kvstack.testing.soak_attacks``): a baseline phase of well-behaved clients,
@@ -9,7 +10,7 @@ corrupted and made unwritable, the request log on ``/dev/full``. Bounded: about
 ``baseline + rounds x attack`` seconds plus start-up (three processes) and the drains.
 
 Writes ``benchmarks/results/soak-<date>.json`` (the report, the commit and the CPU) and
-prints the README's table.
+prints the table of the docs' correctness page.
 
     .venv/bin/python benchmarks/soak.py                 # default model, ~2.5 minutes
     .venv/bin/python benchmarks/soak.py --tiny --attack-s 10 --rounds 1   # a quick look
@@ -48,7 +49,7 @@ def _fmt(x: float | None) -> str:
 
 
 def table(r: dict[str, Any]) -> str:
-    """The README table of one report."""
+    """The markdown table of one report (the docs' correctness page shows one)."""
     att = r["outcomes"]["attack"]
     rows = [("requests by kind and status (attack phases)", "")]
     for kind, seen in att.items():

@@ -1,4 +1,5 @@
-"""Single-stream decode with and without speculation: n-gram, or a draft model (issue 16).
+"""Single-stream decode with and without speculation: n-gram, or a draft model
+(the goals and results: ``docs/speculative.md``).
 
 One request at a time: a 512-token prompt, 256 new tokens, greedy, ``ignore_eos`` (every
 run decodes exactly 256 tokens), the default model (SmolLM2-135M Q4_1 GGUF, bf16), on
@@ -17,8 +18,9 @@ token to the last). Also: acceptance rate and mean acceptance length (vLLM's
 definitions, ``spec/stats.py``), the proposer's cost per call (a draft model's forwards
 included), whether the greedy output
 equals the plain run's, the cores other processes used meanwhile (``LoadMeter``), CPU
-model and ISA flags. Writes ``benchmarks/results/speculative-<date>.json`` and, with
-``--readme``, the README block ``<!-- bench:speculative -->``.
+model and ISA flags. Writes ``benchmarks/results/speculative-<date>.json``;
+``--readme`` then re-renders the docs' measured tables from the results
+(``benchmarks/docs_tables.py``).
 
     PYTHONPATH=src python benchmarks/speculative.py --runs 5 --readme
 """
@@ -36,14 +38,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO_ROOT, RESULTS_DIR, LoadMeter, log, wait_for_idle, write_json
-from bench_common import write_readme_block as write_block
+from bench_common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    LoadMeter,
+    log,
+    render_docs,
+    wait_for_idle,
+    write_json,
+)
 from kvstack import LLM, SamplingParams
 from kvstack.engine.llm_engine import LLMEngine
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 256
-README_BEGIN = "<!-- bench:speculative -->"
 QUESTION = (
     "Given everything above, what do you think is the most important idea humans have "
     "ever had, and why?"
@@ -161,7 +169,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def readme_table(result: dict[str, Any]) -> str:
+def markdown_table(result: dict[str, Any]) -> str:
+    """The result as a markdown table (printed; the docs' copy is ``docs_tables.py``'s)."""
     m = result["machine"]
     lines = [
         f"Single stream, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, greedy, bf16, "
@@ -266,8 +275,9 @@ def main() -> None:
     log(f"wrote {out}")
     print(json.dumps({p: {n: round(v["ratio_vs_plain"], 2) for n, v in d.items()}
                       for p, d in result["prompts"].items()}))  # fmt: skip
+    print(markdown_table(result))
     if args.readme:
-        write_block(readme_table(result), README_BEGIN)
+        render_docs()
 
 
 if __name__ == "__main__":

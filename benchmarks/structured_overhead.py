@@ -9,8 +9,8 @@ the medians is reported, with the CPU it ran on. Constraints measured:
     json-fields   an object of 24 typed fields            enums, integers, keys
     regex         ([a-z]+ [0-9]+, )*                      a regex automaton
 
-Writes ``benchmarks/results/structured_overhead.json``; ``--write-readme`` updates the
-README block.
+Writes ``benchmarks/results/structured_overhead.json``; ``--write-readme`` then
+re-renders the docs' measured tables from the results (``benchmarks/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from bench_common import RESULTS_DIR, log, median, write_json, write_readme_block
+from bench_common import RESULTS_DIR, log, median, render_docs, write_json
 from kvstack import LLM, SamplingParams
 from kvstack.core.structured_outputs import StructuredOutputsParams as SO
 from offline_throughput import machine_info
@@ -42,7 +42,6 @@ CONSTRAINTS = {
     "json-fields": SO(json={"type": "object", "properties": FIELDS, "required": list(FIELDS)}),
     "regex": SO(regex=r"([a-z]+ [0-9]+, ){200,}"),
 }  # fmt: skip
-BEGIN = "<!-- bench:structured_overhead -->"
 
 
 def run(llm: LLM, prompts: list[list[dict[str, str]]], sp: SamplingParams) -> tuple[float, int]:
@@ -58,7 +57,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens each (default 64)")
     p.add_argument("--runs", type=int, default=3, help="plain/constrained pairs (default 3)")
     p.add_argument("--only", choices=list(CONSTRAINTS), action="append", help="constraint(s)")
-    p.add_argument("--write-readme", action="store_true", help="update the README table")
+    p.add_argument("--write-readme", action="store_true", help="then re-render the docs' tables")
     args = p.parse_args()
     llm = LLM("default", max_num_seqs=args.batch)
     prompts = [[{"role": "user", "content": f"Tell story number {i} as JSON."}]
@@ -99,7 +98,7 @@ def main() -> None:
     print("\n".join(table))
     print(json.dumps({r["constraint"]: round(r["ratio"], 3) for r in rows}))
     if args.write_readme:
-        write_readme_block("\n".join(table), BEGIN)
+        render_docs()
 
 
 if __name__ == "__main__":

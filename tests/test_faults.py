@@ -2,7 +2,7 @@
 model, loopback) under every attack of ``kvstack.testing.soak_attacks`` at once, with
 the request log on a full disk (``/dev/full``), disk-tier files corrupted and the tier
 made unwritable, and Redis killed and restarted. ``benchmarks/soak.py`` runs the long
-one (with a router whose second backend is killed mid-stream) for the README's table.
+one (with a router whose second backend is killed mid-stream) for the docs' table.
 
 Checked: the engine answered every ``/health`` probe and exited 0; no KV block is held
 after the attack (the server's own ``check_integrity()`` at exit) and none is in use when

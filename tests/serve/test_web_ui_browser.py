@@ -4,7 +4,7 @@ the key, no console errors, a chat reply streams in, the block map and the hit r
 change after two requests sharing a prefix, pin / unpin from the prefix tree, a forced
 tool call shown and kept in the chat, and a server restart shows a reconnect notice.
 Screenshots go to the test's tmp dir (and to ``$KVSTACK_WEB_SCREENSHOTS`` when set:
-``docs/`` for the README's)."""
+``docs/`` for the docs' web-view.png)."""
 
 from __future__ import annotations
 
