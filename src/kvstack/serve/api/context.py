@@ -35,8 +35,9 @@ from kvstack.serve.chat.tool_calls import ToolPlan
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 # Threads that tokenize and render chat templates off the event loop: a 2 MB prompt takes
-# seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout (issue
-# 20, finding 3). Two: more only queue for the GIL; requests past them wait their turn.
+# seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout, so
+# the router ejected a healthy replica. Two: more only queue for the GIL; requests past
+# them wait their turn.
 CPU_WORKERS = 2
 
 
