@@ -1,4 +1,4 @@
-"""Decode speed of every KV codec against uncompressed KV (``auto``), in one run (issue 24).
+"""Decode speed of every KV codec against uncompressed KV (``auto``), in one run.
 
 Whole-step decode throughput: ``--batch`` requests of ``--context`` random tokens are
 prefilled (not timed), then every engine step until ``--new-tokens`` are generated is

@@ -1,5 +1,5 @@
 """What watching the cache costs: output tok/s of a real ``kvstack serve`` with one
-scripted ``/v1/kv/state`` reader against none (issue 22).
+scripted ``/v1/kv/state`` reader against none (the web view's cost).
 
 One server process (the default model unless ``--model``), a batch of ``--concurrency``
 streaming completions of ``--max-tokens`` tokens each (``ignore_eos``) per run; runs

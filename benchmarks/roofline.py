@@ -1,4 +1,4 @@
-"""Bounds for a decode and a prefill step, measured on this machine (issue 15's yardstick).
+"""Bounds for a decode and a prefill step, measured on this machine (the bf16 kernels' yardstick).
 
 * memory bound  = bytes a step must read ÷ read bandwidth measured over a buffer of that
   many bytes (``torch.sum`` over float32, all threads: larger than the L3 when the step's

@@ -1,4 +1,4 @@
-"""Segment reuse against full prefill and prefix caching (issue 18).
+"""Segment reuse against full prefill and prefix caching.
 
 One engine per mode, the same model, dtype and pool: ``full`` (no prefix cache, no
 segments), ``prefix`` (vLLM's hash prefix cache) and ``seg-rX`` (prefix cache plus

@@ -135,7 +135,7 @@ setup_model() {
 }
 
 # CMake flags for llama.cpp: never GGML_NATIVE (a -march=native build segfaulted in decode
-# on a Xeon VM, DESIGN.md), but every x86 ISA level this CPU reports, so the build is as fast
+# on a Xeon VM), but every x86 ISA level this CPU reports, so the build is as fast
 # as a native one here. CMAKE_ARGS from the environment wins.
 llamacpp_cmake_args() {
     local flags args="-DGGML_NATIVE=OFF"

@@ -1,4 +1,4 @@
-"""Single-stream decode with and without speculation: n-gram, or a draft model (issue 16).
+"""Single-stream decode with and without speculation: n-gram, or a draft model.
 
 One request at a time: a 512-token prompt, 256 new tokens, greedy, ``ignore_eos`` (every
 run decodes exactly 256 tokens), the default model (SmolLM2-135M Q4_1 GGUF, bf16), on

@@ -14,7 +14,7 @@ Rows of one step are ordered decodes first, then prefill chunks::
   ``kvstack:kernel_fallback_total`` (reasons ``encoded_cache``, ``uneven_press``).
   The PyTorch fallback gathers the keys of all D requests once per layer into
   ``[D, L]`` and runs two grouped-query matmuls with a length mask (measured: CPU
-  SDPA is 12x slower at q_len 1).
+  SDPA is 12x slower at q_len 1 on a 2-core AMD EPYC).
 * With the C++ kernels and an unencoded cache, or a codec that declares a ``KernelView``
   (every built-in one: ``kv/codecs/``), the decodes and every prefill chunk of at
   most ``KERNEL_CHUNK_ROWS`` rows (a short suffix after a prefix hit, the tail of a

@@ -56,7 +56,7 @@ class ServerConfig:
     # until its offload tiers hold it, and answers one token; "both" is a plain server.
     role: str = "both"
     prefill_flush_timeout_s: float = 30.0
-    # Tools (``tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
+    # Tools (``serve/chat/tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
     # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).

@@ -245,7 +245,7 @@ class ChatCompletionRequest(_Sampling):
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     def tool_plan(self, parser: str = "hermes", auto_enabled: bool = True) -> ToolPlan | None:
-        """Build (once) what the request's tools mean (``tool_calls.py``); 400 if invalid."""
+        """Build (once) what the request's tools mean (``chat/tool_calls.py``); 400 if invalid."""
         if self._plan is None and self.tools:
             self._plan = ToolPlan.build(
                 self.tools, self.tool_choice, self.parallel_tool_calls, parser, auto_enabled
