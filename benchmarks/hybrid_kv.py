@@ -1,4 +1,5 @@
-"""KV bytes a request holds with the hybrid KV manager vs one block table (sliding-window layers).
+"""KV bytes a request holds with the hybrid KV manager vs one block table
+(vLLM v1's hybrid manager for sliding-window models; ``docs/kv/hybrid.md``).
 
 For each context length (``--contexts``, default 4,096 and 8,192 tokens of real English:
 the Python Language Reference's prose, ``kvstack.tools.eval.corpus``), one request on the

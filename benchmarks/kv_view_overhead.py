@@ -1,5 +1,6 @@
 """What watching the cache costs: output tok/s of a real ``kvstack serve`` with one
-scripted ``/v1/kv/state`` reader against none (the web view's cost).
+scripted ``/v1/kv/state`` reader against none (what
+watching the web view costs the engine; ``docs/serving/openai.md``).
 
 One server process (the default model unless ``--model``), a batch of ``--concurrency``
 streaming completions of ``--max-tokens`` tokens each (``ignore_eos``) per run; runs

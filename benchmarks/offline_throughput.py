@@ -23,8 +23,7 @@ slow down many times over when something else takes a core. So each engine start
 machine is idle (``--wait-idle``), every timed run records the cores others used
 (``other_load_cores``; the table's last column) and a run disturbed by more than 0.1 core is
 repeated (twice at most). ``machine.calibration`` in the result file times two bf16 matmuls
-whose times on a known machine ``calibrate`` states, to tell a slower machine from a
-slower engine.
+to tell a slower machine from a slower engine.
 
 Paired by default: a case's engines load side by side and then take turns run by run
 (``benchmarks/turns.py``), so run k of each engine sees the same machine; the table's
@@ -111,12 +110,12 @@ def machine_info() -> dict[str, Any]:
 
 
 def calibrate() -> dict[str, float]:
-    """Two bf16 matmuls with known times, to compare machines and days.
+    """Two bf16 matmuls timed on this machine, to compare machines and days.
 
-    Measured on a 2-core AMD EPYC (AVX-512 BF16, no AMX; 2026-11-30): 0.27 ms for ``x @ w``
-    at (32 × 576) @ (576 × 3072) and 5–6 ms for the tied lm_head (32 × 576) @ (576 × 49152).
-    Larger numbers here mean a slower (or busier) machine, and every engine's figures scale
-    down with them.
+    The first machine measured (2026-11-30): 0.27 ms for ``x @ w`` at (32 × 576) @
+    (576 × 3072) and 5–6 ms for the tied lm_head (32 × 576) @ (576 × 49152). Larger
+    numbers here mean a slower (or busier) machine, and every engine's figures scale down
+    with them.
     """
     try:
         import torch

@@ -27,9 +27,10 @@ from typing import Any
 
 from bench_common import HF_MODEL_DIR, find_gguf, log, measure, measure_scheduled, write_json
 
-# Environment vLLM's CPU backend needs on a 2-core machine. They only take
-# effect when set before vLLM is imported; LD_PRELOAD (libiomp5) only when set before the
-# process starts, so the orchestrator sets all of them in the child's environment.
+# Environment vLLM's CPU backend needs on this 2-core machine (vLLM's CPU installation
+# guide). They only take effect when set before vLLM is imported; LD_PRELOAD (libiomp5)
+# only when set before the process starts, so the orchestrator sets all of them in the
+# child's environment.
 VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -127,7 +128,7 @@ def run_transformers(
         src = gguf
     model.eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    model.generation_config.eos_token_id = None  # for a fixed length (else EOS stops it)
+    model.generation_config.eos_token_id = None  # no early stop: every run generates a fixed length
     model.generation_config.pad_token_id = pad_id
     load_s = time.perf_counter() - t0
     bs = batch_size or len(prompt_ids)

