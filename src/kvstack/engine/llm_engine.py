@@ -206,7 +206,7 @@ class LLMEngine:
 
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
         salt share cached KV; it must pass vLLM's ``validate_cache_salt``. ``segments``:
-        ``[start, end)`` token ranges of the prompt reused wherever they sit (segment reuse).
+        ``[start, end)`` token ranges of the prompt reused wherever they sit.
         """
         check_cache_salt(cache_salt)
         sp = replace(sampling_params or self.default_sampling_params())
@@ -434,7 +434,7 @@ class LLMEngine:
         return held
 
     def held_segment_keys(self) -> list[bytes]:
-        """Keys of the ready segment entries in the device pool (segment reuse)."""
+        """Keys of the ready segment entries in the device pool."""
         seg = getattr(self.kv_manager, "segments", None)
         return [k for k, e in seg.entries.items() if e.ready] if seg is not None else []
 

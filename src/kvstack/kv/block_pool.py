@@ -32,7 +32,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    # Hash of the block's tokens (full blocks only) when it holds reusable prefix KV (prefix cache).
+    # Hash of the block's tokens (full blocks only) when it holds reusable prefix KV.
     block_hash: bytes | None = None
     is_null: bool = False  # the hybrid manager's null page: never cached (vLLM's)
     prev_free: KVCacheBlock | None = None

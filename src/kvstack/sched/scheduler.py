@@ -164,7 +164,7 @@ class Scheduler:
         return budget
 
     def _place(self, req: Request, c: int) -> Placement | None:
-        """Segment copies and repair at chunk start ``c`` (segment reuse), or None."""
+        """Segment copies and repair at chunk start ``c``, or None."""
         if self.segments is None or req.segments is None:
             return None
         return self.segments.place(req, c)

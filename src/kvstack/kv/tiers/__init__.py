@@ -1,1 +1,1 @@
-"""Offload tiers: KV tiers below the device pool (host RAM, disk, Redis); see ``connector.py``."""
+"""KV tiers below the device pool (host RAM, disk, Redis); see ``connector.py``."""

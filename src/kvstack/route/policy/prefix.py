@@ -165,7 +165,7 @@ class KVEventsPolicy(PrefixPolicy):
 
     def segment_blocks(self, replica_id: str, keys: RequestHashes, matched: int) -> int:
         """The request's segments after its ``matched`` leading blocks that the replica's
-        event stream says it holds as segment entries (segment reuse), in whole blocks: a held
+        event stream says it holds as segment entries, in whole blocks: a held
         segment is copied instead of computed, so it counts like cached blocks (its repair
         rows, ~15 % of it, are not subtracted). 0 without segments or a fresh SSE view
         (vLLM's ZMQ wire has no segment events)."""

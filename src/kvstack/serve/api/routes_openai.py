@@ -30,7 +30,7 @@ from kvstack.serve.chat.segments import Mark
 from kvstack.serve.output_stream import RequestTimeoutError
 
 logger = logging.getLogger("kvstack.serve")
-# (token ids, the text they came from, segment token ranges (segment reuse) or None)
+# (token ids, the text they came from, segment token ranges or None)
 Prompts = list[tuple[list[int], str | None, list[Mark] | None]]
 DONE = "data: [DONE]\n\n"  # the last event of every stream (openai_api.py)
 

@@ -50,7 +50,7 @@ class RecentRequest:
     device_hit_tokens: int  # prompt tokens whose KV was in the device prefix cache
     tier_tokens: dict[str, int]  # prompt tokens loaded from each offload tier
     computed_tokens: int  # prompt tokens run through the model
-    segment_tokens: int  # prompt tokens copied from cached segments (segment reuse)
+    segment_tokens: int  # prompt tokens copied from cached segments
     pressed_tokens: int  # tokens whose KV a press dropped (token eviction)
     output_tokens: int
     ttft_s: float | None
