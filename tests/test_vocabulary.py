@@ -19,12 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A tracker entry by number (also plural, or with "#"), a session's stop number, and the
-# maintainers' design notes, which live outside the repository.
+# A tracker entry by number (also plural, or with "#"), a session's stop number, and paths
+# into the maintainers' shared folder or design notes, which live outside the repository.
 TRACKER = (
     re.compile(r"\bissues? #?\d+", re.IGNORECASE),
     re.compile(r"\bstop \d+\b", re.IGNORECASE),
-    re.compile(r"\.\./shared/|\bshared/DESIGN|\bDESIGN\.md\b"),
+    re.compile(r"\bshared(?=/)|\bDESIGN\.md\b"),
 )
 # An era by number, spelled with a space, a hyphen or nothing between ("eras" too).
 ERA = re.compile(r"\beras? ?-?\d", re.IGNORECASE)
@@ -116,6 +116,7 @@ def test_patterns_catch_what_they_are_for(tmp_path: Path) -> None:
         "docs/design.md defines the eras",
         "operator: a generation of KV techniques",
         "round 2 of a multi-turn workload",
+        "a shared prefix's blocks",
     ]
     bad_file, good_file = tmp_path / "bad.py", tmp_path / "good.py"
     bad_file.write_text("\n".join(bad) + "\n")
