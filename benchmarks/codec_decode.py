@@ -59,7 +59,8 @@ def loadavg() -> list[str]:
 
 def machine() -> dict[str, Any]:
     """CPU model and ISA flags (self-contained, so the script also runs on older kvstack
-    sources: ``PYTHONPATH=<main>/src`` measures ``auto`` before this issue)."""
+    sources: ``PYTHONPATH=<main>/src`` measures ``auto`` before the
+    codecs ran in the C++ kernels)."""
     text = Path("/proc/cpuinfo").read_text()
     model = next((ln for ln in text.splitlines() if ln.startswith("model name")), ":?")
     flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()

@@ -1,23 +1,25 @@
 """KV-cache eras: one workload, one KV memory budget, five ways to manage the cache.
 
-An *era* is a generation of KV-cache management. Every era here is the same engine, model,
-KV pool (``--kv-cache-memory``), ``max_model_len`` and ``max_num_seqs``; only the
+An *era* is a generation of KV-cache management, as ``docs/design.md`` defines them: a
+contiguous slab per request, paged blocks, prefix reuse, then tiers and KV compression
+(the last two are measured by their own benchmarks). Every setup here is the same engine,
+model, KV pool (``--kv-cache-memory``), ``max_model_len`` and ``max_num_seqs``; only the
 ``LLM(...)`` arguments below differ, so what each era buys is measured, not assumed:
 
-  era               LLM(...)                                     KV reserved per request
-  ----------------  -------------------------------------------  --------------------------
-  era1-contiguous   kv_layout="contiguous", prefix_cache="none"  one max_model_len slab
-  era1-request      kv_layout="contiguous-request",              one prompt + max_tokens
-                    prefix_cache="none"                          slab
-  era2-paged        kv_layout="paged", prefix_cache="none"       16-token blocks on demand
-  era3-hash         prefix_cache="hash"                          blocks; full prompt blocks
-                                                                 shared by chained hash
-  era3-radix        prefix_cache="radix"                         blocks; prefixes shared via
-                                                                 a radix tree
+  setup               LLM(...)                                     KV reserved per request
+  ------------------  -------------------------------------------  -------------------------
+  contiguous          kv_layout="contiguous", prefix_cache="none"  one max_model_len slab
+  contiguous-request  kv_layout="contiguous-request",              one prompt + max_tokens
+                      prefix_cache="none"                          slab
+  paged               kv_layout="paged", prefix_cache="none"       16-token blocks on demand
+  prefix-hash         prefix_cache="hash"                          blocks; full prompt blocks
+                                                                   shared by chained hash
+  prefix-radix        prefix_cache="radix"                         blocks; prefixes shared via
+                                                                   a radix tree
 
-Era 1 is pre-PagedAttention serving (internal fragmentation caps concurrency), era 2 is
-vLLM's paged KV (Kwon et al., 2023), and era 3 adds prefix reuse (vLLM's automatic prefix
-caching, SGLang's RadixAttention).
+The contiguous setups are pre-PagedAttention serving (internal fragmentation caps
+concurrency), ``paged`` is vLLM's paged KV (Kwon et al., 2023), and the prefix setups add
+prefix reuse (vLLM's automatic prefix caching, SGLang's RadixAttention).
 
 Procedure per workload (``kvstack.tools.workloads``; requests of round k run after rounds
 < k, one ``generate`` call per round, wall time summed over rounds) and era: build the LLM,
@@ -28,11 +30,11 @@ run the machine must be idle (``--wait-idle``); a run during which other process
 more than 0.1 core is repeated (``--retries``, twice per era by default).
 
 Metrics (medians over runs; every run is kept in the JSON): output tok/s (output tokens /
-wall) and its ratio to era2-paged's, KV waste % (time-averaged reserved-but-unwritten slots
+wall) and its ratio to paged's, KV waste % (time-averaged reserved-but-unwritten slots
 / pool slots), peak concurrent requests, prefix hit rate (cached prompt tokens / prompt
 tokens), prefill tokens computed, TTFT p50/p99 and E2E p50 (ms, from each request's
 arrival in its round), preemptions, and the fraction of requests whose greedy tokens equal
-era2-paged's (first run; bf16 numerics may flip a few, so this is reported, not enforced).
+paged's (first run; bf16 numerics may flip a few, so this is reported, not enforced).
 
 Results: ``benchmarks/results/eras-<workload>-<date>.json`` (merged: a rerun replaces the
 entry of the same workload and settings), a markdown table on stdout, a 2x2 bar chart
@@ -44,7 +46,7 @@ Examples::
 
     .venv/bin/python benchmarks/eras.py --workload shared-prefix --shared-prefix-len 1000
     .venv/bin/python benchmarks/eras.py --workload all --write-readme
-    .venv/bin/python benchmarks/eras.py --quick --eras era2-paged,era3-hash
+    .venv/bin/python benchmarks/eras.py --quick --eras paged,prefix-hash
 """
 
 from __future__ import annotations
@@ -69,11 +71,11 @@ from eras_plot import (
 )
 
 ERAS: dict[str, dict[str, str]] = {
-    "era1-contiguous": {"kv_layout": "contiguous", "prefix_cache": "none"},
-    "era1-request": {"kv_layout": "contiguous-request", "prefix_cache": "none"},
-    "era2-paged": {"kv_layout": "paged", "prefix_cache": "none"},
-    "era3-hash": {"kv_layout": "paged", "prefix_cache": "hash"},
-    "era3-radix": {"kv_layout": "paged", "prefix_cache": "radix"},
+    "contiguous": {"kv_layout": "contiguous", "prefix_cache": "none"},
+    "contiguous-request": {"kv_layout": "contiguous-request", "prefix_cache": "none"},
+    "paged": {"kv_layout": "paged", "prefix_cache": "none"},
+    "prefix-hash": {"kv_layout": "paged", "prefix_cache": "hash"},
+    "prefix-radix": {"kv_layout": "paged", "prefix_cache": "radix"},
 }
 MAX_OTHER_LOAD = 0.1  # cores other processes may use during a timed run
 
@@ -222,7 +224,7 @@ def run_era(era: str, rounds: list[list[Any]], args: argparse.Namespace, tag: st
 def compare(entries: list[dict]) -> str | None:
     """Add each era's tok/s ratio and greedy agreement with the reference era, in place.
 
-    The reference is era2-paged, or the first era that ran when it was not selected.
+    The reference is ``paged``, or the first era that ran when it was not selected.
     """
     done = [e for e in entries if "error" not in e]
     ref = next((e for e in done if e["era"] == REFERENCE_ERA), done[0] if done else None)

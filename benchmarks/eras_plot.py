@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-REFERENCE_ERA = "era2-paged"
+REFERENCE_ERA = "paged"
 
 
 def settings_line(res: dict) -> str:
@@ -65,7 +65,8 @@ PANELS: tuple[tuple[str, str, float, str], ...] = (
     ("kv_waste_pct", "KV memory waste % (lower is better)", 1.0, "{:.1f}"),
     ("prefix_hit_rate", "prefix hit rate % (higher is better)", 100.0, "{:.0f}"),
 )
-COLORS = {"era1": "#b0b0b0", "era2": "#4c72b0", "era3": "#55a868"}
+# One colour per era (``docs/design.md``): the contiguous slabs, paged blocks, prefix reuse.
+COLORS = {"contiguous": "#b0b0b0", "paged": "#4c72b0", "prefix": "#55a868"}
 
 
 def plot_eras(result: dict[str, Any], path: Path, title: str | None = None) -> bool:

@@ -13,7 +13,7 @@ to them the planner's per-request figure (``kvstack plan``'s ``make_plan`` on th
 shapes and block size: whole blocks, a window layer the blocks its next row can read).
 Then the cost in time: ``--batch-prompts`` prompts shorter than the window through both
 modes in turns (output tok/s, the ratio per run). ``--kv-press NAME --kv-press-ratio R``
-presses every request (era 5: the global layers only, ``kv/press/compact.py``), so the
+presses every request (token eviction: the global layers only, ``kv/press/compact.py``), so the
 bytes held show what a press saves on top of the windows.
 
 Prints the CPU model and ISA flags; writes ``benchmarks/results/hybrid_kv-<date><tag>.json``.

@@ -64,7 +64,7 @@ DEFAULT_LENGTHS = (662, 1500)
 DEFAULT_RATIOS = (0.5, 0.8)
 GREEDY_TOKENS = 32
 RESULT = RESULTS_DIR / "presses_vs_kvpress.json"
-MIN_JACCARD = 0.999  # the bar for StreamingLLM, SnapKV and Knorm
+MIN_JACCARD = 0.999  # agreement with kvpress for StreamingLLM, SnapKV and Knorm
 
 Kept = list[list[list[int]]]  # per layer, per KV head, sorted kept positions
 

@@ -31,7 +31,7 @@ own process, before any server starts) generates for the shared-prefix prompts'
 ``prompt_token_ids`` (identical to what the server prefills, see above) with the same
 sampling, timed by ``bench_common.measure``: one warm-up of the batch, then one timed run,
 the prefix cache emptied before each. Its output tok/s is compared with the server's
-shared-prefix run at rate inf (≤ 16 in flight); the issue asks for server / offline ≥ 0.8.
+shared-prefix run at rate inf (≤ 16 in flight); the target is server / offline ≥ 0.8.
 The server run also pays for the client (same 2 cores) and for HTTP/SSE; the greedy texts
 of both are compared as a sanity check (bf16 batches of different shapes may flip a few).
 

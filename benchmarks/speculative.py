@@ -3,7 +3,7 @@
 
 One request at a time: a 512-token prompt, 256 new tokens, greedy, ``ignore_eos`` (every
 run decodes exactly 256 tokens), the default model (SmolLM2-135M Q4_1 GGUF, bf16), on
-the issue's two prompts, both in the model's chat template:
+two prompts, both in the model's chat template:
 
 * *repetitive*: the text of ``src/kvstack/kv/hashing.py`` (cut to fit) followed by
   "Repeat the code above exactly:";

@@ -1,4 +1,4 @@
-"""The fault suite of issue 20: a short soak of a real ``kvstack serve`` (tiny random
+"""The fault suite: a short soak of a real ``kvstack serve`` (tiny random
 model, loopback) under every attack of ``kvstack.testing.soak_attacks`` at once, with
 the request log on a full disk (``/dev/full``), disk-tier files corrupted and the tier
 made unwritable, and Redis killed and restarted. ``benchmarks/soak.py`` runs the long

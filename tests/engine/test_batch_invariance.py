@@ -1,6 +1,6 @@
 """bf16 batch invariance on CPUs whose linear kernel takes every input
 (``TileKernel.batch_invariant``, ``model/kernels/packed_linear.py``): a request's logits do not
-depend on its batch mates, its chunk sizes, a prefix hit, or (issue 18) whether a
+depend on its batch mates, its chunk sizes, a prefix hit, or (segment reuse) whether a
 segment copy was recomputed in full. Bitwise, not within a tolerance.
 
 Not covered, by design: attention itself. A chunk of at most ``KERNEL_CHUNK_ROWS`` rows
@@ -77,7 +77,7 @@ def test_chunks_and_prefix_hits_change_no_bit() -> None:
 
 
 def test_segment_copy_recomputed_in_full_equals_full_prefill() -> None:
-    """Issue 18's ``segment_recompute_ratio = 1``: in bf16 too, the same logits as a plain
+    """Segment reuse's ``segment_recompute_ratio = 1``: in bf16 too, the same logits as a plain
     prefill (before 2026-12-05: KL 0.002, top-1 0.98 over 24 requests). The text before
     and after the segments is longer than ``KERNEL_CHUNK_ROWS``, so every row takes the
     causal prefill kernel in both runs (see the module docstring)."""

@@ -1,4 +1,4 @@
-"""Segment primers (issue 18, ``serve/chat/segment_primers.py``) on the real default model.
+"""Segment primers (segment reuse, ``serve/chat/segment_primers.py``) on the real default model.
 
 A mark ``[start, end, primer]`` has its entry computed as ``[BOS][primer][segment]``;
 the primer's whole blocks are a shared lead computed once (``kv/segments.py``). Checked

@@ -1,4 +1,4 @@
-"""Segment reuse (issue 18) on a sliding-window model: a tiny random Gemma 3 (llama.cpp's
+"""Segment reuse on a sliding-window model: a tiny random Gemma 3 (llama.cpp's
 layer pattern: five local layers with a window of 8, one global), float32, block size 4,
 one block table for all layers (``--disable-hybrid-kv-cache-manager``).
 

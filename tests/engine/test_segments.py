@@ -1,4 +1,4 @@
-"""Segment reuse (issue 18) on the real default model, float32.
+"""Segment reuse on the real default model, float32.
 
 Documents are marked as segments and sent in different orders; the engine computes each
 one standalone once, copies it (keys re-rotated) into every request that holds it and
@@ -334,9 +334,9 @@ def test_bad_settings_are_refused() -> None:
     _nothing_left(llm)
     with pytest.raises(ConfigError, match=r"\[0, 1\]"):
         LLM("default", segment_recompute_ratio=2.0)
-    era1 = LLM("default", kv_layout="contiguous", num_blocks=64, max_model_len=512)
+    slab = LLM("default", kv_layout="contiguous", num_blocks=64, max_model_len=512)
     with pytest.raises(InvalidRequestError, match="paged"):
-        era1.generate(prompt_token_ids=[ids], segments=[[(3, 9)]])
+        slab.generate(prompt_token_ids=[ids], segments=[[(3, 9)]])
     off = LLM("default", segment_cache="none", num_blocks=64)  # marks ignored
     assert off.generate(prompt_token_ids=[ids], sampling_params=SP, segments=[[(3, 9)]])
 

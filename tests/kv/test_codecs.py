@@ -1,4 +1,4 @@
-"""KV codecs (era 5): each codec's round-trip error within the bound it documents, the
+"""KV codecs (KV compression): each codec's round-trip error within the bound it documents, the
 memory it saves, KIVI's residual bookkeeping, and on the real default model (fp32) that a
 codec gives the same greedy tokens with prefix reuse and preemption as without."""
 

@@ -1,4 +1,4 @@
-"""Prefix caches (hash chain, radix tree), pins, events and the era-1 allocator, no model."""
+"""Prefix caches (hash chain, radix tree), pins, events and the pre-paging allocator, no model."""
 
 from __future__ import annotations
 

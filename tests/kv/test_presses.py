@@ -1,4 +1,4 @@
-"""Presses (era 5): what each keeps on synthetic KV, and on the real default model (fp32)
+"""Presses (token eviction): what each keeps on synthetic KV, and on the real default model (fp32)
 that ratio 0 is no press, that reclaimed blocks really return to the pool while the
 request goes on, and that pressed requests never change the outputs of unpressed ones,
 mixed with prefix reuse, preemption and a KV codec."""
@@ -341,7 +341,7 @@ def test_press_every_holds_the_budget_while_decoding(llm: LLM, name: str) -> Non
     assert after.num_represses - before.num_represses == (48 - 1) // 8  # every 8 tokens
     assert after.num_pressed_requests - before.num_pressed_requests == 1
     # Every token is produced. (No check on what they say: kvpress's SnapKV, which
-    # issue 23 matches, re-pressed to 25 % every 8 tokens, decodes this prompt into
+    # kvstack's SnapKV matches, re-pressed to 25 % every 8 tokens, decodes this prompt into
     # whitespace.)
     assert len(outs[-1].outputs[0].token_ids) == 48 and outs[-1].outputs[0].text
     assert req.num_dropped == req.num_computed_tokens - req.num_kv_tokens

@@ -1,4 +1,4 @@
-"""SegmentCache (issue 18) under the prefix cache's eviction policies, and its KV events.
+"""SegmentCache (segment reuse) under the prefix cache's eviction policies, and its KV events.
 
 No model: entries are reserved in a bare ``BlockPool`` and driven through the states the
 scheduler moves them through (reserve -> ready -> held by a request -> copied).

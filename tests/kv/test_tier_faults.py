@@ -1,6 +1,6 @@
-"""Issue 20's tier findings: the disk tier followed planted symlinks, deleted other
-processes' temp files and left modes to the umask (finding 6); the Redis tier printed its
-password and parsed only ``redis://`` (finding 7)."""
+"""The tiers' faults: the disk tier followed planted symlinks, deleted other processes'
+temp files and left modes to the umask; the Redis tier printed its password and parsed
+only ``redis://``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def block_path(tier: DiskTier, i: int) -> Path:
     return tier.root / h(i).hex()[:2] / f"{h(i).hex()}.kvb"
 
 
-# ----------------------------------------------------------------- finding 6
+# ----------------------------------------------------------------- disk tier
 def test_store_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -100,7 +100,7 @@ def test_scan_keeps_a_live_peers_temp_file_and_modes_are_private(tmp_path: Path)
     assert stat.S_IMODE(block_path(tier, 4).stat().st_mode) & 0o077 == 0
 
 
-# ----------------------------------------------------------------- finding 7
+# ----------------------------------------------------------------- Redis tier: the password
 def test_redis_password_never_reaches_logs(caplog: pytest.LogCaptureFixture) -> None:
     url = "redis://:hunter2@127.0.0.1:1/0?timeout=0.05"
     tier = RedisTier(LAYOUT, url, timeout_s=0.05)

@@ -1,5 +1,5 @@
 """Offload tiers without a model: block format, spec parsing, host/disk/Redis tiers,
-their budgets and every fault of issue 7 (corrupt and truncated files, a full disk,
+their budgets and every fault a tier must survive (corrupt and truncated files, a full disk,
 Redis killed, paused and restarted), and the I/O thread's queue."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_strided_views_of_fused_qkv(kernels: Kernels, avx512: bool) -> None:
 
 @pytest.mark.parametrize("rows", [[0], [3, 4, 40, 41, 70, 99], list(range(5, 100, 2))])
 def test_sparse_rows_at_their_positions(kernels: Kernels, avx512: bool, rows: list[int]) -> None:
-    """Segment repair rows (issue 18): row i at ``positions[i]`` attends keys 0 ..
+    """Segment reuse's repair rows: row i at ``positions[i]`` attends keys 0 ..
     positions[i] (tiles of 32 rows whose positions spread over the keys; one row)."""
     if not avx512:
         return

@@ -216,7 +216,7 @@ WINDOW_CODECS = [c for c in CODECS if c not in ("kivi2", "bf16")]
 def test_kernel_window_matches_the_masked_reference(
     kernels: Kernels, name: str, dtype: torch.dtype, hd: int, heads: tuple[int, int], window: int
 ) -> None:
-    """Sliding windows (issue 21): row p reads keys (p - W, p] (``model/arch/window.py``); the
+    """Sliding windows: row p reads keys (p - W, p] (``model/arch/window.py``); the
     blocks no row of a sequence reads are replaced by a poison block of huge keys in the
     kernel's tables (the hybrid KV manager's freed entries), so reading one would show."""
     from kvstack.model.arch.window import prefill_window_mask

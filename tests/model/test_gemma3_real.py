@@ -61,7 +61,7 @@ def test_gemma3_270m_matches_transformers_on_the_same_gguf() -> None:
 def test_gemma3_270m_kivi2_and_radix_under_its_windows() -> None:
     """The real model's 512-token windows (a 700-token shared prefix, chunks of 256, bf16):
     kivi2 with the hybrid KV manager and the radix cache gives the greedy tokens of kivi2
-    with one table and the hash cache, and takes the shared prefix's hits (issue 21)."""
+    with one table and the hash cache, and takes the shared prefix's hits."""
     from kvstack.tools.eval.corpus import reference_manual_text
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_gemma3_270m_presses_its_global_layers() -> None:
     """SnapKV on the real model (prompts of 730 tokens over its 512-token windows, chunks of
     256, bf16, 25 % removed: the 3 global layers keep 547 tokens, more than a window's 511,
     so the C++ kernels read the compacted tables): the hybrid KV manager gives one table's
-    greedy tokens (issue 21; the reference test: test_window_press.py)."""
+    greedy tokens (the reference test: test_window_press.py)."""
     from kvstack.tools.eval.corpus import reference_manual_text
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, kv_press="snapkv",

@@ -1,4 +1,4 @@
-"""The hybrid KV manager in the engine (issue 21): tiny random Gemma 3 (5 window layers per
+"""The hybrid KV manager in the engine: tiny random Gemma 3 (5 window layers per
 global one), Qwen2 (one of two layers slides) and Mistral (every layer slides), W = 8,
 block size 4, prompts longer than the window, float32.
 

@@ -1,4 +1,4 @@
-"""Structured outputs offline: grammar masks in the vectorized sampler (issue 17, item 1).
+"""Structured outputs offline: grammar masks in the vectorized sampler (agents' output constraints).
 
 A tiny random model (byte-level tokenizer, so every string is reachable) keeps these fast;
 the default model's outputs are checked in ``tests/serve/test_tools.py``. Every output is

@@ -1,4 +1,4 @@
-"""Presses on sliding-window models (issue 21): the full-attention layers are pressed, as
+"""Presses on sliding-window models: the full-attention layers are pressed, as
 kvpress does on Gemma 3 (its sliding layers are skipped), and each window layer keeps
 its window (``kv/press/compact.py``).
 

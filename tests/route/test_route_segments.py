@@ -1,4 +1,4 @@
-"""Segment entries (issue 18) in the router: the replicas' ``SegmentStored`` /
+"""Segment entries (segment reuse) in the router: the replicas' ``SegmentStored`` /
 ``SegmentRemoved`` / ``SegmentSnapshot`` events in ``EventIndex``, and the ``kv_events``
 policy crediting a replica with the request's segments it holds."""
 

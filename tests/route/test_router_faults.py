@@ -1,6 +1,6 @@
-"""Issue 20's router findings against fake replicas: a client-triggerable 500 ejected a
-healthy backend (finding 2), a backend that went quiet held a relay forever (5), and DNS
-discovery sent the key to loopback / link-local answers, any number of them (11)."""
+"""The router's faults, each reproduced against fake replicas: a client-triggerable 500
+ejected a healthy backend, a backend that went quiet held a relay forever, and DNS
+discovery sent the key to loopback / link-local answers, any number of them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Agents against a real `kvstack serve` of the default model (issue 17, "must show").
+"""Agents against a real `kvstack serve` of the default model (tool calls, structured output).
 
 The official ``openai`` client's tool calls (streaming and not) and
 ``chat.completions.parse`` with a pydantic model, and LangChain's ``bind_tools`` /

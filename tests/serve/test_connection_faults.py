@@ -1,4 +1,4 @@
-"""Issue 20, finding 5 on ``kvstack serve``'s uvicorn config (``server.uvicorn_config``):
+"""Slowloris clients against ``kvstack serve``'s uvicorn config (``server.uvicorn_config``):
 partial headers and a partial body were held open > 20 s, and connections had no cap."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine loop survives faults outside the model (issue 20, finding 1)."""
+"""The engine loop survives faults outside the model (a request-log write error)."""
 
 from __future__ import annotations
 

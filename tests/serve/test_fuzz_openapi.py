@@ -1,4 +1,4 @@
-"""Schemathesis against the server's own ``/openapi.json`` (issue 20): bounded, on a tiny
+"""Schemathesis against the server's own ``/openapi.json`` (the fault suite): bounded, on a tiny
 random model served by uvicorn on loopback, with no API key (so every body reaches the
 validators). No case may get a 5xx: bad input is a 4xx because it is validated, and an
 internal error stays a 500 (``http_errors._internal``), so a bug the fuzz reaches fails

@@ -1,6 +1,6 @@
-"""Issue 20's findings on the server's input side, each reproduced in process on a tiny
-random model: a client-triggerable 500 (finding 2), tokenizing on the event loop and the
-open ops endpoints (3), slow readers (4), NaN / Infinity (8), fan-out (10)."""
+"""Faults on the server's input side, each reproduced in process on a tiny random model:
+a client-triggerable 500, tokenizing on the event loop and the open ops endpoints, slow
+readers, NaN / Infinity, fan-out."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def error_of(r: Any, status: int = 400) -> dict[str, Any]:
     return dict(err)
 
 
-# ----------------------------------------------------------------- finding 2
+# ----------------------------------------------------------------- a client-triggerable 500
 @pytest.mark.parametrize("name", ["source", "self", "tokenize", "messages", "chat_template"])
 def test_template_kwargs_naming_a_render_parameter_is_400(client: TestClient, name: str) -> None:
     """Was 500 ``render_chat_template() got multiple values for argument 'source'``."""
@@ -71,7 +71,7 @@ def test_offline_template_kwargs_clash_is_invalid_request(llm: LLM) -> None:
         llm.engine.tokenizer.apply_chat_template(HI, source="{{ 1 }}")
 
 
-# ----------------------------------------------------------------- finding 8
+# ----------------------------------------------------------------- NaN / Infinity
 @pytest.mark.parametrize(
     "raw",
     [
@@ -96,7 +96,7 @@ def test_sampling_params_refuse_non_finite(field: str) -> None:
             SamplingParams(**{field: value}).validate()
 
 
-# ----------------------------------------------------------------- finding 10
+# ----------------------------------------------------------------- fan-out
 def test_prompts_times_n_is_capped(llm: LLM) -> None:
     """32 token-id prompts x n=16 queued 512 sequences from one request."""
     for client, _ in served(llm):
@@ -114,7 +114,7 @@ def test_prompts_times_n_is_capped(llm: LLM) -> None:
         ServerOptions(max_sequences_per_request=0)
 
 
-# ----------------------------------------------------------------- finding 3
+# ----------------------------------------------------------------- CPU work on the event loop
 def test_tokenizing_runs_off_the_event_loop(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2 MB /tokenize ran on the asyncio thread and stalled /health for 1.6 s."""
     tok = llm.engine.tokenizer
@@ -156,7 +156,7 @@ def test_ops_endpoints_need_the_key_as_configured(llm: LLM) -> None:
         ServerOptions(open_endpoints="metrics,v1")
 
 
-# ----------------------------------------------------------------- finding 4
+# ----------------------------------------------------------------- slow readers
 def test_a_slow_reader_holds_one_output_not_one_per_step(llm: LLM) -> None:
     """Every step's cumulative output was queued: 400 tokens x n=16 with logprobs unread
     held 1.28 M token ids for a result of 6,400."""

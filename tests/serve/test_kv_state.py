@@ -261,7 +261,7 @@ def test_a_100k_block_pool_is_aggregated() -> None:
 
 
 def test_segment_blocks_are_drawn_as_segments(tiny_gguf: Path) -> None:
-    """A segment's standalone KV (issue 18) shows as its own state in the block map, the
+    """A segment's standalone KV (segment reuse) shows as its own state in the block map, the
     whole blocks of its primer (a shared lead) too."""
     from kvstack import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The request surface of issue 17 (items 3 and 4) on a tiny random model, in process.
+"""Leniency and the rest of the OpenAI request surface on a tiny random model, in process.
 
 Leniency (unknown fields ignored, logged and named in ``kvstack-ignored-fields``), the
 documented request bodies in ``/openapi.json``, ``developer`` messages and content parts

@@ -1,4 +1,4 @@
-"""Segments through the server (issue 18), in process on a tiny random model: each tool,
+"""Segment reuse through the server, in process on a tiny random model: each tool,
 each document and each content part marked ``kvstack_segment`` is reused in any order,
 reported in ``usage.prompt_tokens_details.kvstack_segment_tokens`` and ``/metrics``."""
 

@@ -1,4 +1,4 @@
-"""Issue 20, finding 11 (read, not run, in the review) reproduced here, and the internal
+"""Faults found by reading, not running, the server reproduced here, and the internal
 error counter the fuzz relies on: a shard index escaping its folder, unbounded
 ``/v1/kv_events`` subscribers, a prefill replica that flushed only non-streaming answers,
 the Ray ingress without body limit or key on ``/router/state``; a bug stays a 500, is

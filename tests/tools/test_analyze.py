@@ -351,7 +351,7 @@ def test_python_m_help() -> None:
 
 
 def test_segment_hit_rate_beside_the_prefix_one(tmp_path: Path) -> None:
-    """kvstack logs carry each request's segments (issue 18): two documents sent in both
+    """kvstack logs carry each request's segments (segment reuse): two documents sent in both
     orders are reused only by segments, and the report says how much."""
     head, d1, d2, q = [1, 2, 3, 4], [10] * 8, [20] * 8, [99, 98]
     rows = []

@@ -1,4 +1,4 @@
-"""Issue 20, finding 9: one log line with a 401-digit ``timestamp`` raised an uncaught
+"""One bad log line never aborts the analysis: a 401-digit ``timestamp`` raised an uncaught
 ``OverflowError`` for the whole file, even without ``--strict``."""
 
 from __future__ import annotations

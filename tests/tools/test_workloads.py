@@ -250,7 +250,7 @@ def test_python_m_help() -> None:
 
 @pytest.mark.parametrize("name", ["agent-tools-shuffled", "rag-shuffled"])
 def test_shuffled_workloads_mark_their_pieces(tok: Tokenizer, name: str) -> None:
-    """Issue 18: the same pieces in other subsets and orders; ids and segment ranges are
+    """Segment reuse: the same pieces in other subsets and orders; ids and segment ranges are
     what the server computes from the body; a piece has the same ids wherever it sits."""
     from kvstack.tools.workloads.shuffled import segment_ids
 

@@ -115,14 +115,14 @@ class CacheConfig:
     )
     kv_layout: str = option(
         "paged",
-        "'paged' blocks (default); the era-1 baselines reserve one contiguous slab per "
+        "'paged' blocks (default); the pre-paging baselines reserve one contiguous slab per "
         "request of max-model-len tokens ('contiguous') or prompt + max_tokens "
         "('contiguous-request'), for measurement",
         group=KV, choices=kv_layouts,
     )  # fmt: skip
     kv_cache_dtype: str = option(
         "auto",
-        "era 5: store K/V compressed so the same --kv-cache-memory holds more tokens: "
+        "KV compression: store K/V compressed so the same --kv-cache-memory holds more tokens: "
         "'auto' = the model dtype (default); 'fp8' (e4m3) and 'int8' per token and head "
         "(1.94x the tokens of bf16); 'int4' in groups of 32 channels (3.2x); 'kivi2' = KIVI "
         "2-bit, keys per channel, values per token, the filling block kept in bf16 (4.6x); "
@@ -133,7 +133,7 @@ class CacheConfig:
     )  # fmt: skip
     kv_press: str | None = option(
         None,
-        "era 5: after each prompt, keep only the KV tokens this press ranks highest and "
+        "KV compression: after each prompt, keep only the KV tokens this press ranks highest and "
         "give the freed blocks back at once (survivors keep their positions). "
         "streaming_llm = attention sinks + recent; snapkv = votes of the prompt's last 64 "
         "queries, pooled; h2o = accumulated attention heavy hitters + recent; pyramidkv = "
@@ -166,7 +166,7 @@ class CacheConfig:
     )
     kv_offload: str | None = option(
         None,
-        "era 4: keep evicted and past prefixes in lower tiers, tried in the order given "
+        "KV tiers: keep evicted and past prefixes in lower tiers, tried in the order given "
         "and written through as blocks are computed: 'host:SIZE[:lru|lfu]' (RAM), "
         "'disk:PATH:SIZE[:lru|lfu]' (one checksummed file per block; survives restarts), "
         "'redis://HOST:PORT[/DB][?ttl=S&timeout=S&backoff=S]' (shared by replicas), "

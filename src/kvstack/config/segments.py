@@ -1,4 +1,4 @@
-"""``SegmentConfig``: the engine options of segment reuse (issue 18, ``kv/segments.py``)."""
+"""``SegmentConfig``: the engine options of segment reuse (``kv/segments.py``)."""
 
 from __future__ import annotations
 

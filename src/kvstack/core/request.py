@@ -64,7 +64,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Era 5 press (``kv/press/``) for this request; None = the engine's --kv-press.
+    # KV press (``kv/press/``) for this request; None = the engine's --kv-press.
     kv_press: str | None = None
     kv_press_ratio: float | None = None  # fraction of KV removed, in [0, 1)
     # Press after this many prompt tokens instead of after the whole prompt (kvpress's
@@ -72,7 +72,7 @@ class SamplingParams:
     kv_press_after: int | None = None
     # Press again every this many generated tokens, back to the first press's budget.
     kv_press_every: int | None = None
-    # Issue 18: repair of placed segments (None: the engine's --segment-recompute-*).
+    # Segment reuse: repair of placed segments (None: the engine's --segment-recompute-*).
     segment_recompute_ratio: float | None = None
     segment_recompute_tokens: int | None = None
     # vLLM's: words that must not be generated (see ``resolve_bad_words``), the only
@@ -291,7 +291,7 @@ class Request:
     finished_time: float | None = None
     # Extra key of the prefix-cache hash chain: requests only share KV with the same salt.
     cache_salt: str | None = None
-    # Era 5: the request's press and what it did (``kv/press/state.py``; None: never
+    # Presses: the request's press and what it did (``kv/press/state.py``; None: never
     # pressed), set and changed only by the engine's ``PressCoordinator``. Positions keep
     # counting after a press; KV slots are compacted (``num_kv_tokens``).
     press: PressState | None = None
@@ -303,7 +303,7 @@ class Request:
     spec_draft_len: int = 0  # the next draft's length (0: num_speculative_tokens)
     spec_misses: int = 0  # consecutive verifies that kept no draft
     spec_pause: int = 0  # steps left without a proposal (``spec/speculator.pause_after``)
-    # Issue 18: reusable segments of the prompt (``core/segment_marks.py``); once one is placed
+    # Segment reuse: the prompt's reusable segments (``core/segment_marks.py``); once one is placed
     # (a copy of standalone KV), only blocks before ``cacheable_tokens`` are a true prefix.
     segments: SegmentMarks | None = None
     cacheable_tokens: int | None = None
@@ -424,9 +424,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Where the cached tokens came from, with offload tiers: {"device": .., "disk": ..}.
     cached_tokens_by_tier: dict[str, int] | None = None
-    # Issue 18: prompt tokens of segments whose KV was already cached (copied, not computed),
+    # Segment reuse: prompt tokens of segments whose KV was already cached (copied, not computed),
     # and the segment ranges the engine used (``[start, end)``; None without segments).
     num_segment_tokens: int = 0
     segments: list[list[int]] | None = None
-    # Era 5: tokens whose KV a press dropped (the most over ``n`` children); 0 unpressed.
+    # Presses: tokens whose KV a press dropped (the most over ``n`` children); 0 unpressed.
     num_pressed_tokens: int = 0

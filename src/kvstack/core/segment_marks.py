@@ -1,4 +1,4 @@
-"""Segment marks: which token ranges of a prompt are reusable segments (issue 18).
+"""Segment marks: which token ranges of a prompt are reusable segments.
 
 A segment is a run of prompt tokens a client marked as reusable wherever it sits: a tool
 schema, a document, a content part with ``"kvstack_segment": true``. Its KV is computed

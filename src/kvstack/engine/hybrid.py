@@ -1,4 +1,4 @@
-"""The engine's side of the hybrid KV manager (``kv/hybrid.py``, ``kv/groups.py``; issue 21).
+"""The engine's side of the hybrid KV manager (``kv/hybrid.py``, ``kv/groups.py``).
 
 A model with sliding-window layers gets one block table per group of layers unless
 ``--disable-hybrid-kv-cache-manager`` (vLLM's flag) or a layout other than ``paged``

@@ -68,7 +68,7 @@ class LLM:
         ``prompt_token_ids=`` (older vLLM's keyword) is kept. ``use_tqdm`` shows a
         progress bar by default, as vLLM does (a callable: the ``tqdm`` class to use).
         All prompts are validated before any runs: one bad prompt raises
-        ``InvalidRequestError`` and nothing is queued. ``segments`` (kvstack's, issue 18):
+        ``InvalidRequestError`` and nothing is queued. ``segments`` (kvstack's segment reuse):
         per prompt, ``[start, end)`` token ranges whose KV is reused wherever they sit
         (tool schemas, documents in any order; ``--segment-cache``), or None.
         """

@@ -101,7 +101,7 @@ class LLMEngine:
             )  # fmt: skip
             self.scheduler.connector = self.connector
         self.usage_tracker = UsageTracker()
-        # Era 5: per-request press state and the hooks scheduler, runner and step call.
+        # Presses: per-request press state and the hooks scheduler, runner and step call.
         self.press = PressCoordinator(
             PressDefaults(
                 cc.kv_press,
@@ -115,7 +115,7 @@ class LLMEngine:
             self.model.scale,
         )
         self.scheduler.press = self.press
-        enable_segments(self)  # issue 18: segment reuse, unless --segment-cache none
+        enable_segments(self)  # segment reuse, unless --segment-cache none
         so_backend = config.structured_outputs_backend
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, so_backend)
         self.runner = ModelRunner(self.model, self.kv_storage, self.press, self.structured)
@@ -206,7 +206,7 @@ class LLMEngine:
 
         ``cache_salt`` (vLLM's name) isolates prefix reuse: only requests with the same
         salt share cached KV; it must pass vLLM's ``validate_cache_salt``. ``segments``:
-        ``[start, end)`` token ranges of the prompt reused wherever they sit (issue 18).
+        ``[start, end)`` token ranges of the prompt reused wherever they sit.
         """
         check_cache_salt(cache_salt)
         sp = replace(sampling_params or self.default_sampling_params())
@@ -434,7 +434,7 @@ class LLMEngine:
         return held
 
     def held_segment_keys(self) -> list[bytes]:
-        """Keys of the ready segment entries in the device pool (issue 18)."""
+        """Keys of the ready segment entries in the device pool."""
         seg = getattr(self.kv_manager, "segments", None)
         return [k for k, e in seg.entries.items() if e.ready] if seg is not None else []
 

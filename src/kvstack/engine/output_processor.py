@@ -216,5 +216,5 @@ def _ended_by_stop_token(req: Request) -> bool:
 
 
 def _spans(req: Request) -> list[list[int]] | None:
-    """The segment ranges a request ran with (issue 18), JSON-ready."""
+    """The segment ranges a request ran with, JSON-ready."""
     return None if req.segments is None else [list(span) for span in req.segments.spans]

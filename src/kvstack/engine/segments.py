@@ -1,10 +1,10 @@
-"""The engine's side of segment reuse (issue 18): set it up, check a request's marks.
+"""The engine's side of segment reuse: set it up, check a request's marks.
 
 ``enable_segments`` gives the paged KV manager a ``SegmentCache`` (``kv/segments.py``)
 and the scheduler its ``SegmentPlanner`` (``sched/segments.py``) unless
 ``--segment-cache none``. ``request_marks`` turns a request's ``[start, end)`` marks
 into ``SegmentMarks`` or refuses them with one clear ``InvalidRequestError`` where
-kvstack cannot place segments yet: the era-1 layouts (no blocks to copy into), presses
+kvstack cannot place segments yet: the pre-paging layouts (no blocks to copy into), presses
 (they drop the tokens a copy fills), the hybrid KV manager (window groups free the blocks
 a copy would fill; a sliding-window model places segments with
 ``--disable-hybrid-kv-cache-manager``: one table, windows applied in attention) and kivi2
@@ -45,7 +45,7 @@ def enable_segments(engine: EngineParts) -> None:
     cache = kv.enable_segments(sink, cfg.segment_max_fraction, policy)
     planner = SegmentPlanner(cache, engine.model_config.name)
     planner.max_rows = engine.config.scheduler.max_num_batched_tokens - 1
-    if engine.connector is not None:  # era 4: entries stored in and loaded from the tiers
+    if engine.connector is not None:  # entries stored in and loaded from the offload tiers
         planner.tiers = SegmentTiers(engine.connector.offload, engine.kv_storage)
     engine.scheduler.segments = planner
 

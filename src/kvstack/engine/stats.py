@@ -6,7 +6,7 @@ written*, averaged over time (each step weighted by its wall time):
     waste(t) = sum over running requests of (slots reserved - tokens written) / pool slots
 
 Paged allocation reserves at most one partly filled block per request; a contiguous
-slab reserves a whole ``max_model_len`` (era 1). Cached-but-idle prefix blocks are
+slab reserves a whole ``max_model_len``. Cached-but-idle prefix blocks are
 not waste: they hold written KV that a later request may reuse.
 """
 
@@ -37,12 +37,12 @@ class EngineStats:
     kv_usage_avg: float  # time-averaged
     kv_waste_avg: float  # time-averaged, 0..1
     kv_waste_peak: float
-    # Era 4: counters per offload tier ("host", "disk", "redis"); empty without tiers.
+    # Tiers: counters per offload tier ("host", "disk", "redis"); empty without tiers.
     offload: dict[str, TierStats] = field(default_factory=dict)
-    # Era 5: what the pool holds with its codec (``--kv-cache-dtype``).
+    # KV compression: what the pool holds with its codec (``--kv-cache-dtype``).
     kv_capacity_tokens: int = 0
     kv_bytes_per_token: float = 0.0
-    # Era 5 presses: requests compacted, tokens they dropped, blocks returned at once.
+    # Presses: requests compacted, tokens they dropped, blocks returned at once.
     num_pressed_requests: int = 0
     num_press_dropped_tokens: int = 0
     num_press_input_tokens: int = 0  # dropped / input = the share of KV presses removed
@@ -57,7 +57,7 @@ class EngineStats:
     num_waiting_deferred: int = 0
     # Speculative decoding (``spec/stats.py`` ``SpecDecodeStats.to_dict``); empty when off.
     spec_decode: dict[str, Any] = field(default_factory=dict)
-    # Issue 18: segment reuse (``kv/segments.py`` ``SegmentCounters``); empty when off.
+    # Segment reuse (``kv/segments.py`` ``SegmentCounters``); empty when off.
     segments: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

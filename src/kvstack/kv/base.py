@@ -2,12 +2,12 @@
 
 Two implementations, chosen by ``--kv-layout`` (``kv/layouts.py``):
 
-* ``KVCacheManager`` (``kv/manager.py``): paged blocks (era 2), a prefix cache (era 3),
-  pins, the hooks offload tiers (era 4) and presses (era 5) use;
-* ``ContiguousKVManager`` (``kv/contiguous.py``): the era-1 baseline, one slab per
+* ``KVCacheManager`` (``kv/manager.py``): paged blocks, a prefix cache,
+  pins, the hooks offload tiers and presses use;
+* ``ContiguousKVManager`` (``kv/contiguous.py``): the pre-paging baseline, one slab per
   request; no prefix cache, no pins.
 
-The protocol is plain Python ints and lists (DESIGN.md: nothing above the runner holds
+The protocol is plain Python ints and lists (a design rule: nothing above the runner holds
 tensors). Its contract, for every implementation:
 
 * ``allocate_slots(request, n, computed)`` either grows the request's block table to cover
@@ -109,7 +109,7 @@ class KVManager(Protocol):
     def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool: ...
     def cached_hashes(self) -> list[bytes]: ...
     def reset_prefix_cache(self) -> None: ...
-    # Era 5: codecs with per-block state, and press compaction (paged layout only).
+    # KV compression: codecs with per-block state, and press compaction (paged layout only).
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None: ...
     def allocate_blocks(self, n: int) -> list[int] | None: ...
     def release_blocks(self, block_ids: Sequence[int]) -> None: ...

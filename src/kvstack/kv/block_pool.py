@@ -1,4 +1,4 @@
-"""Era 2: the paged KV block pool (vLLM PagedAttention; vLLM v1 ``block_pool.py``).
+"""The paged KV block pool (vLLM PagedAttention; vLLM v1 ``block_pool.py``).
 
 The device KV memory is cut into ``num_blocks`` fixed-size blocks of ``block_size``
 token slots. This module is pure bookkeeping: which block ids are free, who holds
@@ -32,7 +32,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    # Hash of the block's tokens (full blocks only) when it holds reusable prefix KV (era 3).
+    # Hash of the block's tokens (full blocks only) when it holds reusable prefix KV.
     block_hash: bytes | None = None
     is_null: bool = False  # the hybrid manager's null page: never cached (vLLM's)
     prev_free: KVCacheBlock | None = None

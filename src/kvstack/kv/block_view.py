@@ -10,8 +10,8 @@ States (``STATES``; a block is in exactly one, first match wins):
 
 * ``pinned``: held by a pin (``/v1/cache/pin``), whether a request also uses it or not
   (and the hybrid manager's null page, ``kv/hybrid.py``; its cells are every group's pages);
-* ``pressed``: held by a running request whose press (era 5) has run;
-* ``segment``: held by the segment cache (issue 18, ``kv/segments.py``): a segment's
+* ``pressed``: held by a running request whose press (token eviction) has run;
+* ``segment``: held by the segment cache (segment reuse, ``kv/segments.py``): a segment's
   standalone KV, ready or being computed;
 * ``used``: held by a running request (``owner`` says which);
 * ``cached``: unreferenced, in the prefix cache, evictable; ``rank`` is its place in the

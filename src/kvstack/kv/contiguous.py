@@ -1,4 +1,4 @@
-"""Era 1 baseline: one contiguous KV slab per request, reserved up front.
+"""Pre-paging baseline: one contiguous KV slab per request, reserved up front.
 
 Before PagedAttention (Kwon et al., SOSP 2023), engines such as FasterTransformer and
 early HF serving reserved for each request a contiguous region large enough for the
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class ContiguousKVManager:
-    """``KVManager`` (``kv/base.py``) of the era-1 baseline: no prefix cache, no pins."""
+    """``KVManager`` (``kv/base.py``) of the pre-paging baseline: no prefix cache, no pins."""
 
     block_unit = "KV blocks"
 

@@ -15,7 +15,7 @@ engine holds by consuming this stream instead of polling. The shapes follow vLLM
   salt in the first block's extra keys); ``to_dict`` (the SSE stream) leaves it out.
 * ``BlockRemoved``: these hashes are no longer served by ``medium`` (evicted or dropped).
 * ``AllBlocksCleared``: the medium's cache was reset.
-* ``SegmentStored`` / ``SegmentRemoved`` (kvstack's own, issue 18): a segment entry
+* ``SegmentStored`` / ``SegmentRemoved`` (kvstack's own, for segment reuse): a segment entry
   (``kv/segments.py``: a tool schema's or a document's standalone KV, reusable at any
   offset) became ready / was evicted. ``segment_key`` is the hash of the segment's tokens
   under the model/salt/sink namespace, not a chain hash; ``token_ids`` are the segment's

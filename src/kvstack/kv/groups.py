@@ -1,4 +1,4 @@
-"""KV cache groups of a hybrid model (vLLM v1's ``KVCacheGroupSpec``; issue 21).
+"""KV cache groups of a hybrid model (vLLM v1's ``KVCacheGroupSpec``), for sliding-window layers.
 
 A model whose layers attend differently (Gemma 3: 5 sliding-window layers per global
 one; Qwen2 with ``max_window_layers``; Mistral: every layer slides) needs less KV for

@@ -27,7 +27,7 @@ cache and one eviction policy hold every group's blocks, group 0's under the pla
 Pins hold every page a hit of the whole pinned prefix needs (``kv/hybrid_pins.py``).
 Offload tiers store and load *logical* blocks (every group's page of one block index;
 ``kv/tiers/connector.py``).
-Presses (era 5) compact a request into one fresh table per group (``replace_blocks``;
+Presses (token eviction) compact a request into one fresh table per group (``replace_blocks``;
 ``kv/press/compact.py`` presses the full groups and keeps each window group's window).
 Every KV codec works (kivi2 keeps its write plans and residual slots per group:
 ``kv/codecs/kivi.py``).
@@ -352,7 +352,7 @@ class HybridKVManager(HybridPins, PagedCommon):
         """A codec hears of pages whose contents die (kivi2 frees a filling page's residual)."""
         self.pool.on_plain_free = hook
 
-    # ------------------------------------------------------------------ era 5 presses
+    # ------------------------------------------------------------------ presses
     def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
         """A press compacted the request's KV into one fresh table per group (pages from
         ``allocate_blocks``; 0 = the null page where a window group reads nothing): free

@@ -1,4 +1,4 @@
-"""The hybrid KV manager's prefix cache: one hash cache, keys per KV group (issue 21).
+"""The hybrid KV manager's prefix cache: one hash cache, keys per KV group.
 
 Every group's blocks live in one ``HashPrefixCache`` with one eviction policy, so LRU (or
 LFU, ARC) orders all pages alike. Group 0 — a full-attention group when the model has

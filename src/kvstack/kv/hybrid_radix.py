@@ -1,4 +1,4 @@
-"""The hybrid KV manager's radix prefix cache (SGLang's RadixAttention with KV groups; issue 21).
+"""The hybrid KV manager's radix prefix cache (SGLang's RadixAttention with KV groups).
 
 ``--prefix-cache radix`` with sliding-window layers (``kv/hybrid.py``). Group 0 — a
 full-attention group — lives in the token radix tree of ``kv/radix.py`` unchanged: matched

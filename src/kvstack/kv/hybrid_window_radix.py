@@ -1,4 +1,4 @@
-"""The radix prefix cache of a model whose every layer slides a window (Mistral; issue 21).
+"""The radix prefix cache of a model whose every layer slides a window (Mistral).
 
 ``kv/hybrid_radix.py`` keeps group 0 — a full-attention group — in the token tree and
 looks the window groups' pages up by key. A window-only model has no full group: every

@@ -1,7 +1,7 @@
 """``KV_LAYOUTS``: the ``--kv-layout`` registry, name -> ``KVManager`` factory.
 
-``paged`` is vLLM's PagedAttention bookkeeping with the prefix cache (eras 2-5);
-``contiguous`` and ``contiguous-request`` are the era-1 baselines kept for measurement
+``paged`` is vLLM's PagedAttention bookkeeping with the prefix cache, tiers and compression;
+``contiguous`` and ``contiguous-request`` are the pre-paging baselines kept for measurement
 (``kv/contiguous.py``). Every factory takes the same ``KVLayoutParams`` and returns an
 object that satisfies ``kv/base.py``'s ``KVManager`` protocol.
 """
@@ -69,12 +69,12 @@ KV_LAYOUTS.add("paged", _paged, "fixed-size blocks and block tables (default)")
 KV_LAYOUTS.add(
     "contiguous",
     _contiguous("contiguous"),
-    "era-1 baseline: one slab of max-model-len tokens per request",
+    "pre-paging baseline: one slab of max-model-len tokens per request",
 )
 KV_LAYOUTS.add(
     "contiguous-request",
     _contiguous("contiguous-request"),
-    "era-1 baseline: one slab of prompt + max_tokens per request",
+    "pre-paging baseline: one slab of prompt + max_tokens per request",
 )
 
 

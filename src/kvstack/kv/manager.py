@@ -1,7 +1,7 @@
 """KVCacheManager: which blocks each request holds (vLLM v1 ``kv_cache_manager.py``).
 
 The scheduler asks ``get_computed_blocks(request)`` when it admits a request (the
-longest cached prefix, era 3), then ``allocate_slots(request, num_new_tokens,
+longest cached prefix), then ``allocate_slots(request, num_new_tokens,
 computed)`` before scheduling tokens; the manager grows the request's block table so
 it covers ``num_computed_tokens + num_new_tokens`` slots, or returns None (and changes
 nothing) when the pool is too small, so the scheduler can preempt someone and retry.
@@ -22,7 +22,7 @@ computing it. A step that fails must therefore reset the cache (``LLMEngine``).
 The last prompt token is always computed (a hit covers at most ``num_tokens - 1``
 tokens, block-aligned). Models with sliding-window layers get ``kv/hybrid.py`` instead.
 
-Externally loaded blocks (era 4, vLLM v1's connector shape): the connector says how
+Externally loaded blocks (offload tiers, vLLM v1's connector shape): the connector says how
 many blocks after the device hit it can supply; ``allocate_slots(..., num_external_blocks=k)``
 allocates them with the rest, registers them in the prefix cache like computed blocks,
 and the connector writes their KV through ``KVStorage`` before the step runs::
@@ -53,7 +53,7 @@ from kvstack.kv.segments import SegmentCache
 
 __all__ = ["PREFIX_CACHES", "KVCacheManager", "KVCacheStats", "cdiv"]
 
-# Era 3 prefix reuse (``--prefix-cache``); None = recompute every prompt.
+# Prefix reuse (``--prefix-cache``); None = recompute every prompt.
 PREFIX_CACHES: Registry[type[PrefixCache] | None] = Registry("prefix cache")
 PREFIX_CACHES.add("hash", HashPrefixCache, "vLLM's block hash chain (default)")
 PREFIX_CACHES.add("radix", RadixPrefixCache, "SGLang's token radix tree")
@@ -94,11 +94,11 @@ class KVCacheManager(PagedCommon):
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> chain
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self._new_cached = None  # era 4: ``PagedCommon.track_new_cached_blocks``
+        self._new_cached = None  # offload tiers: ``PagedCommon.track_new_cached_blocks``
         # request id -> (first, end) block indices loaded by the connector at admission
         # (registered in the cache, never reported as newly computed).
         self._external: dict[str, tuple[int, int]] = {}
-        self.segments: SegmentCache | None = None  # issue 18: ``enable_segments``
+        self.segments: SegmentCache | None = None  # segment reuse: ``enable_segments``
 
     def enable_segments(
         self, sink: Sequence[int], max_fraction: float = 0.5, policy: str = "lru"
@@ -223,7 +223,7 @@ class KVCacheManager(PagedCommon):
                 if was_free and not loaded and blocks[i].block_hash == hashes[i]:
                     new.append((hashes[i], [blocks[i]]))
 
-    # ------------------------------------------------------------------ era 4 connector
+    # ------------------------------------------------------------------ offload connector
     def admission_cost(
         self,
         request: Request,
@@ -241,7 +241,7 @@ class KVCacheManager(PagedCommon):
     def page_keys(self, block_hash: BlockHash) -> list[BlockHash]:
         return [block_hash]
 
-    # ------------------------------------------------------------------ era 5 presses
+    # ------------------------------------------------------------------ presses
     def replace_blocks(self, request: Request, tables: Sequence[Sequence[int]]) -> int:
         """A press compacted the request's KV into ``tables[0]`` (blocks from
         ``allocate_blocks``; one table, this manager has one KV group): release the old

@@ -3,7 +3,7 @@
 
 Hash chains of requests (vLLM v1's block hashes, ``kv/hashing.py``), routing info, the
 prefix cache's published hashes, pins' release, a press's fresh blocks, the
-``KVCacheStats`` snapshot and what an offload connector (era 4,
+``KVCacheStats`` snapshot and what an offload connector (KV tiers,
 ``kv/tiers/connector.py``) sees of either manager: a *logical block* ``i`` of a request
 is the list of pages that hold its KV, one per KV group (one page for
 ``KVCacheManager``; ``None`` where a window group freed it). Plain Python, no
@@ -69,7 +69,7 @@ class PagedCommon(abc.ABC):
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Blocks of the longest cached prefix (group 0's with KV groups)."""
 
-    # ------------------------------------------------------------------ era 4 connector
+    # ------------------------------------------------------------------ offload connector
     @abc.abstractmethod
     def admission_cost(
         self,

@@ -1,4 +1,4 @@
-"""Era 3: prefix reuse. The ``PrefixCache`` protocol and the hash-chain cache (vLLM v1).
+"""Prefix reuse: the ``PrefixCache`` protocol and the hash-chain cache (vLLM v1).
 
 A prefix cache remembers which *full* blocks hold the KV of which token prefix, so a
 new request whose prompt starts with the same tokens adopts those blocks instead of

@@ -1,4 +1,4 @@
-"""Era 3, second form: a token radix tree over KV blocks (SGLang's RadixAttention).
+"""Prefix reuse, second form: a token radix tree over KV blocks (SGLang's RadixAttention).
 
 Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs"
 (2024), keep every cached prefix in a radix tree keyed by token ids, lock the nodes a

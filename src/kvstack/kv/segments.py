@@ -1,4 +1,4 @@
-"""SegmentCache: the standalone KV of prompt segments, reused at any offset (issue 18).
+"""SegmentCache: the standalone KV of prompt segments, reused at any offset.
 
 Prefix caching only helps requests that share a *prefix*; agents send the same tool
 schemas in different subsets and orders, RAG the same documents after different

@@ -3,8 +3,8 @@
 Without a codec (``--kv-cache-dtype auto``) ``k[layer]`` and ``v[layer]`` have shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; the token at position ``p`` of a
 request whose block table is ``B`` lives in slot ``B[p // block_size] * block_size + p %
-block_size``, and attention reads the tensors in place. With a codec (era 5,
-``kv/codecs.py``) the same slots hold codes and scales, and attention reads blocks back
+block_size``, and attention reads the tensors in place. With a codec (KV compression,
+``kv/codecs/``) the same slots hold codes and scales, and attention reads blocks back
 through ``gather``.
 
 With KV groups (the hybrid KV manager, ``kv/groups.py``) a block is a *page* of

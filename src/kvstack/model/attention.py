@@ -13,8 +13,8 @@ Rows of one step are ordered decodes first, then prefill chunks::
   uneven press budgets take the PyTorch path below, counted in
   ``kvstack:kernel_fallback_total`` (reasons ``encoded_cache``, ``uneven_press``).
   The PyTorch fallback gathers the keys of all D requests once per layer into
-  ``[D, L]`` and runs two grouped-query matmuls with a length mask (DESIGN.md: CPU
-  SDPA is 12x slower at q_len 1).
+  ``[D, L]`` and runs two grouped-query matmuls with a length mask (measured: CPU
+  SDPA is 12x slower at q_len 1 on a 2-core AMD EPYC).
 * With the C++ kernels and an unencoded cache, or a codec that declares a ``KernelView``
   (every built-in one: ``kv/codecs/``), the decodes and every prefill chunk of at
   most ``KERNEL_CHUNK_ROWS`` rows (a short suffix after a prefix hit, the tail of a
@@ -36,7 +36,7 @@ Rows of one step are ordered decodes first, then prefill chunks::
   ``causal_attention`` (``csrc/prefill_attention.cpp``: AVX512-BF16 dot products, 3.5-4x
   PyTorch's CPU flash attention on 10 x 200-token prompts) unless a window, an uneven
   press or a codec's own-block reads shape the mask; float32 and the rest take SDPA.
-  Segment repair rows (issue 18: positions spread over the context) are one sparse
+  Segment repair rows (segment reuse: positions spread over the context) are one sparse
   sequence (``PrefillSeq.positions``) that the same kernel takes, row ``i`` seeing keys
   ``0 .. positions[i]``. Query ``i`` of a chunk of ``q`` tokens ending at context length
   ``c`` sees keys ``0 .. c - q + i``::
@@ -164,7 +164,7 @@ class AttentionMetadata:
     # Per-layer decode bias [layers, D, 1, 1, S] when a pressed request keeps different
     # token counts per layer (PyramidKV, Layer-DefensiveKV); replaces decode_bias.
     decode_layer_bias: torch.Tensor | None = None
-    # Era 5 presses: request id -> rows whose queries the press needs, and what the model
+    # Presses: request id -> rows whose queries the press needs, and what the model
     # captured for them (per layer [rows, heads, head_dim] float32).
     capture_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -202,7 +202,7 @@ class AttentionMetadata:
 
 
 def capture_queries(meta: AttentionMetadata, q: torch.Tensor) -> None:
-    """Era 5: keep one layer's queries of the rows a press needs (``capture_rows``), float32
+    """Presses: keep one layer's queries of the rows a press needs (``capture_rows``), float32
     copies appended per request, one per layer in layer order (``captured``)."""
     for rid, (r0, r1) in meta.capture_rows.items():
         meta.captured.setdefault(rid, []).append(q[r0:r1].to(torch.float32, copy=True))
@@ -371,7 +371,7 @@ def paged_attention(
 
     q ``[T, H, d]``, k/v ``[T, KVH, d]`` (this step's); ``cache`` is one layer of the
     KV storage. Unencoded caches are read in place (the C++ decode kernel, or indexing);
-    an encoded one (era 5 codecs) is read through ``cache.gather``, which dequantizes
+    an encoded one (a KV codec) is read through ``cache.gather``, which dequantizes
     just the blocks a row needs. ``window``: this layer's sliding window (None: every key;
     ``model/arch/window.py``). Returns ``[T, H, d]``.
     """

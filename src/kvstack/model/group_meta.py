@@ -1,4 +1,4 @@
-"""Per-group attention metadata for the hybrid KV manager (``kv/hybrid.py``; issue 21).
+"""Per-group attention metadata for the hybrid KV manager (``kv/hybrid.py``: sliding-window layers).
 
 Every KV group has its own block table, so the pages a step reads and writes differ
 per group while everything else (rows, positions, context lengths, masks) is the

@@ -46,7 +46,7 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     # Prompt logprobs computed this step: request id -> (first position, entries).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
-    # Era 5: per request whose press needs them, the queries of the rows of its chunk
+    # Presses: per request whose press needs them, the queries of the rows of its chunk
     # inside the press's window, per layer ``[w, heads, head_dim]`` float32.
     press_queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     # Structured outputs: requests whose grammar ended with this step's token ("done")
@@ -140,7 +140,7 @@ class ModelRunner:
         self.kernels = load_kernels()
         self.sampler = Sampler(kernels=self.kernels)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        # Era 5: which rows' queries a press needs (``PressCoordinator.capture_rows``).
+        # Presses: which rows' queries a press needs (``PressCoordinator.capture_rows``).
         self.press = press
         self.structured = structured  # grammar masks of constrained requests
         # Request id -> where to keep the full next-token log-distributions of its prompt
@@ -177,7 +177,7 @@ class ModelRunner:
         self._decode_inputs(decodes, inputs)
         self._prefill_inputs(prefills, len(decodes), inputs)
         paged = bool(repair) and rows_on_paged_kernel(self.kernels, self.model, kernel)
-        tail = inputs.kernel_tail if paged else None  # issue 18's repair rows
+        tail = inputs.kernel_tail if paged else None  # segment reuse's repair rows
         append_rows(repair, self.block_size, inputs.ids, inputs.positions, inputs.slots,
                     inputs.prefills, tail)  # fmt: skip
         meta = self._metadata(decodes, inputs, self._press_rows(ordered))
@@ -211,7 +211,7 @@ class ModelRunner:
         return torch.tensor(inputs.positions), meta
 
     def _decode_inputs(self, decodes: list[ScheduledRequest], inputs: StepInputs) -> None:
-        """One row per decode. After a press (era 5) a token's KV slot is its position
+        """One row per decode. After a press (token eviction) a token's KV slot is its position
         minus the tokens the press dropped (``Request.num_kv_tokens``); positions (RoPE)
         keep counting."""
         bs = self.block_size
@@ -337,7 +337,7 @@ class ModelRunner:
         return make_kernel_rows(seqs, not inputs.kernel_seqs, inputs.kernel_tail)
 
     def _press_rows(self, ordered: list[ScheduledRequest]) -> dict[str, tuple[int, int]]:
-        """Era 5: per request, the step's rows ``[r0, r1)`` whose queries its press needs
+        """Presses: per request, the step's rows ``[r0, r1)`` whose queries its press needs
         (``PressCoordinator.capture_rows`` decides which rows of its chunk)."""
         rows: dict[str, tuple[int, int]] = {}
         if self.press is None or not self.press.states:
@@ -437,7 +437,7 @@ class ModelRunner:
         c = s.num_computed_tokens
         k = req.sampling_params.prompt_logprobs or 0
         first = len(req.prompt_logprobs)  # first prompt position still without an entry
-        if first <= c:  # positions after copied segment KV (issue 18): no row scored them
+        if first <= c:  # positions after copied segment KV: no row scored them
             req.prompt_logprobs.extend([None] * (c + 1 - first))
             first = c + 1
         end = min(c + s.num_new_tokens, req.num_prompt_tokens - 1)  # last row's target + 1

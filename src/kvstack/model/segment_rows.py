@@ -1,4 +1,4 @@
-"""The runner's side of segment reuse (issue 18): copy, re-rotate, choose, recompute.
+"""The runner's side of segment reuse: copy, re-rotate, choose, recompute.
 
 Before a step's forward, each ``SegmentImport`` of the step copies a segment entry's KV
 (computed standalone at positions ``s + i``) into the request's slots at positions

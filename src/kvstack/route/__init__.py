@@ -1,4 +1,4 @@
-"""KV-aware routing across kvstack replicas (era 4: llm-d, NVIDIA Dynamo, SGLang router).
+"""KV-aware routing across kvstack replicas (as llm-d, NVIDIA Dynamo, SGLang router do).
 
 A router sits in front of several ``kvstack serve`` replicas and picks one per request
 so that requests sharing a prefix land where that prefix's KV blocks are already cached,

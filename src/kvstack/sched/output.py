@@ -24,7 +24,7 @@ step's token budget) and get KV slots, but are not in ``all_token_ids``::
 
 The request then samples (``samples``) when ``c + n == num_tokens + len(draft)``.
 
-Segments (issue 18, ``sched/segments.py``): before the step's forward the runner copies
+Segments (segment reuse, ``sched/segments.py``): before the step's forward the runner copies
 each ``SegmentImport`` (standalone KV, keys re-rotated to their new positions) into the
 request's slots ``[dst_start, dst_start + length)``, which end at ``c``; ``recompute``
 then names positions before ``c`` whose KV the step computes again (repair), as extra
@@ -82,7 +82,7 @@ class ScheduledRequest:
     group_block_ids: list[list[int]] | None = field(default=None, kw_only=True)
     # Speculative decoding: the last num_new_tokens rows' inputs are these guesses.
     draft_token_ids: list[int] = field(default_factory=list)
-    # Segments (issue 18): KV copied in before the forward, and positions recomputed.
+    # Segment reuse: KV copied in before the forward, and positions recomputed.
     segment_imports: list[SegmentImport] = field(default_factory=list)
     recompute: list[RecomputeSpan] = field(default_factory=list)
 

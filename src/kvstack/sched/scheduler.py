@@ -12,11 +12,11 @@ requests whose ``num_computed_tokens`` lags ``num_tokens``. Each step:
    off (vLLM's "recompute" preemption).
 2. If nobody was preempted, waiting requests are admitted in arrival order while the
    budget, ``max_num_seqs`` and free blocks allow. An admitted request first adopts
-   the longest cached prefix of its tokens (era 3, ``kv/manager.py``), then
+   the longest cached prefix of its tokens (prefix reuse, ``kv/manager.py``), then
    computes the rest; a remainder longer than the budget is admitted with a chunk
    (chunked prefill) and continues next step. A preempted request re-admitted later
    finds its own earlier blocks in the cache unless they were evicted meanwhile.
-   With offload tiers (era 4) the prefix is extended by blocks loaded from host, disk
+   With offload tiers the prefix is extended by blocks loaded from host, disk
    or Redis; a request whose tier lookup is still in flight is skipped (it keeps its
    place in the queue) so the lookup never stalls the batch.
 
@@ -71,11 +71,11 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_prefill_tokens_computed = 0  # prompt positions run through the model
         self.last_num_scheduled_tokens = 0  # of the last schedule() (vllm:iteration_tokens)
-        # Era 4 (``kv/tiers/connector.py``): loads prefixes from offload tiers, set by the engine.
+        # Tiers (``kv/tiers/connector.py``): loads prefixes from offload tiers, set by the engine.
         self.connector: TierConnector | None = None
-        # Era 5 (``kv/press/coordinator.py``): press points cap chunks; set by the engine.
+        # Presses (``kv/press/coordinator.py``): press points cap chunks; set by the engine.
         self.press: PressCoordinator | None = None
-        # Issue 18 (``sched/segments.py``): segment reuse; set by the engine.
+        # Segment reuse (``sched/segments.py``): set by the engine.
         self.segments: SegmentPlanner | None = None
         self.max_num_running = 0  # peak concurrency seen
 
@@ -137,7 +137,7 @@ class Scheduler:
             limit = req.num_tokens if plan is None else plan.limit
             rows = 0 if plan is None else plan.rows  # segment repair rows
             num_new = min(limit - req.num_computed_tokens - skip, budget - rows)
-            if self.press is not None:  # era 5: a chunk stops at the press point
+            if self.press is not None:  # a chunk stops at the press point
                 num_new = self.press.max_new_tokens(req, req.num_computed_tokens, num_new)
             if num_new <= 0 and rows:  # no budget left for the repair rows this step
                 i += 1
@@ -164,7 +164,7 @@ class Scheduler:
         return budget
 
     def _place(self, req: Request, c: int) -> Placement | None:
-        """Segment copies and repair at chunk start ``c`` (issue 18), or None."""
+        """Segment copies and repair at chunk start ``c``, or None."""
         if self.segments is None or req.segments is None:
             return None
         return self.segments.place(req, c)
@@ -208,8 +208,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Step 2: admit waiting requests in arrival order while budget, seats and blocks
-        allow; each adopts its cached prefix (era 3) and tier blocks (era 4) first."""
-        skipped: list[Request] = []  # waiting on an offload-tier lookup (era 4)
+        allow; each adopts its cached prefix and tier blocks first."""
+        skipped: list[Request] = []  # waiting on an offload-tier lookup
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self.connector is not None and self.connector.is_loading(req):
@@ -221,15 +221,15 @@ class Scheduler:
                 if not ready:  # its segments are computed this step: admit it next
                     skipped.append(self.waiting.popleft())
                     continue
-            # Era 3: adopt the longest cached prefix; compute only the rest.
+            # Prefix reuse: adopt the longest cached prefix; compute only the rest.
             computed = self.kv.get_computed_blocks(req)
-            num_ext = offered = 0  # era 4: blocks after the hit the offload tiers supply
+            num_ext = offered = 0  # blocks after the hit the offload tiers supply
             if self.connector is not None:
                 matched = self.connector.match_external(req, computed, budget, bool(self.running))
                 if matched is None:
                     break  # no room to load yet; running requests will free some
                 num_ext = offered = matched
-            if self.press is not None:  # era 5: never reuse past the press point
+            if self.press is not None:  # never reuse past the press point
                 cap = self.press.max_cached_blocks(req, len(computed) + num_ext, self.kv.block_size)
                 computed = computed[:cap]
                 num_ext = max(0, min(num_ext, cap - len(computed)))

@@ -1,4 +1,4 @@
-"""SegmentPlanner: the scheduler's side of segment reuse (issue 18, ``kv/segments.py``).
+"""SegmentPlanner: the scheduler's side of segment reuse (``kv/segments.py``).
 
 A request with segments (``Request.segments``) goes through three stages:
 
@@ -91,7 +91,7 @@ class SegmentPlanner:
         self.held: dict[str, list[SegmentEntry | None]] = {}  # request id -> per span
         self._counted: set[str] = set()  # requests whose queries were counted
         self.reserver: str | None = None  # the one request holding an incomplete set
-        self.tiers: SegmentTiers | None = None  # era 4: entries in the offload tiers
+        self.tiers: SegmentTiers | None = None  # entries in the offload tiers
         # The most repair rows one step may carry (the engine: --max-num-batched-tokens
         # - 1, so the chunk after them always has a token).
         self.max_rows = sys.maxsize

@@ -124,7 +124,7 @@ class AsyncEngine:
             llm_engine.config.model, llm_engine.max_model_len, llm_engine.model_config.vocab_size
         )
         self.routing_info: KVRoutingInfo = llm_engine.routing_info()  # hash parameters
-        # Issue 18: whether chat requests' tools/documents/parts become segments.
+        # Segment reuse: whether chat requests' tools/documents/parts become segments.
         self.segments_enabled = automatic_segments(llm_engine)
         # Sampling defaults of fields a request leaves unset (``--generation-config``).
         self.generation_defaults: dict[str, Any] = dict(llm_engine.generation_defaults)

@@ -6,7 +6,7 @@ one wake-up per loop per step. Outputs are cumulative (each holds every token so
 a request keeps only its latest undelivered one (``OutputSlot``): a reader slower than the
 engine gets fewer, bigger deltas, and memory per request stays one output however slowly
 it reads (a queue of every step's output grew with tokens^2: 400 tokens x n=16 with
-logprobs unread was 1.28 M queued token ids; issue 20, finding 4). The readers compute
+logprobs unread was 1.28 M queued token ids for one slow reader). The readers compute
 their deltas from what they sent (``text_sent``, ``lp_sent``), never from the previous
 output. The handler iterates an ``OutputStream``; leaving it
 early (``close()``, a client disconnect, the deadline) aborts the request, which frees

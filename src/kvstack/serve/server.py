@@ -358,7 +358,7 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
     """How uvicorn serves ``app``: the header deadline (``http_limits``) and the
-    connection cap of ``o`` (issue 20, finding 5)."""
+    connection cap of ``o`` (against slowloris clients)."""
     import uvicorn
 
     from kvstack.serve.api.http_limits import header_deadline_protocol

@@ -1,4 +1,4 @@
-"""A bounded soak of a real ``kvstack serve`` on loopback under attack (issue 20).
+"""A bounded soak of a real ``kvstack serve`` on loopback under attack (the fault suite).
 
 ``run_soak(SoakConfig)`` starts the processes (the server under test with ``--request-log
 /dev/full``, a disk and a Redis tier and an API key; optionally a second server and a

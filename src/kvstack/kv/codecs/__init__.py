@@ -1,4 +1,4 @@
-"""Era 5: KV codecs — the block pool stores K and V compressed; attention reads them back.
+"""KV codecs — the block pool stores K and V compressed; attention reads them back.
 
 Every codec keeps one layer's cache as block-major tensors ``[num_blocks, block_size,
 kv_heads, ...]`` (so a block is a slice, as the offload tiers need) and offers

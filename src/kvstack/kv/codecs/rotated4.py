@@ -26,7 +26,7 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``x R`` for float32 rows ``[..., n]``, ``R = diag(signs) H / sqrt(n)``, as a fast
     Walsh-Hadamard transform: the signs, then log2(n) butterfly stages (``a + b``, ``a - b``
     over pairs ``h`` apart), then the norm. The same float32 operations in the same order
-    as the C++ ``rotate()`` (``model/csrc/codec_rows.h``), so the C++ KV write
+    as the C++ ``rotate()`` (``model/kernels/csrc/codec_rows.h``), so the C++ KV write
     (``codec_write.cpp``) stores the same codes as this reference, bit for bit; equal to
     ``x @ (signs[:, None] * hadamard(n))`` up to float32 rounding."""
     return butterflies(x * signs) * _norm(x.shape[-1])

@@ -1,4 +1,4 @@
-"""Era 5 presses: per-request token eviction after prefill (kvpress's families).
+"""KV presses: per-request token eviction after prefill (kvpress's families).
 
 ``make_press(name, ratio)`` builds one; ``PRESSES`` (a ``Registry``) names them. Each
 press lives in its own file with the paper it follows; ``compact.py`` applies a press's

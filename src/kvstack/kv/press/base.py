@@ -1,4 +1,4 @@
-"""The ``Press`` protocol: which cached tokens a request keeps (era 5, token eviction).
+"""The ``Press`` protocol: which cached tokens a request keeps (token eviction).
 
 A press looks at one request's KV right after its prompt is computed and returns, per
 layer, the tokens each KV head keeps (kvpress's ``score -> top-k``; NVIDIA kvpress,

@@ -1,4 +1,4 @@
-"""``PressCoordinator``: era-5 presses in one place, and the hooks the engine's parts call.
+"""``PressCoordinator``: the presses in one place, and the hooks the engine's parts call.
 
 A request with a press gets a ``PressState`` (``state.py``) in ``Request.press`` when it
 is added; the coordinator keeps every live one by request id and is the only code that

@@ -1,4 +1,4 @@
-"""``PressState``: one request's era-5 press, what it is to do and what it did.
+"""``PressState``: one request's press, what it is to do and what it did.
 
 ``Request.press`` holds one (None: the request is never pressed); the
 ``PressCoordinator`` (``coordinator.py``) creates it when the request is added and is

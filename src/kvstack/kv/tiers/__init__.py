@@ -1,1 +1,1 @@
-"""Era 4: KV tiers below the device pool (host RAM, disk, Redis); see ``connector.py``."""
+"""KV tiers below the device pool (host RAM, disk, Redis); see ``connector.py``."""

@@ -1,4 +1,4 @@
-"""The offload tier protocol (era 4; after vLLM v1's ``OffloadingManager``).
+"""The offload tier protocol (after vLLM v1's ``OffloadingManager``).
 
 A tier is a key-value store of whole KV blocks below the device pool, keyed by the
 block's prefix hash (``kv/hashing.py``), whose values are the block payload in the

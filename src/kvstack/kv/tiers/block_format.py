@@ -5,7 +5,7 @@ A block's payload is the block's slice of every tensor of the device pool, in or
 
     payload = K[layer 0..L-1, slot 0..bs-1, kv_head, head_dim] ++ V[same shape]
 
-and with one (era 5) the codec's codes and scales, so tiers hold compressed blocks too.
+and with one (KV compression) the codec's codes and scales, so tiers hold compressed blocks too.
 
 Around it, a fixed header makes every stored block self-describing, so a file or value
 that belongs to another model, dtype, block size or prefix can never be loaded::
@@ -66,7 +66,7 @@ class BlockLayout:
     num_kv_heads: int
     head_dim: int
     itemsize: int
-    codec: str = "auto"  # era 5 KV codec: payloads are its codes and scales
+    codec: str = "auto"  # KV codec: payloads are its codes and scales
     codec_bytes: int = 0  # bytes of one block in the codec's tensors (0: plain K/V)
     # KV groups (hybrid KV manager): the payload is every group's page in turn, each
     # its layers in slot order (``KVGroups.signature``); "" = layers 0..L-1 in order.

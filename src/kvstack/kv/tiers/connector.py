@@ -1,6 +1,6 @@
 """TierConnector: moves KV blocks between the device pool and the offload tiers.
 
-The device side of era 4, in vLLM v1's KV connector shape: the connector reports how
+The device side of the offload tiers, in vLLM v1's KV connector shape: the connector reports how
 many blocks it can supply, the KV manager allocates them (``allocate_slots(...,
 num_external_blocks=k)``), the connector writes their bytes through ``KVStorage``, and
 the engine tells it what each step computed. Life of a prompt's blocks::

@@ -10,7 +10,7 @@ fingerprint, dtype and shapes, ``block_format.py``; ``<h>`` the 32-hex-digit blo
   O_NOFOLLOW`` (mode 0600), then ``os.replace`` (atomic on POSIX), so a crash never leaves
   a half-written ``.kvb`` under a valid name, and a planted symlink is never followed: a
   predictable temp name opened with ``open(tmp, "wb")`` let one overwrite any file the
-  server could write (issue 20, finding 6).
+  server could write (a symlink attack).
 * **No symlinks**: every file is opened relative to its subdirectory's descriptor, the
   subdirectory itself with ``O_NOFOLLOW | O_DIRECTORY``; a symlinked block file or
   subdirectory is an error (a miss), never followed. Directories are created 0700.

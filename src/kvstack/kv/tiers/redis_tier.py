@@ -48,7 +48,7 @@ class RedisTier(OffloadTier):
         backoff_s: float = 5.0,
     ) -> None:
         super().__init__(layout)
-        # What logs and describe() show: never the password (issue 20, finding 7).
+        # What logs and describe() show: never the password (a log line is no place for it).
         self.url = redacted(url).split("?")[0]
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s

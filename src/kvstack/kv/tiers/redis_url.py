@@ -2,7 +2,7 @@
 
 A URL may carry a password (``redis://:PASSWORD@host``, ``redis://USER:PASSWORD@host``);
 ``redacted`` is the only form that reaches a log line, ``describe()`` or an error message
-(issue 20, finding 7: ``redis://:hunter2@...`` was printed). No redis import here, so
+(``redis://:hunter2@...`` was once printed). No redis import here, so
 ``spec.py`` parses URLs without loading the client.
 """
 

@@ -1,4 +1,4 @@
-"""Segment entries in the offload tiers (issue 18, ``kv/segments.py``).
+"""Segment entries in the offload tiers (segment reuse, ``kv/segments.py``).
 
 A segment entry's blocks are stored write-through, like prefix blocks, once the step
 that computed them has run, under their own keys: ``H(segment key, block index)``

@@ -1,6 +1,6 @@
 """DecodeStack: every decoder layer of a step in one C++ call (``csrc/decode_stack.cpp``).
 
-One request decoding with quantized weights (issue 16) runs ~120 ``quant_gemv`` calls
+One request decoding with quantized weights (GGUF, int8, int4) runs ~120 ``quant_gemv`` calls
 and ~250 small ops a token; with a GGUF token at ~3.5 ms, the Python frames and
 dispatches between them (~1-2 us each) were ~0.5 ms of it. ``decode_stack`` runs the
 same kernels, in the same order, on the same tensors as ``LlamaModel``'s loop, from one
@@ -22,7 +22,7 @@ linear a ``quant_gemv`` or ``bf16_linear`` weight, an AVX-512 build), the same s
 threads meeting at barriers between a layer's phases instead of each kernel opening its
 own region, allocating its output and re-checking its inputs — bit for bit
 ``decode_stack``'s results (tested); 1.07-1.09x a token on the 2-core Zen 5. The team
-also takes a cache of era 5's per-token codecs (int8, fp8, int4, rotated4: the codec's
+also takes a cache of the per-token KV codecs (int8, fp8, int4, rotated4: the codec's
 write and its C++ attention as phases of the region, ``csrc/team_codec.h``), bit for bit
 the Python loop's ``codec_write`` and ``paged_attention_codec``; ``decode_stack`` itself
 takes unencoded caches only.

@@ -167,7 +167,7 @@ class LlamaModel:
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, m.slot_mapping)
             if li == stop_after_kv_of:
                 return q.new_empty(0)
-            capture_queries(meta, q)  # era 5 press window queries
+            capture_queries(meta, q)  # a press's window queries
             a = paged_attention(q, k, v, cache, m, self.scale, self.windows[li])
             x, residual = ops.add_rms_norm(
                 layer.o(a.reshape(t, q_size)), residual, layer.post_norm, eps

@@ -120,7 +120,7 @@ class Gemma3Model(LlamaModel):
             q, k, v = ops.rope_and_cache(qkv, rope, heads, cache, m.slot_mapping)
             if li == stop_after_kv_of:
                 return q.new_empty(0)
-            capture_queries(meta, q)  # era 5 press window queries (every layer's)
+            capture_queries(meta, q)  # a press's window queries (every layer's)
             a = paged_attention(q, k, v, cache, m, self.scale, self.windows[li])
             a = ops.rms_norm(layer.o(a.reshape(t, heads.q_size)), layer.post_norm, eps)
             x, residual = ops.add_rms_norm(a, residual, extra.pre_feedforward, eps)

@@ -185,7 +185,7 @@ class KernelOps:
             heads.num_heads, heads.num_kv_heads, heads.head_dim,
         )  # fmt: skip
         q, k, v = split_qkv(qkv, heads)
-        if not raw:  # encoded (era 5 codec) or cast cache: the codec stores the rows
+        if not raw:  # encoded (a KV codec) or cast cache: the codec stores the rows
             view = cache.per_token_view
             if view is not None:  # a per-token codec: encoded and stored in C++
                 self.k.codec_write(

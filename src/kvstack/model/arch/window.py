@@ -21,7 +21,7 @@ position, ``PrefillSeq.mask_for``). Every KV
 codec's kernel takes the window (kivi2 included: a row's own block stays exact, its
 window's earlier blocks are read from their codes).
 
-Presses (era 5) compress only the full-attention layers, as kvpress does on Gemma 3;
+Presses (``kv/press/``) compress only the full-attention layers, as kvpress does on Gemma 3;
 a window layer keeps the tail of its tokens, so its slots stay consecutive positions
 and "the last ``W`` slots" is still its window (``kv/press/compact.py``). A model whose
 every layer slides has nothing to press and is refused (``check_window_support``).

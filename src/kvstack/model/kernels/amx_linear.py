@@ -1,8 +1,8 @@
 """bf16 linears on Intel AMX tiles for decode-sized batches (``csrc/amx_linear.cpp``).
 
 oneDNN (``mkldnn._linear_pointwise`` on prepacked weights) runs a linear at M = 1..128
-rows well below the speed of reading its weights once: at M = 32 on the 2-core AMX Xeon
-of issue 15 it reached ~217 GFLOP/s for two cores where one core's TDPBF16PS peak is
+rows well below the speed of reading its weights once: at M = 32 on a 2-core AMX Xeon
+it reached ~217 GFLOP/s for two cores where one core's TDPBF16PS peak is
 ~1.7 TFLOP/s (``benchmarks/profile_step.py`` measures both). ``amx_linear`` streams each
 weight tile once per 32 rows with a plain K loop. ``Linear`` asks ``use_amx`` which
 kernel takes an input; the rule follows one-thread measurements on that Xeon (minimum of

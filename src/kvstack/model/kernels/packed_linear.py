@@ -6,7 +6,7 @@ once; they beat oneDNN where it is compute-starved (decode-sized batches), and `
 keeps oneDNN's prepacked weight for the inputs a kernel's rule does not take:
 
 - ``amx`` (``csrc/amx_linear.cpp``): Intel AMX tiles; rule in ``model/kernels/amx_linear.py``
-  (measured on the 2-core AMX Xeon of issue 15);
+  (measured on a 2-core AMX Xeon);
 - ``avx512_bf16`` (``csrc/bf16_linear.cpp``): register-blocked ``VDPBF16PS`` for CPUs with
   AVX512-BF16 and no AMX (AMD EPYC Zen 4/5). It takes **every** bf16 input, so a row's
   output never depends on how many rows share its step (batch invariance, below).

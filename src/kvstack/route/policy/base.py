@@ -41,7 +41,7 @@ class Replica:
 @dataclass(frozen=True)
 class RouteRequest:
     """What a policy sees of a request: its token ids, salt and, for a chat whose tools,
-    documents or marked parts are segments (issue 18), their ``[start, end)`` token ranges
+    documents or marked parts are segments (segment reuse), their ``[start, end)`` token ranges
     and the sink every segment entry is computed after (the tokenizer's BOS)."""
 
     token_ids: Sequence[int]

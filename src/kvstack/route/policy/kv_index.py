@@ -147,7 +147,7 @@ def _hash_list(event: Mapping[str, Any], key: str = "block_hashes") -> list[byte
 
 
 # One parsed event: (type, medium, hashes); hashes are empty for AllBlocksCleared, and
-# are segment keys for the segment events (issue 18: ``kv/segments.py``).
+# are segment keys for the segment events (segment reuse: ``kv/segments.py``).
 _Op = tuple[str, str, list[bytes]]
 _TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockSnapshot")
 _SEGMENT_TYPES = {"SegmentStored": "segment_key", "SegmentRemoved": "segment_keys",

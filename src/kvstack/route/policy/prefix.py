@@ -39,7 +39,7 @@ Where the matches come from:
   back to the approximate index, which keeps being recorded, so degrading is seamless.
   Matches are counted in the router's blocks (``BlockHasher.block_size``): a ZMQ
   replica's match in its own block size is converted by tokens. On kvstack's SSE stream a
-  replica also announces its segment entries (tool schemas, documents: issue 18), so a
+  replica also announces its segment entries (tool schemas, documents), so a
   request whose segments a replica holds after its matched prefix gets those tokens
   credited as blocks (``KVEventsPolicy.segment_blocks``).
 """
@@ -165,7 +165,7 @@ class KVEventsPolicy(PrefixPolicy):
 
     def segment_blocks(self, replica_id: str, keys: RequestHashes, matched: int) -> int:
         """The request's segments after its ``matched`` leading blocks that the replica's
-        event stream says it holds as segment entries (issue 18), in whole blocks: a held
+        event stream says it holds as segment entries, in whole blocks: a held
         segment is copied instead of computed, so it counts like cached blocks (its repair
         rows, ~15 % of it, are not subtracted). 0 without segments or a fresh SSE view
         (vLLM's ZMQ wire has no segment events)."""

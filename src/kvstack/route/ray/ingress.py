@@ -5,7 +5,7 @@ the router can match prefixes, and retries a call once on another replica if the
 one dies before the first byte (Ray raises an actor error); once bytes are relayed there
 is no retry, and a death mid-stream ends the stream with an error event.
 
-As ``kvstack serve`` (issue 20, finding 11): the body is read under ``--max-body-bytes``
+As ``kvstack serve`` (the same fault defences): the body is read under ``--max-body-bytes``
 and ``--body-timeout`` (413 / 408), tokenizing runs in a worker thread, not on the event
 loop, and ``/router/state`` needs the API key when one is set.
 """

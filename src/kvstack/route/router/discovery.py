@@ -8,7 +8,7 @@ This is how the Gateway API Inference Extension's endpoint picker and SGLang's r
 follow pods without talking to the Kubernetes API.
 
 The router sends its API key and the clients' ``Authorization`` to every backend, so a DNS
-answer is trusted only so far (issue 20, finding 11): loopback, link-local (cloud metadata
+answer is trusted only so far (a key leak otherwise): loopback, link-local (cloud metadata
 at 169.254.169.254), unspecified and multicast addresses are dropped unless a
 ``--discover-allow`` network holds them, and at most ``max_backends`` addresses are kept.
 """

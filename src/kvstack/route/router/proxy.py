@@ -68,7 +68,7 @@ class ProxyConfig:
     prefill_timeout_s: float = 30.0
     # The longest a backend may stay silent (before its first byte or mid-stream) before
     # the response is cut: aiohttp's sock_read. None (was the only choice) waits forever
-    # on a backend that accepted and went quiet (issue 20, finding 5).
+    # on a backend that accepted and went quiet (a slowloris backend).
     idle_timeout_s: float | None = 600.0
     connect_timeout_s: float = 10.0
     # ``--policy kv_events``: the backends followed over ZMQ (the others: SSE), the topic.
@@ -79,8 +79,8 @@ class ProxyConfig:
 # Answers that say the backend cannot serve (a gateway in front of it failed, it is
 # draining or its engine is down): counted toward ejection and retried on another. A 500
 # is an error of that one request (a bug its input reached), passed to the client as is:
-# counting it would let any client eject a healthy backend with two bad requests (issue
-# 20, finding 2); a backend that is really down fails its /health checks.
+# counting it would let any client eject a healthy backend with two bad requests; a
+# backend that is really down fails its /health checks.
 BACKEND_DOWN_STATUSES = frozenset({502, 503, 504})
 
 

@@ -35,8 +35,9 @@ from kvstack.serve.chat.tool_calls import ToolPlan
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 # Threads that tokenize and render chat templates off the event loop: a 2 MB prompt takes
-# seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout (issue
-# 20, finding 3). Two: more only queue for the GIL; requests past them wait their turn.
+# seconds of CPU, and on the loop it stalled /health past the router's 2 s timeout, so
+# the router ejected a healthy replica. Two: more only queue for the GIL; requests past
+# them wait their turn.
 CPU_WORKERS = 2
 
 
@@ -55,7 +56,7 @@ class ServerConfig:
     # until its offload tiers hold it, and answers one token; "both" is a plain server.
     role: str = "both"
     prefill_flush_timeout_s: float = 30.0
-    # Tools (``tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
+    # Tools (``serve/chat/tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
     # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).

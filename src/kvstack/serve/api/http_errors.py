@@ -82,7 +82,7 @@ def check_bearer(raw: Request, api_key: str | None) -> None:
 async def read_body(raw: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, 413 as soon as it passes ``limit`` bytes (declared or streamed),
     408 if it has not all arrived within ``timeout_s`` (a client that declares 100 bytes
-    and sends 10 held the handler forever: issue 20, finding 5)."""
+    and sends 10 held the handler forever: a slowloris body)."""
     length = raw.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body over {limit} bytes")

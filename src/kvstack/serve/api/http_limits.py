@@ -2,7 +2,7 @@
 
 uvicorn closes an idle keep-alive connection (``timeout_keep_alive``) but puts no limit on
 a request whose headers arrive one byte at a time: any byte cancels the keep-alive timer,
-so a slowloris client held connections open indefinitely (issue 20, finding 5: partial
+so a slowloris client held connections open indefinitely (partial
 headers were held > 20 s). ``header_deadline_protocol(s)`` is uvicorn's httptools protocol
 with one more timer, as nginx's ``client_header_timeout`` and Apache's ``mod_reqtimeout``:
 

@@ -54,7 +54,7 @@ class ApiContext:
     tokenizer: Tokenizer
     model_name: str
     request_timeout_s: float | None = None
-    # Prompts x n one request may queue (issue 20, finding 10: 32 id prompts x n=16 was
+    # Prompts x n one request may queue (a bound against fan-out: 32 id prompts x n=16 was
     # 512 sequences, and 64 x 16 filled --max-waiting for everyone else).
     max_sequences: int = 64
 
@@ -98,7 +98,7 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": cached},
     }
     segment = sum(j.last.num_segment_tokens for j in jobs if j.last)
-    if segment:  # extension (issue 18): prompt tokens copied from reusable segments
+    if segment:  # extension (segment reuse): prompt tokens copied from reusable segments
         out["prompt_tokens_details"]["kvstack_segment_tokens"] = segment
     # Extension (offload tiers on): where the cached tokens came from.
     splits = [j.last.cached_tokens_by_tier for j in jobs if j.last]

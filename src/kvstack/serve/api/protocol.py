@@ -83,7 +83,7 @@ class _Sampling(StrictBody, StructuredFields):
     # vLLM: logprobs of every prompt token (null first), in the response's
     # ``prompt_logprobs`` (completions: per choice; chat: top level).
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    # kvstack extension (era 5): a KV press for this request (``kv/press/``).
+    # kvstack extension (KV compression): a KV press for this request (``kv/press/``).
     kv_press: str | None = None
     kv_press_ratio: float | None = None
     kv_press_every: StrictInt | None = None
@@ -221,7 +221,7 @@ class CompletionRequest(_Sampling):
 
 def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     """No name of the render path's own parameters (``source``, ``self``, ``tokenize``...):
-    passing one would be a TypeError inside the handler, a 500 (issue 20, finding 2)."""
+    passing one would be a TypeError inside the handler, a 500 any client could trigger."""
     if v and RESERVED_TEMPLATE_KWARGS & set(v):
         raise ValueError(f"may not set {sorted(RESERVED_TEMPLATE_KWARGS & set(v))}")
     return v
@@ -245,7 +245,7 @@ class ChatCompletionRequest(_Sampling):
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     def tool_plan(self, parser: str = "hermes", auto_enabled: bool = True) -> ToolPlan | None:
-        """Build (once) what the request's tools mean (``tool_calls.py``); 400 if invalid."""
+        """Build (once) what the request's tools mean (``chat/tool_calls.py``); 400 if invalid."""
         if self._plan is None and self.tools:
             self._plan = ToolPlan.build(
                 self.tools, self.tool_choice, self.parallel_tool_calls, parser, auto_enabled
@@ -255,7 +255,7 @@ class ChatCompletionRequest(_Sampling):
         return self._plan
 
     def segments(self, tokenizer: Tokenizer) -> tuple[list[int], list[Mark]] | None:
-        """``prompt_ids`` with its tools, documents and marked parts as segments (issue 18,
+        """``prompt_ids`` with its tools, documents and marked parts as segments (segment reuse,
         ``serve/chat/segments.py``); None when it has none. Call ``tool_plan`` first."""
         return chat_segments(
             tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,

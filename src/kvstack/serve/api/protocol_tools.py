@@ -5,7 +5,7 @@
 ``StructuredOutputsParams``; a request may use one of them. ``param`` in every error is
 the field the client sent, so ``response_format.json_schema.schema`` is blamed for a bad
 schema, ``guided_regex`` for a bad regex. Tools (``tools``, ``tool_choice``,
-``parallel_tool_calls``) and tool messages are typed here; ``tool_calls.py`` turns them
+``parallel_tool_calls``) and tool messages are typed here; ``chat/tool_calls.py`` turns them
 into a prompt, a constraint and parsed calls.
 """
 

@@ -30,7 +30,7 @@ from kvstack.serve.chat.segments import Mark
 from kvstack.serve.output_stream import RequestTimeoutError
 
 logger = logging.getLogger("kvstack.serve")
-# (token ids, the text they came from, segment token ranges (issue 18) or None)
+# (token ids, the text they came from, segment token ranges or None)
 Prompts = list[tuple[list[int], str | None, list[Mark] | None]]
 DONE = "data: [DONE]\n\n"  # the last event of every stream (openai_api.py)
 
@@ -152,7 +152,7 @@ class OpenAIRoutes:
 
     async def _flush_before_done(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """A prefill replica's stream: ``[DONE]`` only once the tiers hold the prompt's
-        blocks, as the non-stream answer waits (only that path flushed: issue 20, 11)."""
+        blocks, as the non-stream answer waits (only that path used to flush)."""
         async for chunk in chunks:
             if chunk == DONE:
                 await self.flush_offload()

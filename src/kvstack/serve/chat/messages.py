@@ -41,7 +41,7 @@ def _ignored_in(value: Any, prefix: str) -> list[str]:
 class TextPart(StrictBody):
     type: Literal["text"]
     text: str
-    kvstack_segment: StrictBool = False  # issue 18: reuse this part's KV at any offset
+    kvstack_segment: StrictBool = False  # segment reuse: this part's KV at any offset
 
 
 class ChatMessage(StrictBody):

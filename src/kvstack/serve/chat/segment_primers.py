@@ -1,4 +1,4 @@
-"""Segment primers: what a tool schema is computed after when it is stored (issue 18).
+"""Segment primers: what a tool schema is computed after when it is stored (segment reuse).
 
 A segment's KV is computed standalone once and copied into any request
 (``kv/segments.py``). Computed right after BOS, a tool schema is "the first thing in

@@ -1,4 +1,4 @@
-"""Segments of a chat request (issue 18): each tool, each document, each content part
+"""Segments of a chat request (segment reuse): each tool, each document, each content part
 marked ``"kvstack_segment": true`` becomes a reusable segment (``kv/segments.py``).
 
 The conversation is rendered to text once (``chat_prompt_text``); every segment's text is

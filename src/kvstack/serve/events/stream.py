@@ -17,7 +17,7 @@ Invariants:
 
 * ``seq`` grows by exactly one per batch on a connection; the first batch is always a
   snapshot of every hash the device cache (and each host or disk tier) serves at that
-  instant, and of the device's ready segment entries (issue 18: ``SegmentStored`` /
+  instant, and of the device's ready segment entries (segment reuse: ``SegmentStored`` /
   ``SegmentRemoved`` follow them), and the batches after it carry exactly the events
   published after that instant (no loss; a tier event racing the snapshot may repeat,
   harmlessly).
@@ -55,8 +55,8 @@ class KVEventBroadcaster:
     slowest connection has not sent yet (nothing at all without connections), bounded by
     ``max_weight`` (token ids + hashes; a 4,000-token prompt's event weighs ~4,000).
     At most ``max_connections`` stream at once (``try_open``; a router needs one per
-    replica): each connect costs a snapshot of every tier's hashes on the engine thread
-    (issue 20, finding 11).
+    replica): each connect costs a snapshot of every tier's hashes on the engine thread,
+    so unbounded connects would stall the engine.
     """
 
     def __init__(

@@ -79,7 +79,7 @@ class VllmEventTranslator:
 
     def _translate(self, ev: KVEvent) -> dict[str, Any] | None:
         if isinstance(ev, SegmentStored | SegmentRemoved):
-            return None  # kvstack's own (issue 18): vLLM's wire has no segments
+            return None  # kvstack's own (segment reuse): vLLM's wire has no segments
         medium = MEDIUMS.get(ev.medium, ev.medium.upper())
         if isinstance(ev, AllBlocksCleared):
             return self._cleared(ev.medium, medium)

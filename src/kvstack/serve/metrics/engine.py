@@ -123,7 +123,7 @@ def _spec_decode_metrics(vllm: list[str], spec: Mapping[str, Any]) -> Iterator[M
 
 
 def _segment_metrics(name: str, seg: Mapping[str, int]) -> Iterator[Metric]:
-    """Segment reuse (issue 18), in tokens: like ``vllm:prefix_cache_*`` for segments."""
+    """Segment reuse, in tokens: like ``vllm:prefix_cache_*`` for segments."""
     for key, field, doc in (
         ("segment_cache_queries", "query_tokens", "Segment cache queries, in tokens."),
         ("segment_cache_hits", "hit_tokens", "Segment cache hits, in tokens."),

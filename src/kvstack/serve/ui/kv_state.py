@@ -50,8 +50,8 @@ class RecentRequest:
     device_hit_tokens: int  # prompt tokens whose KV was in the device prefix cache
     tier_tokens: dict[str, int]  # prompt tokens loaded from each offload tier
     computed_tokens: int  # prompt tokens run through the model
-    segment_tokens: int  # prompt tokens copied from cached segments (issue 18)
-    pressed_tokens: int  # tokens whose KV a press dropped (era 5)
+    segment_tokens: int  # prompt tokens copied from cached segments
+    pressed_tokens: int  # tokens whose KV a press dropped (token eviction)
     output_tokens: int
     ttft_s: float | None
     itl_s: float | None  # mean inter-token latency of the request
@@ -164,6 +164,6 @@ def build_state(
     }
     if isinstance(kv, KVCacheManager | HybridKVManager):
         state["blocks"] = view_blocks(kv, max_cells, pressed).to_dict()
-    else:  # the contiguous (era 1) layouts have no blocks to draw
+    else:  # the contiguous (pre-paging) layouts have no blocks to draw
         state["blocks"] = None
     return state

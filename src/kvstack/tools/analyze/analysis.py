@@ -79,7 +79,7 @@ def ideal_hit_rate(requests: Sequence[LogRequest], prep: Prepared, block_size: i
 def segment_rates(
     requests: Sequence[LogRequest], prep: Prepared, block_size: int
 ) -> dict[str, float] | None:
-    """With an infinite cache (issue 18): the share of segment tokens whose segment an
+    """With an infinite cache (segment reuse): the share of segment tokens whose segment an
     earlier request already held, and the share of all prompt tokens segment reuse adds
     to prefix reuse (hit segment tokens past each request's ideal prefix hit). None when
     the log marks no segment."""

@@ -65,7 +65,7 @@ class LogRequest:
     session_id: str | None = None
     timestamp: float | None = None
     num_cached_tokens: int | None = None  # what the server reported (kvstack format)
-    # Segment token ranges (issue 18; kvstack format, written by ``--request-log``).
+    # Segment token ranges (segment reuse; kvstack format, written by ``--request-log``).
     segments: list[tuple[int, int]] | None = None
 
 
@@ -170,7 +170,7 @@ def _shown(value: Any) -> str:
 
 def _timestamp(value: Any) -> float | None:
     """Seconds as a finite float in ``[0, MAX_TIMESTAMP]`` (``_Malformed`` otherwise: a
-    401-digit number overflowed ``float()`` and aborted the whole file; issue 20, 9)."""
+    401-digit number overflowed ``float()`` and aborted the whole file)."""
     if value is None:
         return None
     bad = _Malformed(

@@ -77,7 +77,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("num_malformed_lines"):
         out.append(f"  {report['num_malformed_lines']} malformed line(s) skipped")
     out.append(f"  ideal hit rate (infinite cache): {report['ideal_hit_rate']:.1%}")
-    if "segment_hit_rate" in report:  # issue 18: marked segments in the log
+    if "segment_hit_rate" in report:  # segment reuse: marked segments in the log
         out.append(
             f"  segments (infinite cache): {report['segment_hit_rate']:.1%} of segment tokens "
             f"reused; {report['segment_gain']:.1%} of prompt tokens beyond prefix reuse"

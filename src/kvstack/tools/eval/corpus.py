@@ -131,7 +131,7 @@ GEN_TOPICS = (
 def generated_corpus(
     llm: LLM, contexts: list[int], num_texts: int, seed: int = 0
 ) -> list[EvalText]:
-    """Texts the model writes itself (the issue's "generate the texts with the model").
+    """Texts the model writes itself.
 
     A chat prompt asks for a long essay on one of ``GEN_TOPICS`` (a base model continues
     the essay's title line); the model samples the rest (temperature 0.7, top-p 0.95,

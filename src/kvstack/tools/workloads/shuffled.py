@@ -1,4 +1,4 @@
-"""Workloads whose shared text comes in any order: segment reuse (issue 18).
+"""Workloads whose shared text comes in any order: segment reuse.
 
 Prefix caching only reuses a request's *prefix*; these two send the same pieces in
 different subsets and orders, which only segment reuse (``kv/segments.py``) can share::

@@ -39,7 +39,7 @@ DEFAULTS: dict[str, dict[str, int | float | None]] = {
         answer_len=32,
         named_tool_choice=0,
     ),
-    # Issue 18 (``shuffled.py``): shared pieces in any subset and order.
+    # Segment reuse (``shuffled.py``): shared pieces in any subset and order.
     "agent-tools-shuffled": dict(system_len=40, num_tools=20),
     "rag-shuffled": dict(system_len=20, num_docs=30, doc_len=200, question_len=30),
 }

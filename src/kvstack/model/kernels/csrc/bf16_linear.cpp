@@ -5,7 +5,7 @@
 // fma_bf16.h's, each over x widened to float32 once per call (see those headers for why:
 // PyTorch's bf16 matmul is 3-7x slower than float32 there).
 //
-// Why: on the 2-core AMD EPYC of issue 15 (Zen 4, avx512_bf16, no AMX), oneDNN ran a
+// Why: on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX), oneDNN ran a
 // batch-32 decode step's linears at ~280 GFLOP/s, 2.4x the time of reading their weights
 // once (benchmarks/profile_step.py). Here each weight element is loaded once per block of
 // MR rows from a register-blocked K loop of VDPBF16PS, with no packing of x and a per-call

@@ -1,7 +1,7 @@
 // decode_stack: a step's whole decoder stack in one call, for steps whose every row goes to
 // the C++ paged attention and whose every linear runs one of kvstack's own kernels at this
 // row count: a tiled quant_gemv weight, or a packed bf16 weight of bf16_linear or
-// amx_linear (issue 16:
+// amx_linear (why:
 // one request decoding with quantized weights runs ~120 linears and ~250 small ops a
 // token; each Python call and dispatch costs ~1-2 us, ~0.5 ms a token in all).
 //

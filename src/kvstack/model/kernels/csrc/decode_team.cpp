@@ -1,6 +1,6 @@
 // decode_team: decode_stack's step (decode_stack.cpp) run inside ONE parallel region.
 //
-// Why (issue 16): decode_stack calls ~10 kernels a layer, each opening its own
+// Why (decoding with quantized weights): decode_stack calls ~10 kernels a layer, each opening its own
 // at::parallel_for, allocating its output and checking its inputs; on the 2-core AMD EPYC
 // Zen 5 one request's quant_gemv calls streamed their 66 MB of weights at ~43 GB/s, half of
 // the ~90 GB/s this machine reads, most of the rest going to per-call work (activation

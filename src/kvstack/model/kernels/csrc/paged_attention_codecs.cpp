@@ -1,4 +1,4 @@
-// Paged attention over an encoded KV cache (era 5 codecs), dequantizing in the kernel.
+// Paged attention over an encoded KV cache (the KV codecs of kv/codecs/), dequantizing in the kernel.
 //
 // The same rows as paged_attention.cpp (decodes, and prefill rows at KV position p scored
 // as a decode of context p + 1), but K and V are read in place from a codec's storage

@@ -2,15 +2,15 @@
 // with a contiguous context before them.
 //
 // Why: PyTorch's CPU flash attention (F.scaled_dot_product_attention) ran 10 prompts x 200
-// tokens (9 q heads, 3 KV heads, head_dim 64) at ~46 GFLOP/s on the 2-core AMD EPYC of
-// issue 15, ~20 % of a 2,048-token prefill step; its GEMMs are small and oneDNN is not
+// tokens (9 q heads, 3 KV heads, head_dim 64) at ~46 GFLOP/s on a 2-core AMD EPYC
+// Zen 4, ~20 % of a 2,048-token prefill step; its GEMMs are small and oneDNN is not
 // used for them. Here both products run through the register-blocked VDPBF16PS kernel of
 // dpbf16.h, at the rate of the linears.
 //
 // Rows and keys: S sequences, each Lq query rows and Lk >= Lq keys (the last Lq of which
 // are the queries' own tokens), row i of a sequence at position off + i, off = Lk - Lq,
 // attends keys 0 .. off + i (causal; no window, no mask). With ``positions`` (one
-// sequence; issue 18's segment repair rows) row i sits at positions[i] instead (strictly
+// sequence; segment reuse's repair rows) row i sits at positions[i] instead (strictly
 // ascending, < Lk; its own K/V are among the keys) and attends keys 0 .. positions[i]:
 //
 //   keys:    0 .. off-1 | off  off+1 ... Lk-1

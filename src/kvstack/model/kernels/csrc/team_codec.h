@@ -1,6 +1,6 @@
-// decode_team over an encoded KV cache: era 5's per-token codecs (int8, fp8 e4m3 / e5m2,
+// decode_team over an encoded KV cache: the per-token KV codecs (int8, fp8 e4m3 / e5m2,
 // int4, rotated4) as phases of the team's region, so a codec's decode step is one parallel
-// region as an unencoded cache's is (issue 24: the codecs had run their layers in Python,
+// region as an unencoded cache's is (why: with a codec the layers had run in Python,
 // where decode_team saves ~8 % a step).
 //
 //   rows:  RoPE on q, k (no bf16 cache); K and V rows encoded at the rows' slots
