@@ -1,10 +1,10 @@
-"""KV offload tiers (era 4): time to first token when a shared prefix's KV comes from a tier.
+"""KV offload tiers: time to first token when a shared prefix's KV comes from a tier.
 
 Per prefix length N, one request = the prefix (seeded prose, exactly N tokens) + a fresh
 16-token suffix, ``max_tokens=1``, default model; each length runs once untimed first.
 
   recompute     no tiers, device prefix cache emptied before the request: full prefill
-  device        the prefix already in the device cache (era 3's reference)
+  device        the prefix already in the device cache (prefix reuse's reference)
   host          ``kv_offload="host:2GiB"``; the prefix stored (write-through, flushed), the
                 device cache emptied before each request
   disk          the same with ``disk:<tmpdir>:8GiB``; the files were just written, so they
