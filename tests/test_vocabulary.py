@@ -41,14 +41,17 @@ SKIPPED = (ROOT / "benchmarks" / "results",)
 
 
 def text_files(*roots: Path) -> list[Path]:
-    """Every text file under ``roots`` (a root may be a file), results and caches aside."""
+    """Every text file under ``roots`` (a root may be a file), results, caches and build
+    metadata (``*.egg-info``, a copy of an old README) aside."""
     files: list[Path] = []
     for root in roots:
         paths = [root] if root.is_file() else sorted(root.rglob("*"))
         for path in paths:
             if not path.is_file() or path.suffix not in TEXT_SUFFIXES:
                 continue
-            if any(path.is_relative_to(s) for s in SKIPPED) or "__pycache__" in path.parts:
+            if any(path.is_relative_to(s) for s in SKIPPED) or any(
+                part == "__pycache__" or part.endswith(".egg-info") for part in path.parts
+            ):
                 continue
             files.append(path)
     return files
