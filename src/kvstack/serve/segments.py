@@ -92,7 +92,7 @@ def _free_at(text: str, piece: str, lo: int, hi: int, starts: list[int], ends: l
     return -1
 
 
-def _locate(text: str, candidates: list[list[str]]) -> list[tuple[int, int, int]]:
+def locate_segments(text: str, candidates: list[list[str]]) -> list[tuple[int, int, int]]:
     """Character ranges of the segments found in ``text`` with their candidate's index,
     sorted, not overlapping.
 
@@ -165,7 +165,7 @@ def chat_segments(
         continue_final_message=continue_final_message,
         chat_template_kwargs=chat_template_kwargs, plan=plan, documents=documents,
     )  # fmt: skip
-    ranges = _locate(text, candidates)
+    ranges = locate_segments(text, candidates)
     if not ranges:
         return None
     ids, spans = split_tokenize(tok, text, ranges)
