@@ -207,7 +207,6 @@ class FakeReplica:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-
     async def _one_long_event(self, resp: web.StreamResponse) -> web.StreamResponse:
         await resp.write(b"data: ")
         for _ in range(48):
