@@ -190,6 +190,7 @@ def test_a_stalled_multi_prompt_stream_holds_a_bounded_number_of_outputs(
     finally:
         asyncio.run(engine.shutdown(0))
     print(f"outputs taken from each prompt's stream while stalled: {stalled}")
+    # Per prompt: the one the reader took, the queued one, the one in its pump's hand.
     assert len(stalled) == 4 and all(n <= 3 for n in stalled.values()), stalled
     assert chunks[-1] == "data: [DONE]\n\n"
     texts: dict[int, int] = {}

@@ -370,17 +370,15 @@ def _outputs(jobs: list[Job]) -> tuple[AsyncIterator[Item], list[asyncio.Task[No
     One job (the common case) streams directly; several are merged by the returned
     tasks, which the caller cancels when it stops early.
 
-    The merge queue holds at most one item per job: a pump whose put waits leaves its
-    stream's newer outputs to coalesce in the stream's one-slot buffer, as one prompt's
-    do (``output_stream.OutputSlot``). So a reader that stops reading holds at most three
-    outputs per prompt (queued, in a pump's hand, in the slot); an unbounded queue held
+    The merge queue holds one item: a pump whose put waits leaves its stream's newer
+    outputs to coalesce in the stream's one-slot buffer, as one prompt's do
+    (``output_stream.OutputSlot``). So a reader that stops reading holds two outputs per
+    prompt (in its pump's hand, in its slot) and the queued one; an unbounded queue held
     every step's cumulative output (4 prompts x n=16, 600 steps: 2,399 items, 356 MiB).
     """
     if len(jobs) == 1:
         return _single(jobs[0]), []
-    merged: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue(
-        maxsize=len(jobs)
-    )
+    merged: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue(1)
 
     async def pump(job: Job) -> None:
         try:
