@@ -5,12 +5,14 @@ backend), and an SSE event without an end is relayed, not held whole."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
 
 import httpx
 
+from kvstack.route.router.workers import BoundedWorkers
 from router_util import FakeReplica, FakeTokenizer
 
 HEALTH_BOUND_S = 2.0  # generous: /health answers in milliseconds when the loop is free
@@ -96,3 +98,29 @@ def test_an_sse_event_without_an_end_is_relayed_not_held(
     assert got == len(b"data: ") + 48 * 65536 + len(b"\n\ndata: [DONE]\n\n")
     a.mode = "ok"
     b.start()
+
+
+def test_a_full_tokenizing_backlog_routes_by_load_at_once() -> None:
+    """Past the backlog a body is not queued behind the others: it gets the fallback (no
+    token ids: a cache miss, routed by load) without waiting."""
+    workers = BoundedWorkers(1, 2, "test-route-tokenize")
+    gate = threading.Event()
+
+    def blocked() -> str:
+        gate.wait(10)
+        return "tokens"
+
+    async def flood() -> list[str]:
+        jobs = [asyncio.ensure_future(workers.run(blocked, "by load")) for _ in range(2)]
+        await asyncio.sleep(0.05)  # both submitted: one runs, one waits
+        third = await workers.run(blocked, "by load")  # answered before the gate opens
+        assert workers.pending == 2 and workers.num_skipped == 1
+        gate.set()
+        return [third, *await asyncio.gather(*jobs)]
+
+    try:
+        assert asyncio.run(flood()) == ["by load", "tokens", "tokens"]
+        assert workers.pending == 0
+    finally:
+        gate.set()
+        workers.close()
