@@ -70,7 +70,8 @@ class BgLoop:
 
 class FakeReplica:
     """A stand-in for ``kvstack serve``; ``mode``: ok | 500 | 503 | hang | die_midstream |
-    stall_midstream (silent, failing /health) | idle_midstream (silent, healthy)."""
+    stall_midstream (silent, failing /health) | idle_midstream (silent, healthy) |
+    no_blank_lines (3 MiB of one SSE event, then waits for ``release`` up to 10 s)."""
 
     def __init__(self, bg: BgLoop, name: str, role: str = "both") -> None:
         self.bg, self.name, self.role = bg, name, role
@@ -82,6 +83,8 @@ class FakeReplica:
         self.events_ok = True
         self.device_hashes: list[str] = []
         self.received: list[tuple[str, bytes, dict[str, str]]] = []
+        self.release = threading.Event()  # no_blank_lines: finish the event
+        self.release_timed_out = False
         self._queues: list[asyncio.Queue[tuple[list[dict[str, Any]], int] | None]] = []
         self._runner: web.AppRunner | None = None
 
@@ -187,6 +190,8 @@ class FakeReplica:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.mode == "no_blank_lines":
+            return await self._one_long_event(resp)
         for i in range(4):
             await resp.write(sse({"id": "cmpl-1", "choices": [{"index": 0, "text": f"t{i}"}]}))
             await asyncio.sleep(0.01)
@@ -200,6 +205,17 @@ class FakeReplica:
             if self.mode == "idle_midstream" and i == 1:
                 await asyncio.sleep(3600)
         await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _one_long_event(self, resp: web.StreamResponse) -> web.StreamResponse:
+        await resp.write(b"data: ")
+        for _ in range(48):
+            await resp.write(b"x" * 65536)
+        deadline = time.monotonic() + 10.0
+        while not self.release.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.release_timed_out = not self.release.is_set()
+        await resp.write(b"\n\ndata: [DONE]\n\n")
         return resp
 
 
@@ -223,7 +239,8 @@ class RouterUnderTest:
     """``create_router_app`` served by uvicorn on the background loop."""
 
     def __init__(self, bg: BgLoop, urls: list[str], policy: str = "round_robin",
-                 health_interval: float = 0.1, **cfg: Any) -> None:  # fmt: skip
+                 health_interval: float = 0.1, tokenizer: Any = None,
+                 **cfg: Any) -> None:  # fmt: skip
         self.bg = bg
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -236,7 +253,7 @@ class RouterUnderTest:
             return make_policy(policy, block_size=block_size, model_id=model_id, balance=balance)
 
         config = RouterConfig(status_interval_s=None, **cfg)
-        self.app = create_router_app(self.pool, factory, FakeTokenizer(), config)
+        self.app = create_router_app(self.pool, factory, tokenizer or FakeTokenizer(), config)
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         )

@@ -5,6 +5,7 @@ only ``redis://``."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import stat
@@ -181,3 +182,65 @@ def test_offload_key_file_is_checked_at_startup(tmp_path: Path) -> None:
         CacheConfig(kv_offload_key_file=str(good))
     with pytest.raises(ConfigError, match="kv-offload-key-file"):
         CacheConfig(kv_offload=f"disk:{tmp_path}:1MiB", kv_offload_key_file=str(tmp_path / "x"))
+
+
+def test_a_full_disk_is_rechecked_and_stores_resume_once_space_is_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After ENOSPC the disk tier never wrote again (``stores`` flat, ``dropped_stores``
+    growing) and its index listed the files an operator deleted until a restart."""
+    tier = DiskTier(LAYOUT, tmp_path, capacity_bytes=1 << 20, full_backoff_s=1.0)
+    evicted: list[bytes] = []
+    tier.watch_evictions(evicted.extend)
+    for i in range(3):
+        tier.store(h(i), payload(i))
+    replace = os.replace
+    attempts: list[str] = []
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        attempts.append("write")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    tier.store(h(10), payload(10))
+    tier.store(h(11), payload(11))  # inside the back-off: dropped without a write
+    assert tier.writes_disabled and attempts == ["write"] and tier.stats.dropped_stores == 2
+    time.sleep(1.05)
+    tier.store(h(12), payload(12))  # re-checked: still full, so the back-off doubles
+    assert len(attempts) == 2 and tier.writes_disabled
+    # The operator frees space by deleting two of the tier's files.
+    block_path(tier, 0).unlink()
+    block_path(tier, 1).unlink()
+    monkeypatch.setattr(os, "replace", replace)
+    time.sleep(2.1)  # the doubled back-off
+    stores = tier.stats.stores
+    tier.store(h(13), payload(13))
+    assert not tier.writes_disabled and tier.stats.stores == stores + 1
+    assert not tier.contains(h(0)) and not tier.contains(h(1)) and sorted(evicted) == [h(0), h(1)]
+    tier.store(h(0), payload(0))  # a block whose file was deleted is stored again
+    assert tier.contains(h(0)) and tier.lookup_load([h(0)]) == [payload(0)]
+    assert tier.stats.num_blocks == 3  # blocks 0, 2 and 13: the index matches the disk
+    tier.check_integrity()
+
+
+def test_a_full_disk_waits_for_statvfs_to_show_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = DiskTier(LAYOUT, tmp_path, capacity_bytes=1 << 20, full_backoff_s=0.0)
+    real_replace, real_statvfs = os.replace, os.statvfs
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(os, "replace", no_space)
+    tier.store(h(0), payload(0))
+    monkeypatch.setattr(os, "replace", real_replace)
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    tier.store(h(1), payload(1))  # no room reported: no write tried
+    assert tier.writes_disabled and tier.stats.stores == 0
+    monkeypatch.setattr(os, "statvfs", real_statvfs)
+    tier.store(h(2), payload(2))
+    assert not tier.writes_disabled and tier.stats.stores == 1 and tier.contains(h(2))

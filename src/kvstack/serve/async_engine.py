@@ -320,18 +320,23 @@ class AsyncEngine:
         try:
             self._loop(keep_going)
         finally:
-            self._running = False
+            self._running = False  # no command is queued from now on (``call``)
+            self._drain()  # shutdown's aborts, queued while the last step ran: free blocks
             self._loop_thread = None
             logger.info("engine loop stopped")
+
+    def _drain(self) -> None:
+        """Run every queued command (``call``'s wrapper hands errors to the caller)."""
+        while True:
+            try:
+                self._cmds.get_nowait()()
+            except queue.Empty:
+                return
 
     def _loop(self, keep_going: Callable[[], bool]) -> None:
         while not self._stop and keep_going():
             self._wake.clear()
-            while True:
-                try:
-                    self._cmds.get_nowait()()
-                except queue.Empty:
-                    break
+            self._drain()
             if self._llm_engine.has_unfinished_requests():
                 try:
                     outputs = self._llm_engine.step()

@@ -24,8 +24,14 @@ fingerprint, dtype and shapes, ``block_format.py``; ``<h>`` the 32-hex-digit blo
   ``STALE_TMP_S`` (a crashed write; another live process may be writing a young one).
   A file written by another process after the scan is found on a lookup miss (the
   directory may be shared).
-* **Full disk**: ``ENOSPC``/``EDQUOT``/``EROFS`` disables writes to this tier with one
-  warning; reads continue.
+* **Full disk**: ``ENOSPC``/``EDQUOT``/``EROFS`` pauses writes to this tier with one
+  warning; reads continue. After a back-off (``full_backoff_s``, doubling per failed
+  re-check up to ``FULL_BACKOFF_MAX_S``) the next store re-checks: the index drops the
+  blocks whose files are gone (an operator freeing space deletes them), ``statvfs`` must
+  show room for the block, and a write that succeeds resumes storing (as the Redis tier
+  retries after its back-off). Before, writes stayed off until a restart and the index
+  kept listing deleted files, so ``stores`` stayed flat and those blocks were never
+  stored again.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from kvstack.kv.tiers.budget import BlockBudget
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 STALE_TMP_S = 3600.0  # a temp file this old is a crashed write, not a peer's live one
+FULL_BACKOFF_S = 5.0  # first re-check of a full disk; doubles per failed re-check
+FULL_BACKOFF_MAX_S = 300.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 
@@ -53,7 +61,12 @@ class DiskTier(OffloadTier):
     kind = "disk"
 
     def __init__(
-        self, layout: BlockLayout, path: str | Path, capacity_bytes: int, policy: str = "lru"
+        self,
+        layout: BlockLayout,
+        path: str | Path,
+        capacity_bytes: int,
+        policy: str = "lru",
+        full_backoff_s: float = FULL_BACKOFF_S,
     ) -> None:
         super().__init__(layout)
         self.root = Path(path) / f"kvstack-{layout.namespace.hex()}"
@@ -62,8 +75,47 @@ class DiskTier(OffloadTier):
         if self.root.is_symlink():
             raise OSError(errno.ELOOP, f"{self.root} is a symlink")
         self.budget = BlockBudget(capacity_bytes, policy)
-        self.writes_disabled = False
+        self.full_backoff_s = full_backoff_s
+        self._full_wait = full_backoff_s  # the current back-off while full
+        self._full_until: float | None = None  # while full: when to re-check (monotonic)
         self._scan()
+
+    @property
+    def writes_disabled(self) -> bool:
+        """True while a full disk pauses writes (until a re-check finds room)."""
+        return self._full_until is not None
+
+    def _may_write(self, size: int) -> bool:
+        """False while paused by a full disk and before the back-off has passed; after
+        it, drop the index entries whose files are gone and ask ``statvfs`` for room."""
+        if self._full_until is None:
+            return True
+        if time.monotonic() < self._full_until:
+            return False
+        self._drop_missing()
+        try:
+            st = os.statvfs(self.root)
+            room = st.f_bavail * st.f_frsize >= size
+        except OSError:
+            room = False
+        if not room:
+            self._paused()
+        return room
+
+    def _paused(self) -> None:
+        """A full disk (again): back off, twice as long as last time when already paused."""
+        if self._full_until is not None:
+            self._full_wait = min(2 * self._full_wait, FULL_BACKOFF_MAX_S)
+        self._full_until = time.monotonic() + self._full_wait
+
+    def _drop_missing(self) -> None:
+        """Forget the blocks whose files are gone (evicted, as the budget reports them)."""
+        gone = [k for k in self.budget.sizes if not os.path.lexists(self._path(k))]
+        for key in gone:
+            self.budget.remove(key)
+        if gone and self.budget.on_evict is not None:
+            self.budget.on_evict(gone)
+        self._sync_stats()
 
     def describe(self) -> str:
         cap = self.budget.capacity_bytes
@@ -193,7 +245,7 @@ class DiskTier(OffloadTier):
         if block_hash in self.budget:
             return
         data = encode(self.layout, block_hash, payload)
-        if self.writes_disabled or not self.budget.fits(len(data)):
+        if not self.budget.fits(len(data)) or not self._may_write(len(data)):
             self.stats.dropped_stores += 1
             return
         path = self._path(block_hash)
@@ -203,11 +255,15 @@ class DiskTier(OffloadTier):
             self.stats.errors += 1
             self.stats.dropped_stores += 1
             if e.errno in _FULL_ERRNOS:
-                self.writes_disabled = True
-                self.warn_once("full", "%s is full or read-only (%s); writes disabled", path, e)
+                self._paused()
+                self.warn_once("full", "%s is full or read-only (%s); writes disabled, "
+                               "re-checked with back-off", path, e)  # fmt: skip
             else:
                 self.warn_once("write", "cannot write %s (%s)", path, e)
             return
+        if self._full_until is not None:
+            self._full_until, self._full_wait = None, self.full_backoff_s
+            self.clear_warning("full", f"{self.root} has room again; stores resumed")
         for victim in self.budget.admit(block_hash, len(data)):
             self._unlink(victim)
             self.stats.evictions += 1

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (routed and proxied by
 :class:`~kvstack.route.router.proxy.Router`, streaming included), ``GET /v1/models`` (forwarded to a
 healthy backend), ``GET /health`` (200 iff at least one backend can serve), ``GET /metrics``
-(the router's own ``kvstack_router:*`` registry) and ``GET /router/state`` (each backend's
+(the router's own ``kvstack_router:*`` registry; it needs the API key when one is set,
+unless ``open_metrics``, since it names every backend) and ``GET /router/state`` (each backend's
 health, role, load, in-flight count and KV-event freshness, plus the policy's name; it
 needs the API key when one is set, since it lists the backends).
 
@@ -50,6 +51,9 @@ class RouterConfig:
     body_timeout_s: float | None = 30.0  # a client's whole body (408 past it)
     status_interval_s: float | None = 10.0  # None: no periodic status line
     policy_name: str | None = None  # shown by /router/state before a factory builds it
+    # With api_key: /metrics needs it too (its per-backend series name every backend, as
+    # /router/state does) unless opened (``--open-endpoints metrics``, SECURITY.md).
+    open_metrics: bool = False
     # --policy kv_events: backends followed over ZMQ (event_sources.py), and the topic.
     event_endpoints: EventEndpoints = field(default_factory=EventEndpoints)
     event_topic: str = ""
@@ -156,7 +160,9 @@ def _add_routes(app: FastAPI, router: Router, cfg: RouterConfig) -> None:
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(raw: Request) -> Response:
+        if not cfg.open_metrics:
+            check_auth(raw)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/router/state")

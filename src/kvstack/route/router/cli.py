@@ -160,8 +160,14 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument(
         "--api-key", default=os.environ.get("KVSTACK_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (passed on to the backends, "
-        "and used for their /load and /v1/kv_events); default $KVSTACK_API_KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /router/state and /metrics "
+        "(passed on to the backends, and used for their /load and /v1/kv_events); "
+        "default $KVSTACK_API_KEY",
+    )  # fmt: skip
+    s.add_argument(
+        "--open-endpoints", choices=("none", "metrics"), default="none",
+        help="with --api-key, 'metrics' serves /metrics without the key (it names every "
+        "backend and its health; default none: Prometheus sends the key). See SECURITY.md",
     )  # fmt: skip
     s.add_argument(
         "--request-timeout", type=float, default=None,
@@ -293,6 +299,7 @@ def build_router(a: argparse.Namespace, settings: RouterSettings) -> tuple[Backe
             api_key=a.api_key, max_body_bytes=a.max_body_bytes,
             request_timeout_s=a.request_timeout, prefill_timeout_s=a.prefill_timeout,
             idle_timeout_s=a.idle_timeout, policy_name=a.policy,
+            open_metrics=a.open_endpoints == "metrics",
             event_endpoints=settings.event_endpoints, event_topic=a.kv_events_topic,
         ),
     )  # fmt: skip

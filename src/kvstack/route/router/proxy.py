@@ -50,6 +50,7 @@ from kvstack.route.router.backends import Backend, BackendPool
 from kvstack.route.router.event_sources import EventEndpoints, EventFeeds
 from kvstack.route.router.metrics import RouterMetrics
 from kvstack.route.router.relay import relay_response
+from kvstack.route.router.workers import BoundedWorkers
 from kvstack.serve.api.protocol import error_body
 
 logger = logging.getLogger("kvstack.route")
@@ -123,6 +124,9 @@ class Router:
         self._policy: RoutingPolicy | None = None
         self._factory: PolicyFactory | None = None
         self._feeds: EventFeeds | None = None
+        # Tokenizing never runs on the event loop (workers.py); past 64 waiting bodies a
+        # request is routed by load (a miss) instead of waiting for its tokens.
+        self._workers = BoundedWorkers(2, 64, "kvstack-route-tokenize")
         if isinstance(policy, RoutingPolicy):
             self._install(policy)
         else:
@@ -191,6 +195,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.pool.stop()
+        self._workers.close()
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -218,11 +223,9 @@ class Router:
         disconnected: Callable[[], Coroutine[Any, Any, None]] | None = None,
     ) -> Response:
         """Route and proxy one POST to ``path`` (``/v1/completions`` or chat)."""
-        rreq = (
-            self.route_request(path, body)
-            if len(body) < 32 * 1024
-            else await asyncio.to_thread(self.route_request, path, body)
-        )
+        rreq = RouteRequest(())  # no tokenizer: nothing to compute
+        if self.tokenizer is not None:
+            rreq = await self._workers.run(lambda: self.route_request(path, body), rreq)
         fwd = {k: v for k, v in headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
         if self.pool.healthy(PREFILL_ROLES) and self.pool.healthy(SERVING_ROLES):
             try:

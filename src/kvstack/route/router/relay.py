@@ -8,9 +8,13 @@ ejects it (a hung replica), mid-response, an SSE response ends with a final
 shape) and a JSON response is cut off; it is never retried, since the client has already
 seen part of it.
 
-Invariants: SSE is relayed on event boundaries (``\\n\\n``) only, so the error event never
-lands inside half an event; ``release`` (the attempt's in-flight count and connection)
-runs exactly once, even when the response is never iterated (client gone first).
+Invariants: SSE is relayed on event boundaries (``\\n\\n``), so the error event never
+lands inside half an event; an event longer than ``MAX_SSE_HELD_BYTES`` is relayed as it
+arrives instead (a backend streaming without blank lines was buffered whole: nothing
+reached the client, ~150 MB held), and an error after such a partial event starts with a
+blank line, so it is still an event of its own. ``release`` (the attempt's in-flight
+count and connection) runs exactly once, even when the response is never iterated
+(client gone first).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ FORWARD_RESPONSE_HEADERS = frozenset(
     {"content-type", "content-encoding", "retry-after", "x-request-id", "cache-control",
      "kvstack-ignored-fields"}  # serve/api/leniency.py: the body fields the replica ignored
 )  # fmt: skip
+
+
+MAX_SSE_HELD_BYTES = 1 << 20  # SSE bytes held back waiting for an event's end
 
 
 def sse_error(message: str) -> bytes:
@@ -105,13 +112,17 @@ async def _relay(
     pending = bytearray(first)
     down = asyncio.create_task(b.down.wait())
     read: asyncio.Task[bytes] | None = None
+    mid_event = False  # what was relayed last ended inside an event (one over the cap)
     try:
         while True:
             cut = len(pending)
-            if sse:  # whole events only
+            if sse:  # whole events, unless one outgrows the cap
                 end = pending.rfind(b"\n\n")
                 cut = end + 2 if end >= 0 else 0
+                if len(pending) - cut > MAX_SSE_HELD_BYTES:
+                    cut = len(pending)
             if cut:
+                mid_event = sse and not pending.endswith(b"\n\n", 0, cut)
                 yield bytes(pending[:cut])
                 del pending[:cut]
             read = asyncio.create_task(resp.content.readany())
@@ -131,7 +142,8 @@ async def _relay(
         pool.report_failure(b.id, f"mid-response: {why}")
         if not sse:
             raise
-        yield sse_error(f"backend {b.id} failed mid-response: {why}")
+        closing = sse_error(f"backend {b.id} failed mid-response: {why}")
+        yield b"\n\n" + closing if mid_event else closing
     finally:
         for t in (down, read):
             if t is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.core.errors import InvalidRequestError
-from kvstack.core.request import CompletionOutput, RequestOutput
+from kvstack.core.request import CompletionOutput, RequestOutput, SamplingParams
 from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.serve.api.logprob_format import (
     chat_logprobs,
@@ -119,15 +119,16 @@ class OpenAIHandler:
         self,
         prompts: list[tuple[list[int], str | None, list[Mark] | None]],
         req: CompletionRequest | ChatCompletionRequest,
+        sp: SamplingParams,
         endpoint: str,
         session_id: str | None,
     ) -> tuple[str, list[Job]]:
-        """Queue every prompt; on any error abort those already queued and re-raise.
+        """Queue every prompt with ``sp`` (``req.sampling_params``, computed by the caller
+        off the event loop); on any error abort those already queued and re-raise.
 
         A prompt is cut to its last ``truncate_prompt_tokens`` here (not only in the
         engine), so usage and ``echo`` see the prompt the engine ran."""
         engine = self.ctx.engine
-        sp = req.sampling_params(engine.generation_defaults)
         if len(prompts) * sp.n > self.ctx.max_sequences:
             raise InvalidRequestError(
                 f"{len(prompts)} prompts x n={sp.n} is {len(prompts) * sp.n} sequences; a "
@@ -367,10 +368,17 @@ Item = tuple[Job, RequestOutput | BaseException]
 def _outputs(jobs: list[Job]) -> tuple[AsyncIterator[Item], list[asyncio.Task[None]]]:
     """Every job's outputs as they come, a failed stream's exception as its last item.
     One job (the common case) streams directly; several are merged by the returned
-    tasks, which the caller cancels when it stops early."""
+    tasks, which the caller cancels when it stops early.
+
+    The merge queue holds one item: a pump whose put waits leaves its stream's newer
+    outputs to coalesce in the stream's one-slot buffer, as one prompt's do
+    (``output_stream.OutputSlot``). So a reader that stops reading holds two outputs per
+    prompt (in its pump's hand, in its slot) and the queued one; an unbounded queue held
+    every step's cumulative output (4 prompts x n=16, 600 steps: 2,399 items, 356 MiB).
+    """
     if len(jobs) == 1:
         return _single(jobs[0]), []
-    merged: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue(1)
 
     async def pump(job: Job) -> None:
         try:

@@ -97,10 +97,14 @@ class OpenAIRoutes:
         """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
-            prompts = await self.ctx.off_loop(lambda: self.prompts(req))
+            defaults = self.ctx.engine.generation_defaults
+            # Both CPU work (a million stop_token_ids took 1.5 s to check): off the loop.
+            prompts, sp = await self.ctx.off_loop(
+                lambda: (self.prompts(req), req.sampling_params(defaults))
+            )
             session = raw.headers.get("x-session-id") or req.user
             return await self.handler.start(
-                prompts, req, "chat" if chat else "completions", session
+                prompts, req, sp, "chat" if chat else "completions", session
             )
         except SpecTooLargeError as e:
             raise ApiError(413, str(e), param=e.param) from None

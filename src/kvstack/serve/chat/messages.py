@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
 from kvstack.model.tokenizer.chat_template import join_text_parts, template_role
 from kvstack.serve.api.protocol_tools import ToolCallMessage
+
+MAX_CONTENT_PARTS = 1024  # per message, checked before any templating (SECURITY.md)
 
 
 class StrictBody(BaseModel):
@@ -50,6 +52,15 @@ class ChatMessage(StrictBody):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_bounded(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(
+                f"a message may have at most {MAX_CONTENT_PARTS} content parts, got {len(v)}"
+            )
+        return v
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (``developer`` becomes ``system``)."""
