@@ -131,11 +131,22 @@ def group_variants(source: str, digests: dict[str, str], order: list[isa.IsaLeve
     return [Unit(source, names[0], tuple(names)) for names in by_digest.values()]
 
 
-def plan(cxx: str, levels: list[isa.IsaLevel], build: Path, csrc: Path = CSRC) -> list[Unit]:
+def plan(
+    cxx: str,
+    levels: list[isa.IsaLevel],
+    build: Path,
+    csrc: Path = CSRC,
+    sources: tuple[str, ...] = SOURCES,
+) -> list[Unit]:
     """Which objects to compile for ``levels`` (cached in ``build/plan.json`` by sources,
     levels and compiler)."""
     key_src = json.dumps(
-        [sources_hash(csrc), [(lv.name, lv.cflags) for lv in levels], compiler_version(cxx)]
+        [
+            sources_hash(csrc),
+            sources,
+            [(lv.name, lv.cflags) for lv in levels],
+            compiler_version(cxx),
+        ]
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     cache = build / "plan.json"
@@ -158,12 +169,12 @@ def plan(cxx: str, levels: list[isa.IsaLevel], build: Path, csrc: Path = CSRC) -
             )
         return source, lv.name, hashlib.sha256(own_text(out.stdout, csrc).encode()).hexdigest()
 
-    jobs = [(s, lv) for s in SOURCES for lv in levels]
-    digests: dict[str, dict[str, str]] = {s: {} for s in SOURCES}
+    jobs = [(s, lv) for s in sources for lv in levels]
+    digests: dict[str, dict[str, str]] = {s: {} for s in sources}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for source, name, d in pool.map(digest, jobs):
             digests[source][name] = d
-    units = [u for s in SOURCES for u in group_variants(s, digests[s], levels)]
+    units = [u for s in sources for u in group_variants(s, digests[s], levels)]
     cache.write_text(
         json.dumps({"key": key, "units": [[u.source, u.variant, list(u.levels)] for u in units]})
     )
@@ -218,17 +229,18 @@ def run_ninja(build: Path) -> None:
         raise BuildError("ninja is not installed (pip install ninja)")
     jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
     env = {**os.environ, "NINJA_STATUS": f"{PROGRESS}: [%f/%t] "}
-    done = subprocess.run([ninja, "-C", str(build), "-j", jobs], env=env, check=False)
+    cmd = [ninja, "-C", str(build), "-j", jobs]
+    done = subprocess.run(cmd, env=env, stdout=sys.stderr.fileno(), check=False)
     if done.returncode != 0:
         raise BuildError(f"the kernel build failed (ninja exit {done.returncode}; errors above)")
 
 
-def current(out: Path, names: list[str], torch_version: str) -> bool:
+def current(out: Path, names: list[str], torch_version: str, csrc: Path = CSRC) -> bool:
     """Whether ``out`` already holds these levels built from these sources and torch."""
     m = read_manifest(out)
     return (
         m is not None
-        and m.sources_hash == sources_hash()
+        and m.sources_hash == sources_hash(csrc)
         and m.torch == torch_version
         and set(names) <= set(m.levels)
         and all((out / library_name(n)).is_file() for n in names)
@@ -236,11 +248,15 @@ def current(out: Path, names: list[str], torch_version: str) -> bool:
 
 
 def build(
-    out: Path = PACKAGE_DIR, build_dir: Path | None = None, every: bool | None = None
+    out: Path = PACKAGE_DIR,
+    build_dir: Path | None = None,
+    every: bool | None = None,
+    csrc: Path = CSRC,
+    sources: tuple[str, ...] = SOURCES,
 ) -> Manifest:
     """Build the levels (those this CPU runs, or all with ``every`` /
-    ``$KVSTACK_BUILD_ALL_ISA``) into ``out``; waits for a build in progress and reuses
-    it when current. Raises BuildError (one line) when it cannot."""
+    ``$KVSTACK_BUILD_ALL_ISA``) of ``sources`` in ``csrc`` into ``out``; waits for a build
+    in progress and reuses it when current. Raises BuildError (one line) when it cannot."""
     import torch
 
     cxx = compiler()
@@ -259,18 +275,18 @@ def build(
     with locked(
         out, exclusive=True, on_wait=lambda pid: say(f"waiting for the build of pid {pid}")
     ):
-        if current(out, names, torch.__version__):
+        if current(out, names, torch.__version__, csrc):
             say(f"up to date ({', '.join(names)}) in {out}")
             return read_manifest(out)  # type: ignore[return-value]
         t0 = time.monotonic()
         build_dir.mkdir(parents=True, exist_ok=True)
-        units = plan(cxx, levels, build_dir)
-        say(f"building {', '.join(names)}: {len(units)} objects ({len(SOURCES)} sources)")
-        text = ninja_file(cxx, units, levels, out.resolve(), CSRC)
+        units = plan(cxx, levels, build_dir, csrc, sources)
+        say(f"building {', '.join(names)}: {len(units)} objects ({len(sources)} sources)")
+        text = ninja_file(cxx, units, levels, out.resolve(), csrc)
         (build_dir / "build.ninja").write_text(text)
         run_ninja(build_dir)
         manifest = Manifest(
-            tuple(names), sources_hash(), torch.__version__, compiler_version(cxx), time.time()
+            tuple(names), sources_hash(csrc), torch.__version__, compiler_version(cxx), time.time()
         )
         write_manifest(out, manifest)
         say(f"built {', '.join(names)} into {out} in {time.monotonic() - t0:.0f} s")
