@@ -148,3 +148,16 @@ def test_avx2_library_has_no_avx512_instruction() -> None:
     assert bad == [], bad[:5]
     if "avx512" in manifest.levels:  # the detector sees AVX-512 where it is
         assert avx512_lines(manifest.library(directory, "avx512"))
+
+
+def test_install_without_a_compiler_warns_once_and_succeeds(tmp_path: Path) -> None:
+    """``setup.py build_ext`` (what pip runs) with no compiler: exit 0, one warning."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "PYTHONPATH": SRC}
+    env.pop("KVSTACK_NO_KERNELS", None)
+    cmd = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    warnings = [ln for ln in done.stderr.splitlines() if "kvstack-kernels: WARNING" in ln]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0], done.stderr
+    assert "PyTorch path" in warnings[0]
