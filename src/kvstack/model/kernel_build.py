@@ -272,25 +272,44 @@ def build(
     names = [lv.name for lv in levels]
     build_dir = build_dir or out / "build"
     out.mkdir(parents=True, exist_ok=True)
-    with locked(
-        out, exclusive=True, on_wait=lambda pid: say(f"waiting for the build of pid {pid}")
-    ):
+
+    def waiting(pid: str) -> None:
+        say(f"waiting for the build of pid {pid}")
+
+    # the library directory (loaders wait on it), then the objects' (another output
+    # directory's build may share them); always in this order, so builders never deadlock
+    with locked(out, exclusive=True, on_wait=waiting):
         if current(out, names, torch.__version__, csrc):
             say(f"up to date ({', '.join(names)}) in {out}")
             return read_manifest(out)  # type: ignore[return-value]
-        t0 = time.monotonic()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        units = plan(cxx, levels, build_dir, csrc, sources)
-        say(f"building {', '.join(names)}: {len(units)} objects ({len(sources)} sources)")
-        text = ninja_file(cxx, units, levels, out.resolve(), csrc)
-        (build_dir / "build.ninja").write_text(text)
-        run_ninja(build_dir)
-        manifest = Manifest(
-            tuple(names), sources_hash(csrc), torch.__version__, compiler_version(cxx), time.time()
-        )
-        write_manifest(out, manifest)
-        say(f"built {', '.join(names)} into {out} in {time.monotonic() - t0:.0f} s")
-        return manifest
+        with locked(build_dir, exclusive=True, on_wait=waiting):
+            return compile_levels(cxx, levels, out, build_dir, csrc, sources)
+
+
+def compile_levels(
+    cxx: str,
+    levels: list[isa.IsaLevel],
+    out: Path,
+    build_dir: Path,
+    csrc: Path,
+    sources: tuple[str, ...],
+) -> Manifest:
+    """Plan, write build.ninja, run ninja, then write the manifest (last)."""
+    import torch
+
+    names = [lv.name for lv in levels]
+    t0 = time.monotonic()
+    units = plan(cxx, levels, build_dir, csrc, sources)
+    say(f"building {', '.join(names)}: {len(units)} objects ({len(sources)} sources)")
+    text = ninja_file(cxx, units, levels, out.resolve(), csrc)
+    (build_dir / "build.ninja").write_text(text)
+    run_ninja(build_dir)
+    manifest = Manifest(
+        tuple(names), sources_hash(csrc), torch.__version__, compiler_version(cxx), time.time()
+    )
+    write_manifest(out, manifest)
+    say(f"built {', '.join(names)} into {out} in {time.monotonic() - t0:.0f} s")
+    return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
