@@ -105,9 +105,10 @@ def load_kernels() -> Kernels | None:
     """``torch.ops.kvstack`` with the built kernels of the best ISA level this CPU runs,
     or None when unavailable (never raises, never compiles: one warning naming the reason,
     counted in ``kvstack:kernel_fallback_total``)."""
-    global _module, _failed
+    global _module, _failed, _state
     if kernels_disabled():
         note_fallback("all", "disabled")
+        _state = "off: KVSTACK_NO_KERNELS is set"
         return None
     if _module is not None or _failed:
         return _module
