@@ -161,3 +161,28 @@ def test_install_without_a_compiler_warns_once_and_succeeds(tmp_path: Path) -> N
     warnings = [ln for ln in done.stderr.splitlines() if "kvstack-kernels: WARNING" in ln]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0], done.stderr
     assert "PyTorch path" in warnings[0]
+
+
+BEYOND = {  # instructions a level's library must not hold: they need the next level
+    "avx512": re.compile(r"\s(vdpbf16ps|vcvtne2?ps2bf16|vpdpbusds?|vpdpwssds?)\s"),
+    "avx512_bf16": re.compile(r"\s(tdp\w+|tileloadd\w*|ldtilecfg|tilestored|tilezero)\s"),
+}
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump missing")
+def test_avx512_libraries_stay_within_their_level() -> None:
+    directory = kernel_dir()
+    manifest = read_manifest(directory)
+    if manifest is None or not set(BEYOND) & set(manifest.levels):
+        pytest.skip("no AVX-512 level built on this CPU")
+    for name, pattern in BEYOND.items():
+        if name in manifest.levels:
+            lib = manifest.library(directory, name)
+            out = subprocess.run(
+                ["objdump", "-d", "--no-show-raw-insn", str(lib)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            bad = [ln for ln in out.stdout.splitlines() if pattern.search(ln + " ")]
+            assert bad == [], (name, bad[:5])
