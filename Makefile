@@ -64,4 +64,4 @@ bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py --write-readme
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info src/kvstack/model/kernels_lib
+	rm -rf $(VENV) build *.egg-info src/*.egg-info $$(find src -type d -name kernels_lib)

@@ -30,21 +30,24 @@ class BinaryDistribution(Distribution):
 
 
 class BuildKernels(build_ext):
-    """``build_ext`` that builds the kernels into the package's ``model/kernels_lib``
-    (the source tree for ``--inplace`` and editable installs)."""
+    """``build_ext`` that builds the kernels into the package's library directory
+    (``kernel_files.PACKAGE_DIR``; in the source tree for ``--inplace`` and editable
+    installs)."""
 
     def run(self) -> None:
         if os.environ.get("KVSTACK_NO_KERNELS", "") not in ("", "0"):
             print("kvstack-kernels: KVSTACK_NO_KERNELS is set: not building", file=sys.stderr)
             return
         inplace = self.inplace or getattr(self, "editable_mode", False)
-        base = ROOT / "src" if inplace else Path(self.build_lib)
-        out = base / "kvstack" / "model" / "kernels_lib"
         sys.path.insert(0, str(ROOT / "src"))
         try:
             from kvstack.model.kernel_build import BuildError, build
+            from kvstack.model.kernel_files import PACKAGE_DIR
         finally:
             sys.path.pop(0)
+        # where the package keeps its libraries, in the source tree or the wheel's tree
+        base = ROOT / "src" if inplace else Path(self.build_lib)
+        out = base / PACKAGE_DIR.relative_to(ROOT / "src")
         try:
             build(out, ROOT / "build" / "kernels")
         except (BuildError, ImportError, OSError) as e:
