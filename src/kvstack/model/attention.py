@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from kvstack.kv.codecs import KernelView
 from kvstack.kv.storage import LayerCache
 from kvstack.model.arch.window import decode_window_bias, prefill_window_mask
+from kvstack.model.kernels import isa
 from kvstack.model.kernels.loader import Kernels, note_fallback
 
 
@@ -241,8 +242,8 @@ def causal_kernel_takes(kernels: Kernels | None, dtype: torch.dtype, head_dim: i
     global _causal_available
     if kernels is None or dtype != torch.bfloat16 or head_dim % 32:
         return False
-    if _causal_available is None:
-        _causal_available = bool(kernels.causal_attention_available())
+    if _causal_available is None:  # model/kernels/isa.py: built at the AVX512-BF16 levels only
+        _causal_available = isa.causal_attention() and bool(kernels.causal_attention_available())
     return _causal_available
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvstack.core import hugepages
 from kvstack.core.model_config import RopeScaling
-from kvstack.model.kernels import amx_linear, packed_linear
+from kvstack.model.kernels import amx_linear, isa, packed_linear
 from kvstack.model.kernels.loader import note_fallback
 
 
@@ -31,7 +31,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     bf16 on a CPU without native oneDNN bf16 (AVX2-only, AVX-512 without BF16), the float32
     GEMM of widened copies, 3-7x faster there than PyTorch's bf16 matmul
     (``packed_linear.widened_linear``)."""
-    if x.dtype != torch.bfloat16 or packed_linear.onednn_bf16():
+    if x.dtype != torch.bfloat16 or isa.onednn_bf16():
         return F.linear(x, weight)
     return packed_linear.widened_linear(x, weight)
 
@@ -57,7 +57,7 @@ class Linear:
         if amx_linear.packable(self.weight) and (kern := packed_linear.tile_kernel()) is not None:
             self.tiles = hugepages.weight_copy(amx_linear.pack_weight(self.weight))
             self._tile = kern
-        if not packed_linear.onednn_bf16():  # counted: kvstack:kernel_fallback_total
+        if not isa.onednn_bf16():  # counted: kvstack:kernel_fallback_total
             note_fallback("onednn_prepack", "bf16_unsupported")
             return
         try:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstack.model.kernels import isa
 from kvstack.model.kernels.loader import Kernels, load_kernels
 
 AMX_MAX_ROWS = 128  # rows (tokens) up to which amx_linear beats oneDNN (table above)
@@ -51,8 +52,8 @@ def amx_kernels() -> Kernels | None:
     kernels = load_kernels()
     if kernels is None:
         return None
-    if _available is None:
-        _available = bool(kernels.amx_linear_available())
+    if _available is None:  # the AMX build is loaded, and the OS grants the tile state
+        _available = isa.amx_level() and bool(kernels.amx_linear_available())
     return kernels if _available else None
 
 

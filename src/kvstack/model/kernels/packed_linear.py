@@ -94,7 +94,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstack.model.kernels import amx_linear
+from kvstack.model.kernels import amx_linear, isa
+from kvstack.model.kernels.isa import onednn_bf16
 from kvstack.model.kernels.loader import direct, load_kernels
 
 AVX2_MAX_ROWS = 128  # rows up to which the AVX2 + FMA kernel beats float32 MKL (above)
@@ -102,25 +103,6 @@ WIDE_OUT = amx_linear.WIDE_OUT
 
 _chosen: TileKernel | None = None
 _decided = False
-_onednn_bf16: bool | None = None
-
-
-def onednn_bf16() -> bool:
-    """Whether PyTorch's oneDNN runs bf16 linears natively on this CPU (AMX or AVX512-BF16),
-    decided once. oneDNN also accepts bf16 on plain AVX-512 (Skylake-SP .. Ice Lake, or a
-    virtual machine that hides the bf16 flags) but converts in software there, 3-5x slower
-    than float32 GEMM (``benchmarks/linear_kernels.py``), so that counts as no."""
-    global _onednn_bf16
-    if _onednn_bf16 is None:
-        try:
-            _onednn_bf16 = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-            )
-        except (AttributeError, RuntimeError):
-            _onednn_bf16 = False
-    return _onednn_bf16
 
 
 @dataclass(frozen=True)
@@ -162,15 +144,15 @@ def tile_kernel() -> TileKernel | None:
     if _decided:
         return _chosen
     ops = load_kernels()
-    if ops is None:
-        _chosen = None
-    elif amx_linear.amx_kernels() is not None:
-        _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
-    elif (isa := str(ops.bf16_linear_isa())) == "avx512_bf16":
-        _chosen = TileKernel("avx512_bf16", direct(ops.bf16_linear), use_every, True)
-    elif isa == "avx512_fma" and not onednn_bf16():
-        _chosen = TileKernel("avx512_fma", direct(ops.bf16_linear), use_every, True)
-    elif isa == "avx2_fma" and not onednn_bf16():
-        _chosen = TileKernel("avx2_fma", direct(ops.bf16_linear), use_avx2)
+    _chosen = None
+    if ops is not None:  # the ISA choice is model/kernels/isa.py's
+        amx = amx_linear.amx_kernels() is not None
+        name = isa.tile_kernel_name(str(ops.bf16_linear_isa()), amx, onednn_bf16())
+        if name == "amx":
+            _chosen = TileKernel("amx", direct(ops.amx_linear), amx_linear.use_amx)
+        elif name in ("avx512_bf16", "avx512_fma"):
+            _chosen = TileKernel(name, direct(ops.bf16_linear), use_every, True)
+        elif name == "avx2_fma":
+            _chosen = TileKernel(name, direct(ops.bf16_linear), use_avx2)
     _decided = True
     return _chosen

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from kvstack.model.arch.layers import Linear, dense_linear
+from kvstack.model.kernels import isa
 from kvstack.model.kernels.loader import Kernels, direct, note_fallback
 from kvstack.model.quant.packed import PackedWeight, dequantize_reference, unpack_u4
 from kvstack.model.quant.tiled import TiledWeight, tiled_copy
@@ -67,11 +68,9 @@ Q8_VNNI = True  # bf16 8-bit groups without a PyTorch op: quant_linear_vnni
 
 
 def int8_dot_is_avx2() -> bool:
-    """True where ``quant_linear_vnni`` is built as the AVX2 kernel. PyTorch's capability
-    is ``AVX2`` on a CPU without AVX-512 F/BW/VL/DQ, kvstack's build takes its AVX2 paths
-    without AVX512F: the same CPUs in practice (elsewhere either choice is correct: the
-    caller still asks ``quant_linear_vnni_ok``)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    """True where ``quant_linear_vnni`` is the AVX2 kernel: the ``avx2`` ISA level is
+    loaded (``model/kernels/isa.py`` decides; the caller still asks ``quant_linear_vnni_ok``)."""
+    return isa.int8_dot_is_avx2()
 
 
 class TorchWeightOp:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.core.errors import ConfigError
+from kvstack.model.kernels import isa
 
 if TYPE_CHECKING:
     import torch
@@ -195,15 +196,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def _cpu_model() -> str:
-    """The CPU's marketing name (Linux ``/proc/cpuinfo``), else ``platform.processor()``."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:  # no /proc (not Linux)
-        lines = []
-    for line in lines:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+    """The CPU's marketing name (``model/kernels/isa.py``: ``/proc/cpuinfo``, else the
+    platform's)."""
+    return isa.cpu_model()
 
 
 def _commit() -> str | None:

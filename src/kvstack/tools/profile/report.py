@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvstack.model.kernels import isa
 from kvstack.tools.profile.bounds import MachineBounds
 from kvstack.tools.profile.run import PhaseResult, Workload
 
@@ -32,14 +33,10 @@ def machine() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-        info["cpu_model"] = model.split(":", 1)[1].strip() if model else platform.processor()
-        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
-        info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
-    except OSError:
-        info["cpu_model"] = platform.processor() or "unknown"
+    model, flags = isa.cpu()
+    info["cpu_model"] = model or "unknown"
+    info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
+    info["kernel_level"] = level.name if (level := isa.active()) is not None else None
     try:
         info["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:

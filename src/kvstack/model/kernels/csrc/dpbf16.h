@@ -10,7 +10,7 @@
 // Invariants: x rows are lda elements apart and hold 2 kpairs readable elements; y rows
 // ldy apart; VDPBF16PS flushes denormals and adds bf16 products exactly in float32.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -21,7 +21,7 @@
 // float32 matmul of the bf16 values up to summation order (denormals kept, unlike
 // VDPBF16PS), rounded to bf16 once.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -21,7 +21,7 @@
 // and summed with fused multiply-adds, so outputs equal a float32 matmul of the bf16 values
 // up to summation order (denormals kept, unlike VDPBF16PS).
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 // Declarations of kvstack's CPU kernels (bound to Python in bindings.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <optional>
 #include <string>

@@ -4,7 +4,7 @@
 // bf16 <-> float32 conversions round to nearest even, exactly as c10::BFloat16 (and so
 // PyTorch) does, so a kernel that rounds where PyTorch rounds gives bit-identical results.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>

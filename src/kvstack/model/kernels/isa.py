@@ -1,0 +1,222 @@
+"""The one place that decides which instruction-set level the C++ kernels run at.
+
+The kernels are built ahead of time (at ``pip install`` / ``make setup``, or ``make
+kernels``: ``model/kernels/build.py``), once per **ISA level** below, never with
+``-march=native``, so a wheel or a container image carries code for every x86-64 CPU it
+may meet. At run time ``choose_level`` takes the best level this CPU can run among those
+built -- the scheme of vLLM's CPU wheel (AVX2 / AVX-512 / AMX picked at load) and of
+llama.cpp's ``GGML_CPU_ALL_VARIANTS`` (every variant built, the best one loaded).
+
+Levels, each a superset of the one before (``IsaLevel.cflags`` / ``IsaLevel.cpu_flags``):
+
+- ``avx2``: x86-64-v3 (AVX2, FMA, F16C, BMI1/2): AMD Zen 1-3, Intel Haswell and later;
+- ``avx512``: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL): Skylake-SP .. Ice Lake Xeons;
+- ``avx512_bf16``: v4 + AVX512-BF16 + AVX512-VNNI: AMD Zen 4/5, Cooper Lake;
+- ``amx``: that + AMX tiles (TILE, BF16, INT8): Sapphire Rapids and later Xeons.
+
+A CPU without AVX2 runs no kernel: a warning, and every op takes the PyTorch path (never
+an illegal instruction). Every other ISA question of the model code is answered here
+from the level loaded (``active``): which bf16 tile kernel the linears use
+(``tile_kernel_name``), whether the int8 dot product is the AVX2 one
+(``int8_dot_is_avx2``), whether the causal prefill kernel exists (``causal_attention``),
+whether AMX may be asked for (``amx_level``), and whether oneDNN has native bf16
+(``onednn_bf16``). Invariant: a level is chosen only when every one of its ``cpu_flags``
+is in ``/proc/cpuinfo``, so the library loaded never holds an instruction this CPU lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("kvstack.kernels")
+
+V3 = ("-march=x86-64-v3",)
+V4 = ("-march=x86-64-v4",)
+BF16_VNNI = ("-mavx512bf16", "-mavx512vnni")
+AMX = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")
+# x86-64-v3's flags as /proc/cpuinfo spells them (abm = LZCNT); v2's (sse4_2, popcnt,
+# ssse3, cx16) are implied by any CPU with these.
+V3_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sse4_2", "popcnt")
+V4_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One build of the kernels: compiled with ``cflags``, loadable on a CPU whose
+    ``/proc/cpuinfo`` lists every one of ``cpu_flags``. ``rank`` orders the levels
+    (higher runs more instructions; each level's flags include the lower ones')."""
+
+    name: str
+    rank: int
+    cflags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    summary: str
+
+
+LEVELS: tuple[IsaLevel, ...] = (
+    IsaLevel("avx2", 1, V3, frozenset(V3_FLAGS), "x86-64-v3: AVX2 + FMA"),
+    IsaLevel("avx512", 2, V4, frozenset(V3_FLAGS + V4_FLAGS), "x86-64-v4: AVX-512"),
+    IsaLevel(
+        "avx512_bf16",
+        3,
+        V4 + BF16_VNNI,
+        frozenset((*V3_FLAGS, *V4_FLAGS, "avx512_bf16", "avx512_vnni")),
+        "x86-64-v4 + AVX512-BF16 + AVX512-VNNI",
+    ),
+    IsaLevel(
+        "amx",
+        4,
+        V4 + BF16_VNNI + AMX,
+        frozenset(
+            (*V3_FLAGS, *V4_FLAGS, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+        ),
+        "AVX512-BF16/VNNI + AMX tiles",
+    ),
+)
+LEVEL_NAMES = tuple(level.name for level in LEVELS)
+
+
+def level(name: str) -> IsaLevel:
+    """The level called ``name`` (KeyError for an unknown one)."""
+    for lv in LEVELS:
+        if lv.name == name:
+            return lv
+    raise KeyError(f"unknown ISA level {name!r} (known: {', '.join(LEVEL_NAMES)})")
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """``(model name, flags)`` of the first processor listed in ``/proc/cpuinfo`` text."""
+    model, flags = "", ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = value
+    return model, frozenset(flags.split())
+
+
+_cpu: tuple[str, frozenset[str]] | None = None
+
+
+def cpu() -> tuple[str, frozenset[str]]:
+    """This machine's CPU model and flags (read once). Off Linux: the platform's name and
+    no flags, so no level is chosen and the PyTorch path runs."""
+    global _cpu
+    if _cpu is None:
+        try:
+            _cpu = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        except OSError:
+            _cpu = (platform.processor() or platform.machine(), frozenset())
+        if not _cpu[0]:
+            _cpu = (platform.processor() or platform.machine(), _cpu[1])
+    return _cpu
+
+
+def cpu_model() -> str:
+    return cpu()[0]
+
+
+def cpu_flags() -> frozenset[str]:
+    return cpu()[1]
+
+
+def runnable(flags: Iterable[str]) -> list[IsaLevel]:
+    """The levels a CPU with ``flags`` can run, lowest first."""
+    have = set(flags)
+    return [lv for lv in LEVELS if lv.cpu_flags <= have]
+
+
+def choose_level(flags: Iterable[str], built: Iterable[str]) -> IsaLevel | None:
+    """The best level among ``built`` (names) that a CPU with ``flags`` can run, or None
+    (a CPU without AVX2, or nothing built that it can run). Pure: the tests give it flag
+    sets of CPUs other than this one."""
+    names = set(built)
+    usable = [lv for lv in runnable(flags) if lv.name in names]
+    return usable[-1] if usable else None
+
+
+def levels_to_build(flags: Iterable[str], every: bool) -> list[IsaLevel]:
+    """What a build makes: every level for a wheel or an image (``every``), else the ones
+    this CPU can run (a development or CI build: the others could not be loaded here)."""
+    return list(LEVELS) if every else runnable(flags)
+
+
+_active: IsaLevel | None = None
+
+
+def set_active(chosen: IsaLevel | None) -> None:
+    """Record the level whose library ``kernels.load_kernels`` loaded (None: none)."""
+    global _active
+    _active = chosen
+
+
+def active() -> IsaLevel | None:
+    """The level of the kernels loaded in this process, or None (none loaded)."""
+    return _active
+
+
+def at_least(name: str) -> bool:
+    """Whether the loaded kernels are of level ``name`` or a higher one."""
+    return _active is not None and _active.rank >= level(name).rank
+
+
+def amx_level() -> bool:
+    """Whether the AMX build is loaded (the kernel must still be granted the tile state by
+    ``arch_prctl``: ``amx_linear_available`` in ``csrc/amx_linear.cpp`` asks)."""
+    return at_least("amx")
+
+
+def causal_attention() -> bool:
+    """Whether the causal prefill kernel is built in (``csrc/prefill_attention.cpp`` runs
+    on AVX512-BF16 dot products only)."""
+    return at_least("avx512_bf16")
+
+
+def int8_dot_is_avx2() -> bool:
+    """Whether ``quant_linear_vnni`` is the AVX2 kernel (vpmaddubsw + vpmaddwd): the
+    ``avx2`` level is loaded; AVX-512 levels have the AVX-512 (VNNI) dot product."""
+    return _active is not None and _active.name == "avx2"
+
+
+_onednn_bf16: bool | None = None
+
+
+def onednn_bf16() -> bool:
+    """Whether PyTorch's oneDNN runs bf16 linears natively on this CPU (AMX or AVX512-BF16),
+    decided once. oneDNN also accepts bf16 on plain AVX-512 (Skylake-SP .. Ice Lake, or a
+    virtual machine that hides the bf16 flags) but converts in software there, 3-5x slower
+    than float32 GEMM (``benchmarks/linear_kernels.py``), so that counts as no."""
+    global _onednn_bf16
+    if _onednn_bf16 is None:
+        import torch
+
+        try:
+            _onednn_bf16 = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+            )
+        except (AttributeError, RuntimeError):
+            _onednn_bf16 = False
+    return _onednn_bf16
+
+
+def tile_kernel_name(compiled: str, amx_granted: bool, onednn: bool) -> str | None:
+    """Which bf16 tile kernel the linears use (``model/kernels/packed_linear.py``), from the ISA
+    the loaded ``bf16_linear`` was compiled for (``compiled``: ``bf16_linear_isa()``),
+    whether AMX tiles were granted and whether oneDNN has native bf16; None: oneDNN (or
+    ``F.linear``) runs every linear. AMX wins over AVX512-BF16; the FMA kernels run only
+    where oneDNN has no native bf16 (they widen to float32)."""
+    if amx_granted and amx_level():
+        return "amx"
+    if compiled == "avx512_bf16":
+        return "avx512_bf16"
+    if compiled in ("avx512_fma", "avx2_fma") and not onednn:
+        return compiled
+    return None
