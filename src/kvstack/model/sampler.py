@@ -108,8 +108,9 @@ class Sampler:
 
         ``mask`` (structured outputs) sets the logits of tokens a row's grammar forbids to
         -inf after the logits processors (in place: the caller passes logits it owns, as
-        the runner's gathered rows are); a row left with no finite logit samples
-        uniformly among the tokens its grammar allows.
+        the runner's gathered rows are; an inference tensor, the forward's own float32
+        logits, is copied first); a row left with no finite logit samples uniformly
+        among the tokens its grammar allows.
         """
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.num_rows}, V)")
@@ -130,6 +131,8 @@ class Sampler:
 
         x = apply_logits_processors(logits.float(), batch)
         if mask is not None:
+            if x.is_inference():  # float32 logits straight from the forward: no copy yet,
+                x = x.clone()  # and an in-place write outside inference mode raises
             mask.apply(x)
         row_max = x.amax(dim=-1)  # vectorized, ~15x cheaper than argmax / max(dim)
         if not bool(torch.isfinite(row_max).all()):
