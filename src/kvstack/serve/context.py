@@ -4,7 +4,8 @@
 requests into validated ones, raising ``ApiError`` (an OpenAI error object with its
 status) for anything wrong, so no malformed input reaches the engine: bodies are read
 under ``max_body_bytes``, decoded as UTF-8, parsed as JSON (nesting bounded by the
-recursion limit), required to be objects, and only then validated by pydantic. Fields
+recursion limit; no NaN, over-long integer or lone surrogate: ``json_body.py``), required
+to be objects, and only then validated by pydantic. Fields
 no model declares are ignored, logged and named in the response's
 ``kvstack-ignored-fields`` header (``serve/leniency.py``).
 """
@@ -26,6 +27,7 @@ from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.chat_prompt import chat_prompt_ids
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
+from kvstack.serve.json_body import BodyError, load_json
 from kvstack.serve.leniency import note_ignored
 from kvstack.serve.protocol import ChatMessage, TokenizeRequest, ignored_fields
 from kvstack.serve.segments import chat_segments
@@ -61,15 +63,6 @@ class ServerConfig:
     open_endpoints: frozenset[str] = field(
         default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
     )
-
-
-class NonFiniteNumberError(ValueError):
-    """The body has ``NaN``, ``Infinity`` or ``-Infinity``: not JSON (RFC 8259), and a
-    NaN passes every range check (``nan < 0`` is false), so it is refused at parse."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise NonFiniteNumberError(f"{name} is not valid JSON: numbers must be finite")
 
 
 class ServerContext:
@@ -119,9 +112,9 @@ class ServerContext:
         """The body as ``model``; 413 / 400 with the first problem found."""
         body = await read_body(raw, self.config.max_body_bytes, self.config.body_timeout_s)
         try:
-            data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-        except NonFiniteNumberError as e:
-            raise ApiError(400, str(e)) from None
+            data = load_json(body)
+        except BodyError as e:  # NaN, a huge integer, a lone surrogate: named (json_body)
+            raise ApiError(400, str(e), param=e.param) from None
         except UnicodeDecodeError:
             raise ApiError(400, "request body is not valid UTF-8") from None
         except json.JSONDecodeError as e:
