@@ -308,3 +308,28 @@ def test_shape_mismatch_is_an_error() -> None:
         Sampler()(torch.zeros(2, V), batch)
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(1, V + 1), batch)
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-320, 1e-46, 1e-45, 1e-38])
+def test_top_p_that_float32_rounds_to_zero_keeps_the_most_likely(top_p: float) -> None:
+    # A top_p in (0, 1] is valid (vLLM accepts it); below float32's smallest subnormal it
+    # reached the sampler as 0 and kept no token: index -1, the step failed.
+    logits = rand_logits(8, 500, seed=5)
+    probs = torch.softmax(logits, dim=-1)
+    thr = top_p_threshold(probs, torch.tensor([top_p] * 8))
+    assert torch.equal(thr, probs.amax(dim=-1))
+    reqs = [mk(i, temperature=1.0, top_p=top_p, seed=i if i % 2 else None) for i in range(8)]
+    assert sample(logits, reqs).sampled_token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [3.4e38, 1e39, 1e308, 2.0**70])
+def test_huge_temperature_never_samples_a_masked_token(temperature: float) -> None:
+    # Past float32's max the temperature was inf: -inf / inf = NaN for every masked
+    # token, the row's probabilities all NaN, and token 0 (not allowed) came out.
+    logits = rand_logits(4, seed=6)
+    for trial in range(8):
+        torch.manual_seed(trial)
+        reqs = [mk(i, temperature=temperature, allowed_token_ids=[5, 6]) for i in range(4)]
+        reqs[1] = mk(1, temperature=temperature, logit_bias={t: -100.0 for t in range(V - 1)})
+        out = sample(logits, reqs).sampled_token_ids
+        assert out[0] in (5, 6) and out[2] in (5, 6) and out[3] in (5, 6), out

@@ -203,3 +203,19 @@ def test_closed_objects_follows_xgrammar_strict_mode() -> None:
     assert got["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # input unchanged
     assert closed_objects({"type": "object"}) == {"type": "object"}  # json_object stays open
+
+
+def test_constraints_on_the_pytorch_path_in_float32(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # float32 logits need no copy, so the sampler got the forward's inference tensor and
+    # the PyTorch mask's in-place write raised "Inplace update to inference tensor
+    # outside InferenceMode": the step failed (the C++ kernel path did not).
+    monkeypatch.setenv("KVSTACK_NO_KERNELS", "1")
+    want = r"[a-z]{2,5}-[0-9]{3}"
+    so = SO(regex=want)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=16,
+                             structured_outputs=so)  # fmt: skip
+    for sp in (greedy(so), sampled):
+        for c in (o.outputs[0] for o in llm.generate(PROMPTS, sp, check_integrity=True)):
+            assert c.finish_reason == "stop" and re.fullmatch(want, c.text), c

@@ -102,10 +102,13 @@ def check_cache_salt(v: str | None) -> str | None:
     if v is None:
         return v
     if not v:
-        raise InvalidRequestError("'cache_salt' must be a non-empty string if provided")
+        raise InvalidRequestError(
+            "'cache_salt' must be a non-empty string if provided", param="cache_salt"
+        )
     if len(v) > MAX_CACHE_SALT_LENGTH or CACHE_SALT_FORBIDDEN & set(v):
         raise InvalidRequestError(
             "'cache_salt' must be at most 128 characters and must not contain "
-            "'@', '/', '\\\\', or NUL"
+            "'@', '/', '\\\\', or NUL",
+            param="cache_salt",
         )
     return v

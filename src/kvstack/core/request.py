@@ -100,67 +100,69 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self, vocab_size: int | None = None) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
+        """``InvalidRequestError`` naming the field (its ``param``) of the first value out
+        of range (vLLM's ranges)."""
+
+        def bad(param: str, rule: str, value: object) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {rule}, got {value}", param=param)
 
         if not isinstance(self.n, int) or self.n < 1:
-            raise bad(f"n must be at least 1, got {self.n}")
+            raise bad("n", "must be at least 1", self.n)
         for name in _FLOAT_PARAMS:  # NaN passes every range check below (nan < 0 is False)
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
-                raise bad(f"{name} must be a finite number, got {value}")
+                raise bad(name, "must be a finite number", value)
         if self.kv_press_after is not None and self.kv_press_after < 1:
-            raise bad(f"kv_press_after must be at least 1, got {self.kv_press_after}")
+            raise bad("kv_press_after", "must be at least 1", self.kv_press_after)
         if self.kv_press_every is not None and self.kv_press_every < 1:
-            raise bad(f"kv_press_every must be at least 1, got {self.kv_press_every}")
+            raise bad("kv_press_every", "must be at least 1", self.kv_press_every)
         if self.kv_press_ratio is not None and not 0.0 <= self.kv_press_ratio < 1.0:
-            raise bad(f"kv_press_ratio must be in [0, 1), got {self.kv_press_ratio}")
+            raise bad("kv_press_ratio", "must be in [0, 1)", self.kv_press_ratio)
         if self.segment_recompute_ratio is not None or self.segment_recompute_tokens is not None:
             check_recompute(
                 0.0 if self.segment_recompute_ratio is None else self.segment_recompute_ratio,
                 self.segment_recompute_tokens or 0,
             )
         if self.temperature < 0:
-            raise bad(f"temperature must be non-negative, got {self.temperature}")
+            raise bad("temperature", "must be non-negative", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+            raise bad("top_p", "must be in (0, 1]", self.top_p)
         if self.top_k < 0:
-            raise bad(f"top_k must be 0 or -1 (disabled) or positive, got {self.top_k}")
+            raise bad("top_k", "must be 0 or -1 (disabled) or positive", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+            raise bad("min_p", "must be in [0, 1]", self.min_p)
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise bad("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise bad("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         if self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+            raise bad("repetition_penalty", "must be positive", self.repetition_penalty)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise bad("max_tokens", "must be at least 1", self.max_tokens)
         if self.min_tokens < 0:
-            raise bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+            raise bad("min_tokens", "must be non-negative", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
+            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})",
+                      self.min_tokens)  # fmt: skip
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise bad("logprobs", "must be in [0, 20]", self.logprobs)
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+            raise bad("prompt_logprobs", "must be in [0, 20]", self.prompt_logprobs)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise bad("stop strings must be non-empty strings")
+            raise InvalidRequestError("stop strings must be non-empty strings", param="stop")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+            raise bad("seed", "must be an integer", repr(self.seed))
         for tok, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= int(tok) < vocab_size:
-                raise bad(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})")
+                raise bad("logit_bias", f"token ids must be in [0, {vocab_size})", tok)
             if not -100.0 <= float(bias) <= 100.0:  # False for NaN too
-                raise bad(f"logit_bias values must be in [-100, 100], got {bias}")
+                raise bad("logit_bias", "values must be in [-100, 100]", bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
-                    raise bad(f"stop token id {tok} is outside the vocabulary [0, {vocab_size})")
+                    raise bad("stop_token_ids", f"must be in [0, {vocab_size})", tok)
         self._validate_vllm_extras(vocab_size)
 
     def _validate_vllm_extras(self, vocab_size: int | None) -> None:

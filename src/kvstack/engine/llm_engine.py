@@ -224,10 +224,10 @@ class LLMEngine:
                 raise InvalidRequestError("a prompt (text or token ids) is required")
         ids = list(prompt_token_ids)
         if not ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         sp.validate(vocab)
         if len(trimmed := sp.truncate_prompt(ids, self.max_model_len)) < len(ids):
             ids, text = trimmed, self.tokenizer.decode(trimmed, skip_special_tokens=False)

@@ -86,19 +86,22 @@ class Scheduler:
         if num_prompt_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {num_prompt_tokens} tokens but the model's context length "
-                f"(max_model_len) is {self.max_model_len}; at least one token must be generated"
+                f"(max_model_len) is {self.max_model_len}; at least one token must be generated",
+                param="prompt",
             )
         if total > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}"
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}",  # no sum: it may pass 4,300 digits
+                param="max_tokens",
             )
         if not self.kv.can_ever_fit(total):
             raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens needs "
                 f"{self.kv.num_blocks_for(total)} {self.kv.block_unit} but the cache has only "
                 f"{self.kv.num_blocks} (block size {self.kv.block_size}); "
-                "raise --kv-cache-memory/--num-blocks or lower max_tokens"
+                "raise --kv-cache-memory/--num-blocks or lower max_tokens",
+                param="max_tokens",
             )
 
     def add_request(self, request: Request) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvstack.config.engine import EngineConfig
 from kvstack.core.errors import ConfigError
 from kvstack.core.options import Switch, check_choices, from_namespace, option
+from kvstack.kv.tiers.redis_url import redacted_spec
 from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
 
 if TYPE_CHECKING:
@@ -260,7 +261,7 @@ def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
         "prefix_cache": c.prefix_cache,
         "eviction_policy": c.eviction_policy,
         "kv_layout": c.kv_layout,
-        "kv_offload": str(c.kv_offload),
+        "kv_offload": redacted_spec(str(c.kv_offload)),  # no Redis password in a label
         "kv_press": str(c.kv_press),
     }
 

@@ -145,9 +145,13 @@ class PressCoordinator:
         ratio = sp.kv_press_ratio if sp.kv_press_ratio is not None else d.ratio
         every = sp.kv_press_every if sp.kv_press_every is not None else d.every
         if sp.kv_press_ratio is not None and name is None:
-            raise InvalidRequestError("kv_press_ratio needs a kv_press (request or --kv-press)")
+            raise InvalidRequestError(
+                "kv_press_ratio needs a kv_press (request or --kv-press)", param="kv_press_ratio"
+            )
         if sp.kv_press_every is not None and name is None:
-            raise InvalidRequestError("kv_press_every needs a kv_press (request or --kv-press)")
+            raise InvalidRequestError(
+                "kv_press_every needs a kv_press (request or --kv-press)", param="kv_press_every"
+            )
         if name is None:
             return None
         if not d.paged:

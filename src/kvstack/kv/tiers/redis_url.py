@@ -25,6 +25,16 @@ def redacted(url: str) -> str:
     return f"{u.scheme}://{user}:***@{host}{rest}"
 
 
+def redacted_spec(spec: str) -> str:
+    """A ``--kv-offload`` value with the password of each Redis URL in it ``***``: the form
+    for anything shown outside the process (the ``vllm:cache_config_info`` labels an
+    unauthenticated ``GET /metrics`` serves, logs)."""
+    return ",".join(
+        redacted(part) if part.strip().startswith(REDIS_SCHEMES) else part
+        for part in spec.split(",")
+    )
+
+
 def redis_client_url(url: str) -> str:
     """``url`` without kvstack's own options (ttl, timeout, backoff), for ``from_url``."""
     u = urlsplit(url)

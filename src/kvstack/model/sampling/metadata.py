@@ -35,6 +35,7 @@ GREEDY_TEMPERATURE = 1e-5
 """A row whose temperature is below this samples greedily (``SamplingParams.greedy``)."""
 
 _MASK64 = (1 << 64) - 1
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def _splitmix64(x: int) -> int:
@@ -161,7 +162,9 @@ class SamplingBatch:
                 if sp.seed is not None:
                     seeded.append((len(random_rows), make_generator(sp.seed, num_out)))
                 random_rows.append(row)
-                temps.append(sp.temperature)
+                # float32's largest finite value at most: an infinite temperature makes
+                # a masked logit's -inf / inf a NaN, and a NaN row samples a banned token.
+                temps.append(min(sp.temperature, _F32_MAX))
                 no_top_k = no_top_k and top_k >= v
                 no_top_p = no_top_p and sp.top_p >= 1.0
                 no_min_p = no_min_p and sp.min_p <= 0.0

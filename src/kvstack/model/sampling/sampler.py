@@ -108,8 +108,9 @@ class Sampler:
 
         ``mask`` (structured outputs) sets the logits of tokens a row's grammar forbids to
         -inf after the logits processors (in place: the caller passes logits it owns, as
-        the runner's gathered rows are); a row left with no finite logit samples
-        uniformly among the tokens its grammar allows.
+        the runner's gathered rows are; an inference tensor, the forward's own float32
+        logits, is copied first); a row left with no finite logit samples uniformly
+        among the tokens its grammar allows.
         """
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.num_rows}, V)")
@@ -130,6 +131,8 @@ class Sampler:
 
         x = apply_logits_processors(logits.float(), batch)
         if mask is not None:
+            if x.is_inference():  # float32 logits straight from the forward: no copy yet,
+                x = x.clone()  # and an in-place write outside inference mode raises
             mask.apply(x)
         row_max = x.amax(dim=-1)  # vectorized, ~15x cheaper than argmax / max(dim)
         if not bool(torch.isfinite(row_max).all()):
@@ -276,6 +279,9 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row, the smallest probability in the top-p nucleus (0.0 where ``top_p >= 1``).
 
+    Every row keeps at least its most likely token, whatever ``top_p`` in (0, 1] is: a
+    ``top_p`` below float32's smallest subnormal arrives here as 0.
+
     ``probs`` [R, V] is a (top-k renormalized) distribution per row. The nucleus is the
     smallest set of most likely tokens whose mass reaches p: sorted by descending
     probability, a token is in it when the mass of the tokens before it is ``< p`` (as
@@ -301,7 +307,9 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             vals = rows.topk(c, dim=-1).values
         cum = vals.cumsum(dim=-1)
         mass_before = torch.cat([cum.new_zeros(len(todo), 1), cum[:, :-1]], dim=1)
-        n_keep = (mass_before < p).sum(dim=-1)  # >= 1: the first has mass_before 0 < p
+        # >= 1: the first token has mass_before 0 < p, and where p itself rounds to 0
+        # in float32 (a top_p of 1e-46 or 1e-320, valid values) the most likely is kept.
+        n_keep = (mass_before < p).sum(dim=-1).clamp_min_(1)
         found = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
         done = torch.ones_like(n_keep, dtype=torch.bool) if c == vocab else cum[:, -1] >= p[:, 0]
         thr[todo[done]] = found[done]

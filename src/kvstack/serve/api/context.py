@@ -4,7 +4,8 @@
 requests into validated ones, raising ``ApiError`` (an OpenAI error object with its
 status) for anything wrong, so no malformed input reaches the engine: bodies are read
 under ``max_body_bytes``, decoded as UTF-8, parsed as JSON (nesting bounded by the
-recursion limit), required to be objects, and only then validated by pydantic. Fields
+recursion limit; no NaN, over-long integer or lone surrogate: ``json_body.py``), required
+to be objects, and only then validated by pydantic. Fields
 no model declares are ignored, logged and named in the response's
 ``kvstack-ignored-fields`` header (``serve/api/leniency.py``).
 """
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from kvstack.core.errors import InvalidRequestError
 from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.api.http_errors import ApiError, check_bearer, read_body
+from kvstack.serve.api.json_body import BodyError, load_json
 from kvstack.serve.api.leniency import note_ignored
 from kvstack.serve.api.protocol import TokenizeRequest
 from kvstack.serve.async_engine import AsyncEngine
@@ -68,22 +70,13 @@ class ServerConfig:
     )
 
 
-class NonFiniteNumberError(ValueError):
-    """The body has ``NaN``, ``Infinity`` or ``-Infinity``: not JSON (RFC 8259), and a
-    NaN passes every range check (``nan < 0`` is false), so it is refused at parse."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise NonFiniteNumberError(f"{name} is not valid JSON: numbers must be finite")
-
-
 def decode_body(body: bytes, model: type[M]) -> M:
     """``body`` (UTF-8 JSON, an object) validated as ``model``; ``ApiError`` 400 naming the
-    first problem (its field as ``param`` when pydantic names one)."""
+    first problem (its field as ``param`` when pydantic or ``json_body`` names one)."""
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-    except NonFiniteNumberError as e:
-        raise ApiError(400, str(e)) from None
+        data = load_json(body)
+    except BodyError as e:  # NaN, a huge integer, a lone surrogate: named (json_body)
+        raise ApiError(400, str(e), param=e.param) from None
     except UnicodeDecodeError:
         raise ApiError(400, "request body is not valid UTF-8") from None
     except json.JSONDecodeError as e:

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvstack.serve.api.protocol import error_body
 
@@ -38,11 +39,11 @@ def install_error_handlers(
     on_error: Callable[[int], None] | None = None,
     on_internal: Callable[[], None] | None = None,
 ) -> Callable[[ApiError], JSONResponse]:
-    """Answer ``ApiError``, Starlette's HTTP errors (404, 405...) and any other exception
-    (500, logged with its traceback) as OpenAI errors; ``on_error(status)`` counts them
-    and ``on_internal()`` the unexpected exceptions. An internal error stays a 500: no
-    catch-all turns one into a 400. Returns the function that turns an ``ApiError`` into
-    its response."""
+    """Answer ``ApiError``, Starlette's HTTP errors (404, 405...), a client that left
+    mid-body (499) and any other exception (500, logged with its traceback) as OpenAI
+    errors; ``on_error(status)`` counts them and ``on_internal()`` the unexpected
+    exceptions. An internal error stays a 500: no catch-all turns one into a 400.
+    Returns the function that turns an ``ApiError`` into its response."""
 
     def err(e: ApiError) -> JSONResponse:
         if on_error is not None:
@@ -59,6 +60,14 @@ def install_error_handlers(
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return err(ApiError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(raw: Request, _: ClientDisconnect) -> JSONResponse:
+        # The client closed the connection before its body arrived (Content-Length 1000,
+        # 10 bytes, close): its doing, not a bug, so no traceback and no internal error.
+        # 499 (nginx's "client closed request") is counted; nobody reads the answer.
+        logger.info("client closed %s %s before its body arrived", raw.method, raw.url.path)
+        return err(ApiError(499, "client closed the request", code="client_closed_request"))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

@@ -67,7 +67,7 @@ class _Sampling(StrictBody, StructuredFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # vLLM's int64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -109,7 +109,9 @@ class _Sampling(StrictBody, StructuredFields):
 
     def _max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
+            raise InvalidRequestError(
+                "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens"
+            )
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def _sampling_params(

@@ -28,6 +28,10 @@ def cache_router(ctx: ServerContext) -> APIRouter:
     async def pin_ids(raw: Request) -> tuple[list[int], PinRequest]:
         req = await ctx.parse(raw, PinRequest)
         ctx.check_model(req.model)
+        vocab = engine.model_info.vocab_size
+        if isinstance(req.prompt, list) and any(not 0 <= t < vocab for t in req.prompt):
+            # Before hashing: an id past 64 bits was an OverflowError there, a 500.
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return await ctx.off_loop(lambda: ctx.ids_of(req.prompt, req.messages, False, False)), req
 
     @r.post("/v1/cache/pin", openapi_extra=request_body(PinRequest))
