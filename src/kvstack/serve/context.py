@@ -24,10 +24,12 @@ from pydantic import BaseModel, ValidationError
 from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.chat_prompt import chat_prompt_ids
+from kvstack.serve.conversation_options import ConversationOptions
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
 from kvstack.serve.protocol import ChatMessage, TokenizeRequest, ignored_fields
+from kvstack.serve.reasoning_parsers import ReasoningParser, check_template
 from kvstack.serve.segments import chat_segments
 from kvstack.serve.tool_calls import ToolPlan
 
@@ -57,6 +59,8 @@ class ServerConfig:
     # Tools (``tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
+    # --reasoning-parser, reasoning history and the Responses store's bounds.
+    conversation: ConversationOptions = field(default_factory=ConversationOptions)
     # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).
     open_endpoints: frozenset[str] = field(
         default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
@@ -79,6 +83,11 @@ class ServerContext:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        conv = config.conversation  # a parser that does not fit the template: start-up error
+        self.reasoning: ReasoningParser | None = None
+        if conv.reasoning_parser is not None:
+            template = self.tokenizer.chat_template
+            self.reasoning = check_template(conv.reasoning_parser, template, config.model_name)
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="kvstack-tokenize")
 
     async def off_loop(self, fn: Callable[[], T]) -> T:

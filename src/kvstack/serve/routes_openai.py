@@ -43,7 +43,7 @@ class OpenAIRoutes:
         cfg = ctx.config
         api = ApiContext(
             ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s,
-            cfg.max_sequences_per_request,
+            cfg.max_sequences_per_request, ctx.reasoning,
         )  # fmt: skip
         self.handler = OpenAIHandler(api)
 

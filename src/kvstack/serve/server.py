@@ -15,13 +15,14 @@ import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
 from kvstack.options import Switch, check_choices, from_namespace, option
+from kvstack.serve.conversation_options import ConversationOptions
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ class ServerOptions:
         "BLAKE2b chain, as GET /v1/kv_events has it)",
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
+    conversation: ConversationOptions = field(default_factory=ConversationOptions)  # a part
 
     def __post_init__(self) -> None:
         # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
@@ -304,6 +306,7 @@ def build_server(
             role=options.role,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
+            conversation=options.conversation,
         ),
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)
