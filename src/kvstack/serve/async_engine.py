@@ -278,6 +278,10 @@ class AsyncEngine:
         """Release a pin; False if that prefix was not pinned."""
         return await self.run(lambda: self._llm_engine.unpin_prefix(token_ids, cache_salt))
 
+    async def pin_cached(self, ids: list[int], salt: str | None, share: float) -> int:
+        """Softly pin the cached blocks of ``ids`` (``KVCacheManager.pin_cached_prefix``)."""
+        return await self.run(lambda: self._llm_engine.pin_cached_prefix(ids, salt, share))
+
     async def reset_prefix_cache(self) -> None:
         await self.run(self._llm_engine.reset_prefix_cache)
 

@@ -77,7 +77,7 @@ def _new_state(
     req: CompletionRequest | ChatCompletionRequest, reasoning: ReasoningParser | None
 ) -> _ChoiceState:
     chat = isinstance(req, ChatCompletionRequest)
-    plan = req.tool_plan() if chat else None
+    plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
     think = reasoning.stream() if chat and reasoning is not None else None
     return _ChoiceState(tools=None if plan is None else plan.streamer(), reasoning=think)
 
@@ -364,12 +364,12 @@ class OpenAIHandler:
             delta: dict[str, Any] = {"content": text}
             if st.tools is not None:
                 delta = st.tools.delta(text, st.done)
+                if st.done and st.tools.num_calls:
+                    out["finish_reason"] = "tool_calls"
             if thought:
                 delta["reasoning"] = thought
                 if not delta.get("content"):
                     delta.pop("content", None)
-                if st.done and st.tools.num_calls:
-                    out["finish_reason"] = "tool_calls"
             if first:
                 delta["role"] = req.response_role
                 if echo := req.echo_text():  # vLLM: the last message opens the answer
