@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -92,15 +92,20 @@ class OpenAIRoutes:
         ]
 
     async def start(
-        self, raw: Request, req: CompletionRequest | ChatCompletionRequest
+        self,
+        raw: Request,
+        req: CompletionRequest | ChatCompletionRequest,
+        render: Callable[[], Prompts] | None = None,
+        endpoint: str | None = None,
     ) -> tuple[str, list[Job]]:
-        """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
+        """Queue the request's prompts (``render``'s, if given: the Responses API renders
+        its own); its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
-            prompts = await self.ctx.off_loop(lambda: self.prompts(req))
+            prompts = await self.ctx.off_loop(render or (lambda: self.prompts(req)))
             session = raw.headers.get("x-session-id") or req.user
             return await self.handler.start(
-                prompts, req, "chat" if chat else "completions", session
+                prompts, req, endpoint or ("chat" if chat else "completions"), session
             )
         except SpecTooLargeError as e:
             raise ApiError(413, str(e), param=e.param) from None

@@ -73,7 +73,8 @@ class ReasoningStream:
 
     States: ``head`` (deciding whether the output opens with the start marker: blank
     text and a prefix of the marker are held), ``think`` (reasoning; a suffix that may
-    begin the end marker is held), ``content``. ``finish`` flushes what is held by the rules of ``split``.
+    begin the end marker is held), ``content``. ``finish`` flushes what is held by the
+    rules of ``split``.
     """
 
     def __init__(self, parser: ReasoningParser) -> None:
