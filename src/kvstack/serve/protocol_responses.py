@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import join_text_parts
 from kvstack.serve.protocol import ChatCompletionRequest
-from kvstack.serve.protocol_tools import MAX_TOOLS
+from kvstack.serve.protocol_tools import MAX_TOOLS, StructuredOutputsField
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -97,6 +97,9 @@ class ResponsesRequest(_Strict):
     service_tier: str | None = None
     cache_salt: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Extension: vLLM's ``structured_outputs`` as chat completions take it (one constraint
+    # per request: not together with ``text.format`` json).
+    structured_outputs: StructuredOutputsField | None = None
 
     def chat_request(self, model: str | None) -> ChatCompletionRequest:
         """The chat request whose sampling, tools and constraint this turn runs with (its
@@ -115,6 +118,10 @@ class ResponsesRequest(_Strict):
                      "chat_template_kwargs"):  # fmt: skip
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.structured_outputs is not None:
+            body["structured_outputs"] = self.structured_outputs.model_dump(
+                by_alias=True, exclude_none=True
+            )
         if self.top_logprobs is not None:
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs
         if self.tools:
