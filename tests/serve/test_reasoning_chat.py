@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from reasoning_util import tiny_qwen3
 
 from kvstack import LLM
 from kvstack.errors import ConfigError
@@ -18,7 +19,6 @@ from kvstack.serve.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.conversation_options import ConversationOptions
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
-from reasoning_util import tiny_qwen3
 
 SCRIPT = "<think>\nThe user greets me.\n</think>\n\nHello!"
 ASK = [{"role": "user", "content": "hi"}]

@@ -14,20 +14,29 @@ import httpx
 import jsonschema
 import pytest
 from openai import NotFoundError, OpenAI
+from reasoning_util import tiny_qwen3
 
 from kvstack.serve.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.conversation_options import ConversationOptions
 from kvstack.serve.responses_api import ResponsesHandler
-from reasoning_util import tiny_qwen3
 from server_util import serve_uvicorn
 
 THINK = "<think>\nPlan the answer.\n</think>\n\nParis is the capital."
 ARGS = '{"city": "Paris"}'
 CALL = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>'
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+]
 
 
 def script(text: str) -> dict[str, Any]:
@@ -49,8 +58,13 @@ def client(served: tuple[str, ResponsesHandler]) -> OpenAI:
 
 
 def test_stateless_answer_splits_reasoning_from_the_message(client: OpenAI) -> None:
-    r = client.responses.create(model="tiny", input="Capital of France?", store=False,
-                                max_output_tokens=60, extra_body=script(THINK))  # fmt: skip
+    r = client.responses.create(
+        model="tiny",
+        input="Capital of France?",
+        store=False,
+        max_output_tokens=60,
+        extra_body=script(THINK),
+    )
     assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
     kinds = [item.type for item in r.output]
     assert kinds == ["reasoning", "message"]
@@ -65,8 +79,15 @@ def test_stateless_answer_splits_reasoning_from_the_message(client: OpenAI) -> N
 
 
 def test_stream_events_are_numbered_and_spell_the_final_response(client: OpenAI) -> None:
-    events = list(client.responses.create(model="tiny", input="Capital?", stream=True,
-                                          max_output_tokens=60, extra_body=script(THINK)))  # fmt: skip
+    events = list(
+        client.responses.create(
+            model="tiny",
+            input="Capital?",
+            stream=True,
+            max_output_tokens=60,
+            extra_body=script(THINK),
+        )
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
@@ -84,13 +105,15 @@ def test_stream_events_are_numbered_and_spell_the_final_response(client: OpenAI)
 def test_previous_response_id_continues_with_the_prefix_pinned(
     client: OpenAI, served: tuple[str, ResponsesHandler]
 ) -> None:
-    first = client.responses.create(model="tiny", input="Capital of France?",
-                                    max_output_tokens=60, extra_body=script(THINK))  # fmt: skip
+    first = client.responses.create(
+        model="tiny", input="Capital of France?", max_output_tokens=60, extra_body=script(THINK)
+    )
     handler = served[1]
     assert handler.store.get(first.id) is not None
     assert handler.store.get(first.id).pinned  # type: ignore[union-attr]
-    second = client.responses.create(model="tiny", input="And of Italy?",
-                                     previous_response_id=first.id, max_output_tokens=10)  # fmt: skip
+    second = client.responses.create(
+        model="tiny", input="And of Italy?", previous_response_id=first.id, max_output_tokens=10
+    )
     assert second.previous_response_id == first.id
     u, u1 = second.usage, first.usage
     assert u is not None and u1 is not None
@@ -101,8 +124,15 @@ def test_previous_response_id_continues_with_the_prefix_pinned(
     assert details["kvstack_pinned_tokens"] >= 16
     assert handler.store.get(first.id).pinned == []  # type: ignore[union-attr]
     # Continuing from a streamed turn works the same way.
-    events = list(client.responses.create(model="tiny", input="Thanks", stream=True,
-                                          previous_response_id=second.id, max_output_tokens=5))  # fmt: skip
+    events = list(
+        client.responses.create(
+            model="tiny",
+            input="Thanks",
+            stream=True,
+            previous_response_id=second.id,
+            max_output_tokens=5,
+        )
+    )
     assert events[-1].response.previous_response_id == second.id  # type: ignore[union-attr]
 
 
@@ -112,17 +142,23 @@ def test_unknown_or_deleted_response_ids_are_vllms_404(
     url = served[0]
     r = httpx.post(f"{url}/v1/responses", json={"input": "x", "previous_response_id": "resp_no"})
     assert r.status_code == 404
-    assert r.json() == {"error": {"message": "Response with id 'resp_no' not found.",
-                                  "type": "invalid_request_error",
-                                  "param": "previous_response_id", "code": 404}}  # fmt: skip
+    assert r.json() == {
+        "error": {
+            "message": "Response with id 'resp_no' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": 404,
+        }
+    }
     done = client.responses.create(model="tiny", input="hi", max_output_tokens=3)
     r = httpx.post(f"{url}/v1/responses/{done.id}/cancel")
     assert r.status_code == 400 and "synchronous" in r.json()["error"]["message"]
     deleted = httpx.delete(f"{url}/v1/responses/{done.id}").json()
     assert deleted == {"id": done.id, "object": "response.deleted", "deleted": True}
-    for call in (lambda: client.responses.retrieve(done.id),
-                 lambda: client.responses.create(model="tiny", input="x",
-                                                 previous_response_id=done.id)):  # fmt: skip
+    for call in (
+        lambda: client.responses.retrieve(done.id),
+        lambda: client.responses.create(model="tiny", input="x", previous_response_id=done.id),
+    ):
         with pytest.raises(NotFoundError):
             call()
     assert httpx.delete(f"{url}/v1/responses/{done.id}").status_code == 404
@@ -137,8 +173,10 @@ def test_store_bounds_count_age_and_bytes(
     store.clock = lambda: now[0]
     try:
         store.opts = ConversationOptions(responses_max_stored=2, responses_ttl=60.0)
-        ids = [client.responses.create(model="tiny", input=f"q{i}", max_output_tokens=2).id
-               for i in range(3)]  # fmt: skip
+        ids = [
+            client.responses.create(model="tiny", input=f"q{i}", max_output_tokens=2).id
+            for i in range(3)
+        ]
         assert store.get(ids[0]) is None and store.get(ids[2]) is not None
         with pytest.raises(NotFoundError):
             client.responses.create(model="tiny", input="x", previous_response_id=ids[0])
@@ -153,20 +191,35 @@ def test_store_bounds_count_age_and_bytes(
 
 
 def test_tools_and_function_call_outputs(client: OpenAI) -> None:
-    r = client.responses.create(model="tiny", input="Weather in Paris?", tools=TOOLS,  # type: ignore[arg-type]
-                                max_output_tokens=60, extra_body=script(CALL))  # fmt: skip
+    r = client.responses.create(
+        model="tiny",
+        input="Weather in Paris?",
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_output_tokens=60,
+        extra_body=script(CALL),
+    )
     calls = [item for item in r.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"  # type: ignore[union-attr]
     assert json.loads(calls[0].arguments) == {"city": "Paris"}  # type: ignore[union-attr]
     call_id = calls[0].call_id  # type: ignore[union-attr]
     follow = client.responses.create(
-        model="tiny", previous_response_id=r.id, tools=TOOLS, max_output_tokens=5,  # type: ignore[arg-type]
+        model="tiny",
+        previous_response_id=r.id,
+        tools=TOOLS,
+        max_output_tokens=5,  # type: ignore[arg-type]
         input=[{"type": "function_call_output", "call_id": call_id, "output": "sunny"}],
     )
     assert follow.status in ("completed", "incomplete")
-    streamed = list(client.responses.create(model="tiny", input="Weather?", tools=TOOLS,  # type: ignore[arg-type]
-                                            stream=True, max_output_tokens=60,
-                                            extra_body=script(CALL)))  # fmt: skip
+    streamed = list(
+        client.responses.create(
+            model="tiny",
+            input="Weather?",
+            tools=TOOLS,  # type: ignore[arg-type]
+            stream=True,
+            max_output_tokens=60,
+            extra_body=script(CALL),
+        )
+    )
     args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
     assert json.loads(args) == {"city": "Paris"}
     final = streamed[-1].response  # type: ignore[union-attr]
@@ -174,12 +227,18 @@ def test_tools_and_function_call_outputs(client: OpenAI) -> None:
 
 
 def test_text_format_json_schema_constrains_the_answer(client: OpenAI) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     r = client.responses.create(
-        model="tiny", input="A digit as JSON", max_output_tokens=40,
+        model="tiny",
+        input="A digit as JSON",
+        max_output_tokens=40,
         text={"format": {"type": "json_schema", "name": "digit", "schema": schema}},
-    )  # fmt: skip
+    )
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"  # type: ignore[union-attr]
 
@@ -201,3 +260,37 @@ def test_bad_input_is_a_400_naming_the_field(
     r = httpx.post(f"{served[0]}/v1/responses", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_keep_reasoning_history_reuses_the_previous_answer(
+    client: OpenAI, served: tuple[str, ResponsesHandler]
+) -> None:
+    """strip (Qwen3's template drops the earlier think block): the next turn reuses the
+    previous prompt only; keep: the previous prompt and answer, reasoning included."""
+    handler = served[1]
+    reused: dict[bool, tuple[int, int, int]] = {}
+    try:
+        for keep, country in ((False, "Spain"), (True, "Peru")):
+            handler.keep = keep
+            first = client.responses.create(
+                model="tiny",
+                input=f"Capital of {country}?",
+                max_output_tokens=60,
+                extra_body=script(THINK),
+            )
+            second = client.responses.create(
+                model="tiny", input="Sure?", max_output_tokens=2, previous_response_id=first.id
+            )
+            u1, u2 = first.usage, second.usage
+            assert u1 is not None and u2 is not None
+            reused[keep] = (
+                u1.input_tokens,
+                u1.output_tokens,
+                u2.input_tokens_details.cached_tokens,
+            )
+    finally:
+        handler.keep = False
+    p1, o1, cached = reused[False]
+    assert p1 - 16 < cached <= p1  # the previous prompt's full blocks, no more
+    p1, o1, cached = reused[True]
+    assert cached >= (p1 + o1 - 1) // 16 * 16 > p1  # its answer too
