@@ -294,3 +294,12 @@ def test_keep_reasoning_history_reuses_the_previous_answer(
     assert p1 - 16 < cached <= p1  # the previous prompt's full blocks, no more
     p1, o1, cached = reused[True]
     assert cached >= (p1 + o1 - 1) // 16 * 16 > p1  # its answer too
+
+
+def test_a_tool_name_the_chat_path_refuses_is_a_400(served: tuple[str, ResponsesHandler]) -> None:
+    body = {"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}
+    r = httpx.post(f"{served[0]}/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.name"
+    body = {"input": [{"type": "reasoning", "content": 5}]}
+    r = httpx.post(f"{served[0]}/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.content"

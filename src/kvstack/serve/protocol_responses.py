@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import join_text_parts
@@ -142,7 +142,13 @@ class ResponsesRequest(_Strict):
             }
         elif fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
-        return ChatCompletionRequest.model_validate(body)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:  # e.g. a tool name the chat path refuses
+            first = e.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            param = loc.replace(".function.", ".").replace("max_tokens", "max_output_tokens")
+            raise InvalidRequestError(f"{param}: {first['msg']}", param=param) from None
 
     def input_messages(self) -> list[dict[str, Any]]:
         """This turn's input items as chat-template messages (see the module)."""
@@ -156,6 +162,10 @@ class ResponsesRequest(_Strict):
             kind = item.get("type", "message")
             if kind == "reasoning":
                 parts = item.get("content") or []
+                if not isinstance(parts, list):
+                    raise InvalidRequestError(
+                        "reasoning content must be a list of parts", param=f"input.{i}.content"
+                    )
                 reasoning = join_text_parts([_text(p, f"input.{i}.content") for p in parts])
             elif kind == "message":
                 msg = _message(item, i)
