@@ -290,6 +290,7 @@ def test_keep_reasoning_history_reuses_the_previous_answer(
             )
     finally:
         handler.keep = False
+    print(f"(prompt 1, output 1, cached in turn 2) strip={reused[False]} keep={reused[True]}")
     p1, o1, cached = reused[False]
     assert p1 - 16 < cached <= p1  # the previous prompt's full blocks, no more
     p1, o1, cached = reused[True]
