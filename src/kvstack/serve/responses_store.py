@@ -51,7 +51,7 @@ class StoredResponse:
     output_ids: list[int]
     cache_salt: str | None = None
     render_key: str = ""  # instructions, tools, template kwargs (``responses_prompt``)
-    created: float = field(default_factory=time.monotonic)
+    created: float = 0.0  # the store's clock when stored (``ResponsesStore.put``)
     pinned: list[int] = field(default_factory=list)  # token ids softly pinned, [] if none
     size: int = 0
 
@@ -86,9 +86,10 @@ class ResponsesStore:
         """Store ``rec``; returns the responses dropped to make room (expired first,
         then the oldest), for their pins to be released. A response larger than the
         whole byte bound is not stored (returned as dropped itself)."""
-        if rec.size > self.opts.responses_max_bytes:
-            return [rec]
         dropped = self.expire()
+        if rec.size > self.opts.responses_max_bytes:
+            return [*dropped, rec]
+        rec.created = self.clock()
         self._items[rec.id] = rec
         self.num_bytes += rec.size
         while (
