@@ -62,7 +62,7 @@ def test_stateless_answer_splits_reasoning_from_the_message(client: OpenAI) -> N
         model="tiny",
         input="Capital of France?",
         store=False,
-        max_output_tokens=60,
+        max_output_tokens=200,
         extra_body=script(THINK),
     )
     assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
@@ -84,7 +84,7 @@ def test_stream_events_are_numbered_and_spell_the_final_response(client: OpenAI)
             model="tiny",
             input="Capital?",
             stream=True,
-            max_output_tokens=60,
+            max_output_tokens=200,
             extra_body=script(THINK),
         )
     )
@@ -106,7 +106,7 @@ def test_previous_response_id_continues_with_the_prefix_pinned(
     client: OpenAI, served: tuple[str, ResponsesHandler]
 ) -> None:
     first = client.responses.create(
-        model="tiny", input="Capital of France?", max_output_tokens=60, extra_body=script(THINK)
+        model="tiny", input="Capital of France?", max_output_tokens=200, extra_body=script(THINK)
     )
     handler = served[1]
     assert handler.store.get(first.id) is not None
@@ -183,7 +183,7 @@ def test_store_bounds_count_age_and_bytes(
         now[0] += 61.0  # past the age bound: expired ids answer 404 like unknown ones
         with pytest.raises(NotFoundError):
             client.responses.retrieve(ids[2])
-        store.opts = ConversationOptions(responses_max_bytes=1)
+        store.opts = ConversationOptions(responses_max_bytes=1, responses_ttl=60.0)
         big = client.responses.create(model="tiny", input="q", max_output_tokens=2)
         assert store.get(big.id) is None and store.num_bytes <= 1
     finally:
@@ -195,7 +195,7 @@ def test_tools_and_function_call_outputs(client: OpenAI) -> None:
         model="tiny",
         input="Weather in Paris?",
         tools=TOOLS,  # type: ignore[arg-type]
-        max_output_tokens=60,
+        max_output_tokens=200,
         extra_body=script(CALL),
     )
     calls = [item for item in r.output if item.type == "function_call"]
@@ -216,7 +216,7 @@ def test_tools_and_function_call_outputs(client: OpenAI) -> None:
             input="Weather?",
             tools=TOOLS,  # type: ignore[arg-type]
             stream=True,
-            max_output_tokens=60,
+            max_output_tokens=200,
             extra_body=script(CALL),
         )
     )
@@ -275,7 +275,7 @@ def test_keep_reasoning_history_reuses_the_previous_answer(
             first = client.responses.create(
                 model="tiny",
                 input=f"Capital of {country}?",
-                max_output_tokens=60,
+                max_output_tokens=200,
                 extra_body=script(THINK),
             )
             second = client.responses.create(
