@@ -76,3 +76,14 @@ def test_parser_that_does_not_fit_the_template_fails_at_start_up(tmp_path: Path)
     assert "<|im_start|>, <|im_end|>" in str(e.value) and "<think>" in str(e.value)
     with pytest.raises(ConfigError, match="choose one of: deepseek_r1, qwen3"):
         ConversationOptions(reasoning_parser="granite")
+
+
+def test_an_answers_reasoning_reaches_the_template(client: TestClient) -> None:
+    """vLLM's ``reasoning`` (or the older ``reasoning_content``) on an assistant message is
+    the template's ``reasoning_content``: Qwen3's renders it after the last user turn."""
+    for field in ("reasoning", "reasoning_content"):
+        msgs = [*ASK, {"role": "assistant", "content": "Hello!", field: "Be kind."}]
+        body = {"messages": msgs, "add_generation_prompt": False}
+        ids = client.post("/tokenize", json=body).json()["tokens"]
+        text = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert "<think>\nBe kind.\n</think>\n\nHello!" in text
