@@ -55,6 +55,7 @@ def test_soft_pins_are_released_first_when_the_pool_runs_short(cache: str) -> No
     run(kv, "s", [*soft, 1])
     assert kv.pin_prefix(hard) == 2 * BS
     assert kv.pin_cached_prefix(soft, None, 0.5) == 3 * BS
+    assert kv.num_free_blocks == 8  # soft-pinned blocks are given back on demand
     # A request needing every block but the hard pin's: admitted, the soft pin released.
     assert kv.can_ever_fit(8 * BS)
     big = req("big", [9] * (8 * BS))

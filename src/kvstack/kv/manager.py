@@ -114,9 +114,10 @@ class KVCacheManager(PagedCommon):
 
     @property
     def num_free_blocks(self) -> int:
-        """Free, evictable cached and idle segment blocks (both are given back on demand)."""
+        """Free, evictable cached, idle segment and softly pinned blocks (all are given back
+        on demand)."""
         idle = self.segments.evictable_blocks() if self.segments is not None else 0
-        return self.pool.num_free_blocks + idle
+        return self.pool.num_free_blocks + idle + self._soft_only_blocks()
 
     @property
     def usage(self) -> float:
@@ -379,6 +380,17 @@ class KVCacheManager(PagedCommon):
         key = next(iter(self.soft_pins))
         del self.soft_pins[key]
         self.pool.free(reversed(self.pins.pop(key)))
+
+    def _soft_only_blocks(self) -> int:
+        """Blocks that releasing every soft pin would free (held by soft pins alone)."""
+        if not self.soft_pins:
+            return 0
+        holds: dict[int, int] = {}
+        for key in self.soft_pins:
+            for b in self.pins[key]:
+                holds[b.block_id] = holds.get(b.block_id, 0) + 1
+        blocks = {b.block_id: b for key in self.soft_pins for b in self.pins[key]}
+        return sum(1 for i, n in holds.items() if blocks[i].ref_cnt == n)
 
     def _soft_blocks(self) -> int:
         return len({b.block_id for k in self.soft_pins for b in self.pins[k]})
