@@ -35,6 +35,7 @@ def test_every_extension_point_has_one_registry() -> None:
     from kvstack.kv.tiers.spec import TIERS
     from kvstack.model.quant.schemes import QUANTIZATIONS
     from kvstack.route.policy import ROUTING_POLICIES
+    from kvstack.serve.chat.reasoning_parsers import REASONING_PARSERS
 
     regs = {
         "--prefix-cache": PREFIX_CACHES,
@@ -43,6 +44,7 @@ def test_every_extension_point_has_one_registry() -> None:
         "--kv-cache-dtype": CODECS,
         "--kv-press": PRESSES,
         "--quantization": QUANTIZATIONS,
+        "--reasoning-parser": REASONING_PARSERS,
     }
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {opt: a for a in serve._actions for opt in a.option_strings}

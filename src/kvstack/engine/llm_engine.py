@@ -368,6 +368,9 @@ class LLMEngine:
     def unpin_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> bool:
         return self.kv_manager.unpin_prefix(token_ids, cache_salt)
 
+    def pin_cached_prefix(self, token_ids: list[int], salt: str | None, share: float) -> int:
+        return self.kv_manager.pin_cached_prefix(token_ids, salt, share)  # soft: released first
+
     @property
     def kv_events(self) -> KVEventLog:
         """Stream of BlockStored / BlockRemoved / AllBlocksCleared (``kv/events.py``)."""

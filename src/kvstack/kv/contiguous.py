@@ -177,6 +177,11 @@ class ContiguousKVManager:
     def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
         return False
 
+    def pin_cached_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, max_fraction: float
+    ) -> int:
+        return 0  # no prefix cache in this layout: nothing to keep for a next turn
+
     def reset_prefix_cache(self) -> None:
         return None
 

@@ -103,6 +103,7 @@ class HybridKVManager(HybridPins, PagedCommon):
         self._external: dict[str, tuple[int, int]] = {}
         self.max_pinned_fraction = max_pinned_fraction
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> every page
+        self.soft_pins: dict[BlockHash, None] = {}  # none made here: no pin_cached_prefix
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 

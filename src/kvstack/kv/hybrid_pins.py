@@ -60,6 +60,13 @@ class HybridPins:
                 f"{limit} (max_pinned_fraction {self.max_pinned_fraction} of {self.num_blocks})"
             )
 
+    def pin_cached_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, max_fraction: float
+    ) -> int:
+        """No soft pins with KV groups (a window group's pages of a partial hit are not
+        one chain): a stored conversation's next turn relies on the prefix cache alone."""
+        return 0
+
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Hold every page a hit of the whole prefix needs (every block of a full group,
         the last window's blocks of a window group), so that hit always happens; shorter

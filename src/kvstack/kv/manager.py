@@ -92,6 +92,8 @@ class KVCacheManager(PagedCommon):
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_inserted: dict[str, int] = {}
         self.pins: dict[BlockHash, list[KVCacheBlock]] = {}  # last block hash -> chain
+        self.soft_pins: dict[BlockHash, None] = {}  # ``pin_cached_prefix``'s, oldest first
+        self.num_soft_pins_released = 0  # released early because the pool ran short
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._new_cached = None  # offload tiers: ``PagedCommon.track_new_cached_blocks``
@@ -112,9 +114,10 @@ class KVCacheManager(PagedCommon):
 
     @property
     def num_free_blocks(self) -> int:
-        """Free, evictable cached and idle segment blocks (both are given back on demand)."""
+        """Free, evictable cached, idle segment and softly pinned blocks (all are given back
+        on demand)."""
         idle = self.segments.evictable_blocks() if self.segments is not None else 0
-        return self.pool.num_free_blocks + idle
+        return self.pool.num_free_blocks + idle + self._soft_only_blocks()
 
     @property
     def usage(self) -> float:
@@ -135,8 +138,9 @@ class KVCacheManager(PagedCommon):
         return cdiv(num_tokens, self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` fits in the pool next to the pins."""
-        return self.num_blocks_for(num_tokens) <= self.pool.num_blocks - self.num_pinned_blocks
+        """Whether a sequence of ``num_tokens`` fits in the pool next to the (hard) pins."""
+        hard = {b.block_id for k, c in self.pins.items() if k not in self.soft_pins for b in c}
+        return self.num_blocks_for(num_tokens) <= self.pool.num_blocks - len(hard)
 
     # ------------------------------------------------------------------ allocation
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
@@ -176,6 +180,8 @@ class KVCacheManager(PagedCommon):
         short = needed - self.num_free_blocks_adopting(computed)
         if short > 0 and self.segments is not None:  # idle segment entries go first
             short -= self.segments.release(short)
+        if short > 0 and self.soft_pins:  # then soft pins, before any request waits
+            short -= self.release_soft_pins(short)
         if short > 0:
             return None
         if self.cache is not None and request.num_computed_tokens == 0 and not blocks:
@@ -314,6 +320,7 @@ class KVCacheManager(PagedCommon):
         self.check_pinnable(len(token_ids))
         hashes = self.prefix_hashes(token_ids, cache_salt)
         if hashes[-1] in self.pins:
+            self.soft_pins.pop(hashes[-1], None)  # pinned for good now
             return len(hashes) * self.block_size
         assert self.cache is not None
         root = root_hash(self.model_id, cache_salt)
@@ -326,6 +333,67 @@ class KVCacheManager(PagedCommon):
             )
         self._hold_pin(hashes[-1], blocks)
         return len(hashes) * self.block_size
+
+    def pin_cached_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, max_fraction: float
+    ) -> int:
+        """Softly pin the longest cached full-block prefix of ``token_ids``; returns the
+        tokens pinned (0: nothing cached, no prefix cache, or no room).
+
+        A soft pin holds its blocks like a pin but is the first KV given back when the
+        pool runs short (``allocate_slots`` releases soft pins, oldest first, before it
+        fails), and soft pins together stay within ``max_fraction`` of the pool: older
+        soft pins are released to make room. The server keeps a stored conversation's
+        next-turn prefix this way (``serve/responses/store.py``). Invariant: every key of
+        ``soft_pins`` is a key of ``pins``.
+        """
+        if self.cache is None or len(token_ids) < self.block_size:
+            return 0
+        hashes = self.prefix_hashes(token_ids, cache_salt)
+        root = root_hash(self.model_id, cache_salt)
+        blocks = self.cache.match(token_ids, hashes, root)
+        limit = int(max_fraction * self.num_blocks)
+        if not blocks or len(blocks) > limit:
+            return 0
+        key = hashes[len(blocks) - 1]
+        if key in self.pins:
+            return len(blocks) * self.block_size
+        while self.soft_pins and self._soft_blocks() + len(blocks) > limit:
+            self._release_oldest_soft_pin()
+        try:
+            self._hold_pin(key, blocks)
+        except InvalidRequestError:  # the pins' overall limit: a soft pin is best effort
+            return 0
+        self.soft_pins[key] = None
+        return len(blocks) * self.block_size
+
+    def release_soft_pins(self, num_blocks: int) -> int:
+        """Release soft pins, oldest first, until ``num_blocks`` more blocks are free
+        (or none is left); returns how many blocks became free."""
+        before = self.pool.num_free_blocks
+        while self.soft_pins and self.pool.num_free_blocks - before < num_blocks:
+            self._release_oldest_soft_pin()
+            self.num_soft_pins_released += 1
+        return self.pool.num_free_blocks - before
+
+    def _release_oldest_soft_pin(self) -> None:
+        key = next(iter(self.soft_pins))
+        del self.soft_pins[key]
+        self.pool.free(reversed(self.pins.pop(key)))
+
+    def _soft_only_blocks(self) -> int:
+        """Blocks that releasing every soft pin would free (held by soft pins alone)."""
+        if not self.soft_pins:
+            return 0
+        holds: dict[int, int] = {}
+        for key in self.soft_pins:
+            for b in self.pins[key]:
+                holds[b.block_id] = holds.get(b.block_id, 0) + 1
+        blocks = {b.block_id: b for key in self.soft_pins for b in self.pins[key]}
+        return sum(1 for i, n in holds.items() if blocks[i].ref_cnt == n)
+
+    def _soft_blocks(self) -> int:
+        return len({b.block_id for k in self.soft_pins for b in self.pins[k]})
 
     def check_pinnable(self, num_tokens: int) -> None:
         if self.cache is None:

@@ -38,6 +38,8 @@ class PagedCommon(abc.ABC):
     pool: BlockPool
     cache: PrefixCache | None
     pins: dict[BlockHash, list[KVCacheBlock]]
+    # Keys of ``pins`` that are soft (``KVCacheManager.pin_cached_prefix``), oldest first.
+    soft_pins: dict[BlockHash, None]
     max_pinned_fraction: float
     prefix_query_tokens: int
     prefix_hit_tokens: int
@@ -140,7 +142,9 @@ class PagedCommon(abc.ABC):
         """Release a pin made by ``pin_prefix``; returns False if it was not pinned."""
         if len(token_ids) < self.block_size:
             return False
-        blocks = self.pins.pop(self.prefix_hashes(token_ids, cache_salt)[-1], None)
+        key = self.prefix_hashes(token_ids, cache_salt)[-1]
+        blocks = self.pins.pop(key, None)
+        self.soft_pins.pop(key, None)
         if blocks is None:
             return False
         self.pool.free(reversed(blocks))
@@ -150,6 +154,7 @@ class PagedCommon(abc.ABC):
         for blocks in self.pins.values():
             self.pool.free(reversed(blocks))
         self.pins.clear()
+        self.soft_pins.clear()
 
     # ------------------------------------------------------------------ introspection
     def _hold_pin(self, last: BlockHash, blocks: list[KVCacheBlock]) -> None:

@@ -8,13 +8,9 @@ ever touched by one thread (as vLLM's ``AsyncLLM`` keeps it in one core process)
        ^                                                            |
        +---- OutputSlot per request <----- call_soon_threadsafe ----+
 
-Torch releases the GIL inside its kernels, so the event loop keeps accepting and
-streaming while a step runs. Each step's outputs are routed to their request's queue;
-a finished request's queue gets its last output and the stream ends. A client that
-goes away is aborted at once, which frees its KV blocks in the next command round.
-
-Admission control: at most ``max_waiting`` requests may wait for a first schedule;
-past that ``add`` raises ``QueueFullError`` (the server answers 429).
+Torch releases the GIL in its kernels: the event loop serves while a step runs. A client
+that goes away is aborted at once, freeing its KV blocks in the next command round. At
+most ``max_waiting`` requests wait for a first schedule; past that ``QueueFullError``.
 
 The server sees the engine only through this class: facts fixed at load
 (``tokenizer``, ``model_info``, ``routing_info``, read before the loop starts), the
@@ -277,6 +273,10 @@ class AsyncEngine:
     async def unpin_prefix(self, token_ids: list[int], cache_salt: str | None) -> bool:
         """Release a pin; False if that prefix was not pinned."""
         return await self.run(lambda: self._llm_engine.unpin_prefix(token_ids, cache_salt))
+
+    async def pin_cached(self, ids: list[int], salt: str | None, share: float) -> int:
+        """Softly pin the cached blocks of ``ids`` (``KVCacheManager.pin_cached_prefix``)."""
+        return await self.run(lambda: self._llm_engine.pin_cached_prefix(ids, salt, share))
 
     async def reset_prefix_cache(self) -> None:
         await self.run(self._llm_engine.reset_prefix_cache)

@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from kvstack.core.errors import ConfigError
 from kvstack.core.options import Switch, check_choices, from_namespace, option
 from kvstack.kv.tiers.redis_url import redacted_spec
 from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
+from kvstack.serve.conversation_options import ConversationOptions
 
 if TYPE_CHECKING:
     import uvicorn
@@ -163,6 +164,7 @@ class ServerOptions:
         "BLAKE2b chain, as GET /v1/kv_events has it)",
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
+    conversation: ConversationOptions = field(default_factory=ConversationOptions)  # a part
 
     def __post_init__(self) -> None:
         # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
@@ -305,6 +307,7 @@ def build_server(
             role=options.role,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
+            conversation=options.conversation,
         ),
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)

@@ -33,9 +33,12 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set (in place) ``logits[rows[i], t]`` to -inf where ``bitmask[i]`` disallows t."""
     allowed = allowed_tokens(bitmask, logits.shape[1])
-    sub = logits[rows]
-    sub.masked_fill_(~allowed, float("-inf"))
-    logits[rows] = sub
+    # The logits come out of the forward pass as inference tensors; writing into one is
+    # allowed only in inference mode (the sampler runs outside it).
+    with torch.inference_mode():
+        sub = logits[rows]
+        sub.masked_fill_(~allowed, float("-inf"))
+        logits[rows] = sub
 
 
 @dataclass

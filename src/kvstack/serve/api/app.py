@@ -3,6 +3,7 @@
 ``create_app`` assembles one router per concept over a shared ``ServerContext``:
 
 * ``routes_openai``: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``;
+* ``routes_responses``: ``/v1/responses`` (OpenAI's Responses API) and its stored responses;
 * ``routes_cache``: ``/v1/cache/pin`` / ``unpin``, ``/reset_prefix_cache``, ``/v1/kv_events``;
 * ``routes_ops``: ``/health``, ``/load``, ``/version``, ``/metrics``, ``/tokenize``,
   ``/detokenize``;
@@ -37,6 +38,9 @@ from kvstack.serve.api.routes_cache import cache_router
 from kvstack.serve.api.routes_openai import OpenAIRoutes
 from kvstack.serve.api.routes_ops import ops_router
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.responses.api import ResponsesHandler
+from kvstack.serve.responses.protocol import ResponsesRequest
+from kvstack.serve.responses.routes import responses_router
 from kvstack.serve.ui.kv_state_stream import KVStateStream
 from kvstack.serve.ui.routes import mount_ui
 
@@ -66,7 +70,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         openapi_url=None, docs_url=None, redoc_url=None,
     )  # fmt: skip
     install_error_handlers(app, logger, ctx.count_error, ctx.count_internal)
-    app.include_router(OpenAIRoutes(ctx).router())
+    openai_routes = OpenAIRoutes(ctx)
+    app.include_router(openai_routes.router())
+    app.state.responses = ResponsesHandler(openai_routes)  # tests read its store
+    app.include_router(responses_router(app.state.responses))
     app.include_router(ops_router(ctx, lambda: app.openapi()))
     app.include_router(cache_router(ctx))
     app.state.kv_state = KVStateStream(engine)  # the web view's stream (tests read its counter)
@@ -79,5 +86,5 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
-    publish_models(app, REQUEST_MODELS)
+    publish_models(app, (*REQUEST_MODELS, ResponsesRequest))
     return app

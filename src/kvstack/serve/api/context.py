@@ -31,8 +31,10 @@ from kvstack.serve.api.protocol import TokenizeRequest
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.chat.messages import ChatMessage, ignored_fields
 from kvstack.serve.chat.prompt import chat_prompt_ids
+from kvstack.serve.chat.reasoning_parsers import ReasoningParser, check_template
 from kvstack.serve.chat.segments import chat_segments
 from kvstack.serve.chat.tool_calls import ToolPlan
+from kvstack.serve.conversation_options import ConversationOptions
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -64,6 +66,8 @@ class ServerConfig:
     # Tools (``serve/chat/tool_calls.py``): --tool-call-parser, --enable-auto-tool-choice.
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = True
+    # --reasoning-parser, reasoning history and the Responses store's bounds.
+    conversation: ConversationOptions = field(default_factory=ConversationOptions)
     # With ``api_key``: the ``OPS_ENDPOINTS`` that still need no key (SECURITY.md).
     open_endpoints: frozenset[str] = field(
         default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
@@ -102,6 +106,11 @@ class ServerContext:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        conv = config.conversation  # a parser that does not fit the template: start-up error
+        self.reasoning: ReasoningParser | None = None
+        if conv.reasoning_parser is not None:
+            template = self.tokenizer.chat_template
+            self.reasoning = check_template(conv.reasoning_parser, template, config.model_name)
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="kvstack-tokenize")
 
     async def off_loop(self, fn: Callable[[], T]) -> T:

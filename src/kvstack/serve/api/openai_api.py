@@ -43,6 +43,7 @@ from kvstack.serve.api.logprob_format import (
 )
 from kvstack.serve.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvstack.serve.async_engine import AsyncEngine
+from kvstack.serve.chat.reasoning_parsers import ReasoningParser, ReasoningSplit, ReasoningStream
 from kvstack.serve.chat.segments import Mark
 from kvstack.serve.chat.tool_calls import ChoiceToolStream
 from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
@@ -57,6 +58,7 @@ class ApiContext:
     # Prompts x n one request may queue (a bound against fan-out: 32 id prompts x n=16 was
     # 512 sequences, and 64 x 16 filled --max-waiting for everyone else).
     max_sequences: int = 64
+    reasoning: ReasoningParser | None = None  # --reasoning-parser
 
 
 @dataclass
@@ -66,13 +68,18 @@ class _ChoiceState:
     role_sent: bool = False
     done: bool = False
     tools: ChoiceToolStream | None = None  # chat requests with tools
+    reasoning: ReasoningStream | None = None  # chat with --reasoning-parser
     echoed: bool = False
     offset: int = 0  # text_offset of the next completions logprobs token
 
 
-def _new_state(req: CompletionRequest | ChatCompletionRequest) -> _ChoiceState:
+def _new_state(
+    req: CompletionRequest | ChatCompletionRequest, reasoning: ReasoningParser | None
+) -> _ChoiceState:
+    chat = isinstance(req, ChatCompletionRequest)
     plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
-    return _ChoiceState(tools=None if plan is None else plan.streamer())
+    think = reasoning.stream() if chat and reasoning is not None else None
+    return _ChoiceState(tools=None if plan is None else plan.streamer(), reasoning=think)
 
 
 @dataclass
@@ -237,11 +244,16 @@ class OpenAIHandler:
         plan = req.tool_plan()
         echo = req.echo_text()
         choices = []
+        think = self.ctx.reasoning
         for c in job.last.outputs:
-            content, calls = (c.text, []) if plan is None else plan.parse(c.text)
+            split = think.split(c.text) if think is not None else ReasoningSplit(None, c.text)
+            text = split.content or ""
+            content, calls = (text, []) if plan is None else plan.parse(text)
             if echo:  # vLLM: the last message, then the answer
                 content = echo + (content or "")
             message: dict[str, Any] = {"role": req.response_role, "content": content}
+            if think is not None:  # vLLM's field (``reasoning_content`` before vLLM 0.11)
+                message["reasoning"] = split.reasoning
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
             choices.append(
@@ -317,7 +329,9 @@ class OpenAIHandler:
         req: CompletionRequest | ChatCompletionRequest,
         chat: bool,
     ) -> dict | None:
-        st = job.choices.get(c.index) or job.choices.setdefault(c.index, _new_state(req))
+        st = job.choices.get(c.index) or job.choices.setdefault(
+            c.index, _new_state(req, self.ctx.reasoning)
+        )
         if st.done:
             return None
         tok = self.ctx.tokenizer
@@ -342,16 +356,26 @@ class OpenAIHandler:
         index = c.index if chat else job.index * req.n + c.index
         out: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": c.finish_reason}
         if isinstance(req, ChatCompletionRequest):
+            thought = ""
+            if st.reasoning is not None:  # <think>…</think> first, the rest is the answer
+                thought, text = st.reasoning.feed(text)
+                if st.done:
+                    tail = st.reasoning.finish()
+                    thought, text = thought + tail[0], text + tail[1]
             delta: dict[str, Any] = {"content": text}
             if st.tools is not None:
                 delta = st.tools.delta(text, st.done)
                 if st.done and st.tools.num_calls:
                     out["finish_reason"] = "tool_calls"
+            if thought:
+                delta["reasoning"] = thought
+                if not delta.get("content"):
+                    delta.pop("content", None)
             if first:
                 delta["role"] = req.response_role
                 if echo := req.echo_text():  # vLLM: the last message opens the answer
                     delta["content"] = echo + (delta.get("content") or "")
-            worth = delta.get("content") or delta.get("tool_calls") or first
+            worth = delta.get("content") or delta.get("tool_calls") or thought or first
             if not (worth or lp or st.done):
                 return None  # a tool call's text is held back: nothing to send yet
             out["delta"] = delta if worth else {}

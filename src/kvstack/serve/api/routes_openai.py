@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,7 +43,7 @@ class OpenAIRoutes:
         cfg = ctx.config
         api = ApiContext(
             ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s,
-            cfg.max_sequences_per_request,
+            cfg.max_sequences_per_request, ctx.reasoning,
         )  # fmt: skip
         self.handler = OpenAIHandler(api)
 
@@ -92,19 +92,25 @@ class OpenAIRoutes:
         ]
 
     async def start(
-        self, raw: Request, req: CompletionRequest | ChatCompletionRequest
+        self,
+        raw: Request,
+        req: CompletionRequest | ChatCompletionRequest,
+        render: Callable[[], Prompts] | None = None,
+        endpoint: str | None = None,
     ) -> tuple[str, list[Job]]:
-        """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
+        """Queue the request's prompts (``render``'s, if given: the Responses API renders
+        its own); its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
             defaults = self.ctx.engine.generation_defaults
+            make_prompts = render or (lambda: self.prompts(req))
             # Both CPU work (a million stop_token_ids took 1.5 s to check): off the loop.
             prompts, sp = await self.ctx.off_loop(
-                lambda: (self.prompts(req), req.sampling_params(defaults))
+                lambda: (make_prompts(), req.sampling_params(defaults))
             )
             session = raw.headers.get("x-session-id") or req.user
             return await self.handler.start(
-                prompts, req, sp, "chat" if chat else "completions", session
+                prompts, req, sp, endpoint or ("chat" if chat else "completions"), session
             )
         except SpecTooLargeError as e:
             raise ApiError(413, str(e), param=e.param) from None

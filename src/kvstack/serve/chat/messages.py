@@ -52,6 +52,10 @@ class ChatMessage(StrictBody):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
+    # An earlier answer's reasoning (vLLM's ``reasoning``; ``reasoning_content`` before
+    # vLLM 0.11): the template sees it as ``reasoning_content``, which Qwen3's reads.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -65,6 +69,8 @@ class ChatMessage(StrictBody):
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (``developer`` becomes ``system``)."""
         out: dict[str, Any] = {"role": template_role(self.role), "content": self.text()}
+        if (thought := self.reasoning or self.reasoning_content) is not None:
+            out["reasoning_content"] = thought
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
