@@ -25,6 +25,7 @@ from kvstack.errors import InvalidRequestError
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.chat_prompt import chat_prompt_ids
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, OPS_ENDPOINTS, open_endpoints
+from kvstack.serve.frontend_options import FrontendOptions
 from kvstack.serve.http_errors import ApiError, check_bearer, read_body
 from kvstack.serve.leniency import note_ignored
 from kvstack.serve.protocol import ChatMessage, TokenizeRequest, ignored_fields
@@ -61,6 +62,7 @@ class ServerConfig:
     open_endpoints: frozenset[str] = field(
         default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
     )
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's front end
 
 
 class NonFiniteNumberError(ValueError):

@@ -23,6 +23,7 @@ from kvstack.config import EngineConfig
 from kvstack.errors import ConfigError
 from kvstack.options import Switch, check_choices, from_namespace, option
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
+from kvstack.serve.frontend_options import FrontendOptions
 
 if TYPE_CHECKING:
     import uvicorn
@@ -162,6 +163,7 @@ class ServerOptions:
         "BLAKE2b chain, as GET /v1/kv_events has it)",
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
+    frontend: FrontendOptions = FrontendOptions()  # vLLM's front-end flags (a part)
 
     def __post_init__(self) -> None:
         # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
@@ -304,6 +306,7 @@ def build_server(
             role=options.role,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
+            frontend=options.frontend,
         ),
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)
@@ -367,7 +370,7 @@ def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
         app,
         host=o.host,
         port=o.port,
-        log_level="info",
+        **o.frontend.uvicorn_kwargs(),
         root_path=o.root_path or "",
         timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
         http=header_deadline_protocol(o.header_timeout),
