@@ -56,6 +56,20 @@ def _text(value: Any) -> str:
     return str(value).lower()
 
 
+def human_int(text: str) -> int:
+    """vLLM's ``human_readable_int``: ``25.6k`` = 25,600 (lower case: powers of 1000),
+    ``64M`` = 64 * 2**20 (upper case: powers of 1024), plain digits as they are."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    units |= {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    text = str(text).strip()
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"expected a whole number such as 64M or 25.6k, got {text!r}") from None
+
+
 def ignored(reason: str) -> Policy:
     return Policy("ignored", reason)
 
@@ -158,6 +172,7 @@ POLICIES: dict[str, Policy] = {
     "disable_access_log_for_endpoints": ignored("kvstack's access log is uvicorn's, unfiltered"),
     "enable_ssl_refresh": ignored("certificates are read once at start-up; restart to renew"),
     "middleware": refused("kvstack imports no code named on the command line"),
+    "enable_request_id_headers": ignored("kvstack's responses carry their id in the body"),
     "h11_max_incomplete_event_size": ignored("kvstack bounds headers by --header-timeout"),
     "h11_max_header_count": ignored("kvstack bounds headers by --header-timeout"),
     "enable_offline_docs": ignored("kvstack's /docs and /redoc always use local assets"),
@@ -166,6 +181,9 @@ POLICIES: dict[str, Policy] = {
     "runner": neutral("kvstack runs generative models", "auto", "generate"),
     "convert": neutral("kvstack runs generative models as they are", "auto", "none"),
     "hf_config_path": refused("kvstack reads config.json from the model folder"),
+    "trust_remote_code": ignored("kvstack never runs code from a checkpoint"),
+    "enforce_eager": ignored("kvstack always runs eagerly (no CUDA graphs)"),
+    "disable_custom_all_reduce": ignored(MULTI),
     "code_revision": ignored("kvstack never runs code from a checkpoint"),
     "return_sampling_mask": refused(TEXT),
     "logprobs_mode": neutral("kvstack returns the processed model's raw logprobs", "raw_logprobs"),
@@ -189,8 +207,8 @@ POLICIES: dict[str, Policy] = {
     ),  # fmt: skip
     "decode_context_parallel_size": neutral(MULTI, "1"),
     "prefill_context_parallel_size": neutral(MULTI, "1"),
-    "kv_cache_memory_bytes": mapped("kv_cache_memory"),
-    "num_gpu_blocks_override": mapped("num_blocks", int),
+    "kv_cache_memory_bytes": mapped("kv_cache_memory", human_int),
+    "num_gpu_blocks_override": mapped("num_blocks", human_int),
     "prefix_cache_retention_interval": ignored("kvstack's eviction policy is --eviction-policy"),
     "kv_cache_dtype_skip_layers": refused(TEXT),
     "kv_sharing_fast_prefill": ignored(GPU),
@@ -203,7 +221,7 @@ POLICIES: dict[str, Policy] = {
     "logging_config": ignored("kvstack logs with its own format (-v for more)"),
     "log_config_file": ignored("kvstack logs with its own format (-v for more)"),
     "log_level": ignored("kvstack logs at INFO when serving (-v for more)"),
-    "max_num_queued_reqs": mapped("max_waiting", int),
+    "max_num_queued_reqs": mapped("max_waiting", human_int),
     "scheduling_policy": neutral("kvstack schedules first come, first served", "fcfs"),
     "scheduler_cls": refused("kvstack imports no code named on the command line"),
     "stream_interval": ignored("kvstack streams every token as it is made"),

@@ -173,5 +173,10 @@ def apply_vllm_flags(ns: argparse.Namespace) -> None:
         policy = policy_of(dest)
         if policy is not None and policy.maps_to is not None and value is not False:
             setattr(ns, policy.maps_to, policy.convert(value))
+    if getattr(ns, "dtype", None) in ("half", "float16", "fp16"):
+        notes.append(
+            f"--dtype {ns.dtype}: served in bfloat16, the 16-bit type kvstack's CPU kernels "
+            "compute in (same memory as float16, wider exponent range)"
+        )
     for note in notes:
         logger.warning("%s", note)
