@@ -46,7 +46,8 @@ def test_the_list_is_vllms_current_serve_flags() -> None:
     assert VLLM_VERSION == "0.33.0" and len(flags) > 300
     spellings = {s for f in flags for s in f.strings}
     for s in ("--uvicorn-log-level", "--disable-log-requests", "--lora-modules", "-q",
-              "--kv-transfer-config", "--enable-prompt-tokens-details", "--load-format"):  # fmt: skip
+              "--kv-transfer-config", "--enable-prompt-tokens-details",
+              "--load-format"):  # fmt: skip
         assert s in spellings, s
 
 
@@ -82,7 +83,8 @@ def test_ignored_flags_log_one_line_refused_ones_fail(caplog: pytest.LogCaptureF
         apply_vllm_flags(a)
     lines = [r.getMessage() for r in caplog.records]
     for s in ("--api-server-count", "--cudagraph-capture-sizes", "--enable-expert-parallel",
-              "--enable-lora", "--kv-transfer-config", "--load-format", "--tokens-only"):  # fmt: skip
+              "--enable-lora", "--kv-transfer-config", "--load-format",
+              "--tokens-only"):  # fmt: skip
         assert sum(s in line for line in lines) == 1, (s, lines)
     assert EngineConfig.from_cli_args(a).cache.prefix_cache == "none"
     for argv, word in (

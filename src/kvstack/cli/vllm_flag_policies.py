@@ -112,7 +112,8 @@ FAMILIES: tuple[tuple[str, Policy], ...] = (
     (r"distributed_.*|cpu_distributed_.*|numa_bind.*|device_ids|enable_scale_out", ignored(MULTI)),
     (r"ray_.*|worker_cls|worker_extension_cls|.*fault_tolerance.*|grpc_port", ignored(MULTI)),
     (r"enable_hc_sp|enable_batch_sharded_sampling|disable_nccl_for_dp_.*", ignored(MULTI)),
-    (r"max_parallel_loading_workers|weight_transfer_config|enable_shm_tensor_arena", ignored(MULTI)),
+    (r"max_parallel_loading_workers|weight_transfer_config", ignored(MULTI)),
+    (r"enable_shm_tensor_arena", ignored(MULTI)),
     (r".*expert.*|.*eplb.*|all2all_.*|.*dbo.*|ubatch_size|.*elastic_ep.*", ignored(MOE)),
     (r".*_ep_.*|num_redundant_experts|enable_return_routed_experts", ignored(MOE)),
     (r".*mamba.*|.*replayssm.*|prefix_match_unit|swa_bounded_replay", ignored(MAMBA)),
@@ -130,7 +131,8 @@ FAMILIES: tuple[tuple[str, Policy], ...] = (
     (r"show_hidden_metrics_for_version|custom_histogram_buckets", ignored(OBS)),
     (r"cohere_.*|anthropic_.*", ignored(COHERE)),
     (r"max_num_scheduled_tokens|max_num_active_seqs|max_num_queued_tokens", ignored(SCHED)),
-    (r"long_prefill_.*|scheduler_reserve_full_isl|watermark|prefill_schedule_interval", ignored(SCHED)),
+    (r"long_prefill_.*|scheduler_reserve_full_isl|watermark", ignored(SCHED)),
+    (r"prefill_schedule_interval", ignored(SCHED)),
     (r"async_scheduling|disable_chunked_mm_input|dp_sync_interval", ignored(SCHED)),
 )  # fmt: skip
 
@@ -192,7 +194,9 @@ POLICIES: dict[str, Policy] = {
     "disable_cascade_attn": ignored(GPU),
     "skip_tokenizer_init": refused("kvstack needs the tokenizer (text in, text out)"),
     "enable_prompt_embeds": refused("prompt embeddings are not supported"),
-    "config_format": neutral("kvstack reads Hugging Face config.json or GGUF metadata", "auto", "hf"),
+    "config_format": neutral(
+        "kvstack reads Hugging Face config.json or GGUF metadata", "auto", "hf"
+    ),
     "hf_overrides": neutral("kvstack applies no config overrides", "{}"),
     "model_class_overrides": neutral("kvstack applies no model class overrides", "{}"),
     "pooler_config": refused("pooling models are not served"),
@@ -203,8 +207,8 @@ POLICIES: dict[str, Policy] = {
     "renderer_num_workers": ignored("kvstack renders prompts in two worker threads"),
     "load_format": neutral(
         "kvstack reads the model's own weights; 'dummy' (random weights) would change answers",
-        "auto", "safetensors", "gguf", "fastsafetensors",
-    ),  # fmt: skip
+        *("auto", "safetensors", "gguf", "fastsafetensors"),
+    ),
     "decode_context_parallel_size": neutral(MULTI, "1"),
     "prefill_context_parallel_size": neutral(MULTI, "1"),
     "kv_cache_memory_bytes": mapped("kv_cache_memory", human_int),

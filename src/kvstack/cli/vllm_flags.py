@@ -107,7 +107,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             continue
         for s in [s for s in missing if s in ALIASES]:
             action = known[ALIASES[s]]
-            action.option_strings.append(s)
+            action.option_strings = [*action.option_strings, s]
             known[s] = action
         own = _same_dest_switches(flag, known)
         for s in [s for s in missing if s in own]:
@@ -146,9 +146,7 @@ def _add_own(group: argparse._ArgumentGroup, flag: VllmFlag, strings: list[str])
 
 def given_vllm_flags(ns: argparse.Namespace) -> dict[str, Any]:
     """vLLM dest -> value of the ``add_vllm_flags`` flags given on the command line."""
-    return {
-        k[len(DEST_PREFIX) :]: v for k, v in vars(ns).items() if k.startswith(DEST_PREFIX)
-    }
+    return {k[len(DEST_PREFIX) :]: v for k, v in vars(ns).items() if k.startswith(DEST_PREFIX)}
 
 
 def check_vllm_flags(ns: argparse.Namespace) -> list[str]:

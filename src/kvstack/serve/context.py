@@ -63,6 +63,7 @@ class ServerConfig:
         default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
     )
     frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's front end
+    identity: str = ""  # the model and engine options, hashed into system_fingerprint
 
 
 class NonFiniteNumberError(ValueError):
@@ -110,12 +111,15 @@ class ServerContext:
             check_bearer(raw, self.config.api_key)
 
     def check_model(self, name: str | None) -> None:
-        """404 for a model name other than the served ones (None: the served one)."""
+        """404 for a model name other than the served ones (None: the served one); a
+        LoRA adapter's name is such a name, since kvstack loads none."""
         c = self.config
         if name is not None and name != c.model_name and name not in c.model_aliases:
-            raise ApiError(
-                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-            )
+            served = ", ".join((c.model_name, *c.model_aliases))
+            raise ApiError(  # vLLM's NotFoundError (serve/engine/serving.py), code 404
+                404, f"The model `{name}` does not exist. Valid aliases: {served}.",
+                "NotFoundError", param="model",
+            )  # fmt: skip
 
     async def parse(self, raw: Request, model: type[M]) -> M:
         """The body as ``model``; 413 / 400 with the first problem found."""

@@ -27,6 +27,7 @@ from kvstack.serve.openapi import request_body
 from kvstack.serve.output_stream import RequestTimeoutError
 from kvstack.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kvstack.serve.segments import Mark
+from kvstack.serve.vllm_checks import check_request, log_request, model_card
 from kvstack.structured_outputs import SpecTooLargeError
 
 logger = logging.getLogger("kvstack.serve")
@@ -43,7 +44,7 @@ class OpenAIRoutes:
         cfg = ctx.config
         api = ApiContext(
             ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s,
-            cfg.max_sequences_per_request,
+            cfg.max_sequences_per_request, cfg.frontend, cfg.frontend.fingerprint(cfg.identity),
         )  # fmt: skip
         self.handler = OpenAIHandler(api)
 
@@ -66,11 +67,7 @@ class OpenAIRoutes:
             ctx.check_auth(raw)
             info = ctx.engine.model_info
             names = (ctx.config.model_name, *ctx.config.model_aliases)
-            cards = [
-                {"id": n, "object": "model", "created": 0, "owned_by": "kvstack",
-                 "root": info.root, "max_model_len": info.max_model_len}
-                for n in names
-            ]  # fmt: skip
+            cards = [model_card(n, info.root, info.max_model_len) for n in names]
             return {"object": "list", "data": cards}
 
         return r
@@ -96,12 +93,19 @@ class OpenAIRoutes:
     ) -> tuple[str, list[Job]]:
         """Queue the request's prompts; its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
+        opts = self.ctx.config.frontend
         try:
+            check_request(req, opts)
+            if isinstance(req, ChatCompletionRequest):
+                req.use_response_role(opts.response_role)
             prompts = await self.ctx.off_loop(lambda: self.prompts(req))
             session = raw.headers.get("x-session-id") or req.user
-            return await self.handler.start(
+            rid, jobs = await self.handler.start(
                 prompts, req, "chat" if chat else "completions", session
             )
+            if opts.enable_log_requests:
+                log_request(rid, req, [len(ids) for ids, _, _ in prompts])
+            return rid, jobs
         except SpecTooLargeError as e:
             raise ApiError(413, str(e), param=e.param) from None
         except InvalidRequestError as e:

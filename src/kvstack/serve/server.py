@@ -124,13 +124,11 @@ class ServerOptions:
         group=SERVER, choices=lambda: _tool_parsers(),
     )  # fmt: skip
     enable_auto_tool_choice: bool = option(
-        True,
-        "parse tool calls under tool_choice auto (on by default; vLLM needs "
-        "--enable-auto-tool-choice for it)",
-        group=SERVER, flag="--no-enable-auto-tool-choice",
-        flag_help="answer tool_choice auto with 400, as vLLM without --enable-auto-tool-choice",
-        switches=(Switch("--enable-auto-tool-choice", True, "vLLM's flag: parse tool calls "
-                         "under tool_choice auto (kvstack's default)"),),
+        False,
+        "parse tool calls under tool_choice auto (off by default as in vLLM: a request "
+        "with tools and tool_choice auto, or tools alone, gets vLLM's 400)",
+        group=SERVER, switches=(Switch("--no-enable-auto-tool-choice", False, "the default: "
+                                       "tool_choice auto is 400, as vLLM without the flag"),),
     )  # fmt: skip
 
     allowed_origins: tuple[str, ...] | None = option(
@@ -163,7 +161,7 @@ class ServerOptions:
         "BLAKE2b chain, as GET /v1/kv_events has it)",
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
-    frontend: FrontendOptions = FrontendOptions()  # vLLM's front-end flags (a part)
+    frontend: FrontendOptions = FrontendOptions()  # noqa: RUF009 (vLLM's front end; frozen)
 
     def __post_init__(self) -> None:
         # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
@@ -306,7 +304,7 @@ def build_server(
             role=options.role,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
-            frontend=options.frontend,
+            frontend=options.frontend, identity=repr(engine_config),
         ),
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)

@@ -96,7 +96,8 @@ class ToolPlan:
             mode, name = (choice or "auto"), None
         if mode == "auto" and not auto_enabled:
             raise InvalidRequestError(
-                '"auto" tool choice is off on this server (--no-enable-auto-tool-choice)',
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
                 param="tool_choice",
             )
         return cls(list(tools), mode, name, parallel is not False, parser_name, set(names))
