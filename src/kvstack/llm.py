@@ -11,6 +11,7 @@ from kvstack.config import EngineConfig
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
 from kvstack.model.chat_template import load_chat_template
+from kvstack.model.tokenizer import Tokenizer
 from kvstack.options import build
 from kvstack.prompts import PromptInput, parse_prompts
 from kvstack.request import RequestOutput, SamplingParams
@@ -172,6 +173,11 @@ class LLM:
     def get_stats(self) -> EngineStats:
         """Engine counters: prefix hits, evictions, preemptions, KV usage and waste."""
         return self.engine.stats()
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer, as vLLM's ``LLM.get_tokenizer()``: ``encode``,
+        ``decode`` and ``apply_chat_template`` as transformers' tokenizers have them."""
+        return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no ``SamplingParams``: vLLM's defaults

@@ -123,6 +123,22 @@ class ServerContext:
 
     async def parse(self, raw: Request, model: type[M]) -> M:
         """The body as ``model``; 413 / 400 with the first problem found."""
+        return self._validate(raw, await self._json(raw), model)
+
+    async def parse_first(self, raw: Request, models: tuple[type[BaseModel], ...]) -> BaseModel:
+        """The body as the first of ``models`` it validates as (vLLM's SageMaker
+        ``/invocations`` dispatch by shape); 400 naming the expected types if none."""
+        data = await self._json(raw)
+        for model in models:
+            try:
+                model.model_validate(data)
+            except (ValidationError, RecursionError):
+                continue
+            return self._validate(raw, data, model)
+        names = [m.__name__ for m in models]
+        raise ApiError(400, f"Cannot find suitable handler for request. Expected one of: {names}")
+
+    async def _json(self, raw: Request) -> dict[str, Any]:
         body = await read_body(raw, self.config.max_body_bytes, self.config.body_timeout_s)
         try:
             data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
@@ -136,6 +152,9 @@ class ServerContext:
             raise ApiError(400, "JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    def _validate(self, raw: Request, data: dict[str, Any], model: type[M]) -> M:
         try:
             parsed = model.model_validate(data)
         except ValidationError as e:

@@ -398,6 +398,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool | None = False  # vLLM: also each token's vocabulary string
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 

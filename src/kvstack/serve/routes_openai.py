@@ -62,6 +62,16 @@ class OpenAIRoutes:
             ctx.check_auth(raw)
             return await self.serve(raw, await ctx.parse(raw, ChatCompletionRequest))
 
+        @r.post("/invocations")
+        async def invocations(raw: Request) -> Response:
+            """SageMaker's entry point, as vLLM's: a chat body (``messages``) or a
+            completion body (``prompt``), chosen by which one the body validates as.
+            Unlike vLLM's, it needs the API key like ``/v1/*`` (it runs the same model)."""
+            ctx.check_auth(raw)
+            req = await ctx.parse_first(raw, (ChatCompletionRequest, CompletionRequest))
+            assert isinstance(req, ChatCompletionRequest | CompletionRequest)
+            return await self.serve(raw, req)
+
         @r.get("/v1/models")
         async def models(raw: Request) -> dict:
             ctx.check_auth(raw)
