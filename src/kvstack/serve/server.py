@@ -304,7 +304,8 @@ def build_server(
             role=options.role,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
-            frontend=options.frontend, identity=repr(engine_config),
+            frontend=options.frontend,
+            identity=repr(engine_config),
         ),
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)
