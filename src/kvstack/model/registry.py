@@ -19,6 +19,7 @@ import torch
 from kvstack.errors import ConfigError, ModelLoadError
 from kvstack.model.gemma3 import model_class
 from kvstack.model.gguf import GGUF_MAGIC, load_gguf, read_gguf_config
+from kvstack.model.hf_cache import cached_snapshot, hub_cache_dir
 from kvstack.model.kernels import load_kernels
 from kvstack.model.llama import LlamaModel
 from kvstack.model.quant.gguf_blocks import packed_gguf_weights
@@ -97,6 +98,8 @@ def resolve_model_path(model: str | Path) -> Path:
     if isinstance(model, str) and model.strip().lower() in GEMMA3_ALIASES:
         return gemma3_270m_path()
     path = Path(model).expanduser()
+    if not path.exists() and isinstance(model, str):
+        path = cached_snapshot(model.strip()) or path  # an ORG/NAME id in the HF cache
     if path.is_file():
         return path
     if path.is_dir():
@@ -110,7 +113,9 @@ def resolve_model_path(model: str | Path) -> Path:
         )
     raise ModelLoadError(
         f"model {str(model)!r} not found: give 'default' (SmolLM2-135M-Instruct), "
-        "'gemma3-270m', a .gguf file or a Hugging Face folder"
+        "'gemma3-270m', a .gguf file, a Hugging Face folder, or a Hugging Face id "
+        f"(ORG/NAME) already in the local hub cache ({hub_cache_dir()}); kvstack never "
+        "downloads"
     )
 
 

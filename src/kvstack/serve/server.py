@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.config import EngineConfig
@@ -24,6 +23,7 @@ from kvstack.errors import ConfigError
 from kvstack.options import Switch, check_choices, from_namespace, option
 from kvstack.serve.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
 from kvstack.serve.frontend_options import FrontendOptions
+from kvstack.serve.served_names import default_served_names
 
 if TYPE_CHECKING:
     import uvicorn
@@ -47,7 +47,7 @@ class ServerOptions:
         None,
         "model id(s) clients send and /v1/models lists, as vLLM's: the first is the name "
         "in responses and metrics, the others are accepted aliases (default: the model "
-        "file's name)",
+        "as given, then the file's name as an alias, as vLLM)",
         group=SERVER, nargs="+", metavar="NAME", convert=lambda v: _names(v),
     )  # fmt: skip
     api_key: str | None = option(
@@ -240,14 +240,6 @@ def _tool_parsers() -> tuple[str, ...]:
     return TOOL_PARSERS.names()
 
 
-def default_served_name(model: str) -> str:
-    """The model file's stem (``SmolLM2-135M-Instruct.Q4_1``) or the HF folder's name."""
-    from kvstack.model.registry import resolve_model_path
-
-    path = Path(resolve_model_path(model))
-    return path.stem if path.is_file() else path.name
-
-
 def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
     """Labels of ``vllm:cache_config_info``: vLLM's ``CacheConfig`` names where kvstack has
     the setting (``num_gpu_blocks`` is the pool's blocks, in RAM here), then kvstack's."""
@@ -277,7 +269,7 @@ def build_server(
 
     options.check(engine_config)
     llm = LLM.from_config(engine_config)
-    names = options.served_model_name or (default_served_name(engine_config.model),)
+    names = options.served_model_name or default_served_names(engine_config.model)
     name = names[0]
     eng = llm.engine
     metrics = ServerMetrics(
