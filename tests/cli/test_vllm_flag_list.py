@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstack import vllm_args
 from kvstack.cli import build_parser, main
 from kvstack.cli.config_file import expand_config_file
 from kvstack.cli.vllm_flag_policies import KINDS
@@ -124,6 +125,17 @@ def test_dtype_half_runs_as_bfloat16_with_a_line(caplog: pytest.LogCaptureFixtur
             apply_vllm_flags(a)
         assert EngineConfig.from_cli_args(a).dtype == "bfloat16"
         assert any(f"--dtype {word}: served in bfloat16" in r.getMessage() for r in caplog.records)
+
+
+def test_gpu_memory_utilization_is_vllms_cpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = 2**30
+    mem = {"MemTotal": 24 * g, "MemAvailable": 15 * g}
+    monkeypatch.setattr(vllm_args, "meminfo", lambda name: mem[name])
+    monkeypatch.setattr(vllm_args, "process_rss", lambda: g)
+    assert vllm_args.kv_share(0.2, g) == int(0.2 * 24 * g) - 2 * g  # weights + RSS inside
+    assert vllm_args.kv_share(0.9, g) == int(0.8 * 14 * g)  # capped: the host keeps room
+    with pytest.raises(ConfigError, match="no room for the KV cache"):
+        vllm_args.kv_share(0.05, g)
 
 
 def test_unknown_flag_suggests_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
