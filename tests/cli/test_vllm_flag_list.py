@@ -138,6 +138,14 @@ def test_gpu_memory_utilization_is_vllms_cpu_share(monkeypatch: pytest.MonkeyPat
         vllm_args.kv_share(0.05, g)
 
 
+def test_the_docs_table_is_the_generated_one() -> None:
+    from kvstack.cli.vllm_compat_table import END, START, flag_table
+
+    doc = (Path(__file__).parents[2] / "docs" / "vllm_compat.md").read_text(encoding="utf-8")
+    assert doc.split(START, 1)[1].split(END, 1)[0].strip() == flag_table().strip()
+    assert f"vLLM {VLLM_VERSION}" in doc
+
+
 def test_unknown_flag_suggests_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["serve", "--uvicorn-log-levl", "info"])
