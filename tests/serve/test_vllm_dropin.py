@@ -96,7 +96,8 @@ def test_completion_logprobs_up_to_max_logprobs(client: TestClient, llm: LLM) ->
 
 
 def test_return_token_ids_and_tokens_as_ids(client: TestClient) -> None:
-    body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
     ch = client.post("/v1/completions", json=body).json()["choices"][0]
     assert ch["prompt_token_ids"] == [5, 6, 7] and len(ch["token_ids"]) == 4
     streamed = [i for e in events(client, "/v1/completions", body) for c in e["choices"]
