@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvstack import LLM
+from kvstack.errors import ConfigError
 from kvstack.serve.app import ServerConfig, create_app
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.frontend_options import FrontendOptions
@@ -124,6 +125,22 @@ def test_request_chat_template_needs_trust(client: TestClient, llm: LLM) -> None
         assert r["prompt_token_ids"] == llm.get_tokenizer().encode(
             "<<hi>>", add_special_tokens=False
         )
+
+
+def test_default_chat_template_kwargs_under_the_requests_own(llm: LLM) -> None:
+    tpl = "{{ tag }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    frontend = {"trust_request_chat_template": True, "default_chat_template_kwargs": '{"tag": "Z"}'}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template": tpl, "return_token_ids": True}  # fmt: skip
+    enc = llm.get_tokenizer().encode
+    with TestClient(app_for(llm, frontend=frontend)) as c:
+        r = c.post("/v1/chat/completions", json=body).json()
+        assert r["prompt_token_ids"] == enc("Zhi", add_special_tokens=False)
+        own = {**body, "chat_template_kwargs": {"tag": "Y"}}
+        r = c.post("/v1/chat/completions", json=own).json()
+        assert r["prompt_token_ids"] == enc("Yhi", add_special_tokens=False)
+    with pytest.raises(ConfigError, match="JSON object"):
+        FrontendOptions(default_chat_template_kwargs="[1]")
 
 
 def test_models_load_tokenize_and_fingerprint(client: TestClient) -> None:

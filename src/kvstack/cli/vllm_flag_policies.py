@@ -148,7 +148,6 @@ POLICIES: dict[str, Policy] = {
     "chat_template_content_format": neutral(
         "kvstack passes string content as a string and text parts joined ('auto')", "auto"
     ),
-    "default_chat_template_kwargs": refused(TEXT + " (send chat_template_kwargs per request)"),
     "reasoning_effort_map": refused("reasoning parsers are not implemented yet"),
     "reasoning_parser": refused("reasoning parsers are not implemented yet"),
     "reasoning_parser_plugin": refused("reasoning parsers are not implemented yet"),

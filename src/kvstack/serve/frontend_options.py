@@ -80,6 +80,12 @@ class FrontendOptions:
         "request naming one gets 400",
         group=FRONTEND,
     )
+    default_chat_template_kwargs: str | None = option(
+        None,
+        "chat template keywords every request gets unless it sets them itself, a JSON "
+        """object (vLLM's flag), e.g. '{"enable_thinking": false}'""",
+        group=FRONTEND, metavar="JSON",
+    )  # fmt: skip
     ssl_keyfile: str | None = option(None, "TLS key file (vLLM's flag)", group=FRONTEND)
     ssl_certfile: str | None = option(None, "TLS certificate file (vLLM's flag)", group=FRONTEND)
     ssl_ca_certs: str | None = option(None, "CA certificates file (vLLM's flag)", group=FRONTEND)
@@ -119,7 +125,25 @@ class FrontendOptions:
             raise ConfigError("--fingerprint-value goes with --fingerprint-mode custom")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+        self.template_defaults()  # one clear line at start-up for bad JSON
         check_choices(self)
+
+    def template_defaults(self) -> dict[str, Any]:
+        """``--default-chat-template-kwargs`` as a dict (empty when not given)."""
+        if self.default_chat_template_kwargs is None:
+            return {}
+        try:
+            value = json.loads(self.default_chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--default-chat-template-kwargs is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--default-chat-template-kwargs must be a JSON object")
+        from kvstack.model.tokenizer import RESERVED_TEMPLATE_KWARGS
+
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+        if clash:
+            raise ConfigError(f"--default-chat-template-kwargs may not set {clash}")
+        return value
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         """uvicorn.Config's log and TLS keywords for these options."""

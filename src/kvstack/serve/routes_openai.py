@@ -108,6 +108,8 @@ class OpenAIRoutes:
             check_request(req, opts)
             if isinstance(req, ChatCompletionRequest):
                 req.use_response_role(opts.response_role)
+                if defaults := opts.template_defaults():  # the request's own keys win
+                    req.chat_template_kwargs = {**defaults, **(req.chat_template_kwargs or {})}
             prompts = await self.ctx.off_loop(lambda: self.prompts(req))
             session = raw.headers.get("x-session-id") or req.user
             rid, jobs = await self.handler.start(
