@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
         "model_config",
         "structured_outputs",
         "request",
+        "sampling_params",
         "segment_marks",
         "prompts",
         "hugepages",
