@@ -20,7 +20,7 @@ PACKAGE = SRC / "kvstack"
 
 # Top-level folders of src/kvstack by layer, lowest first ("" = the package itself).
 LAYERS: list[tuple[str, ...]] = [
-    ("core",),  # 0 the shared vocabulary: requests, options, registries, errors
+    ("core", "sampling_params"),  # 0 the shared vocabulary (and vLLM's import path)
     ("kv", "sched"),  # 1 KV memory and bookkeeping, the scheduler
     ("model",),  # 2 the model, its runner, sampler and kernels
     ("spec",),  # 3 speculative decoding: proposers, the drafter, rejection sampling
@@ -42,8 +42,19 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
 
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 120
-# Files allowed past MAX_FILE_LINES, at most 5, each with its reason (none today).
-LONG_FILES: dict[str, str] = {}
+# Files allowed past MAX_FILE_LINES, at most 5, each with its reason.
+LONG_FILES: dict[str, str] = {
+    "kvstack/serve/api/openai_api.py": (
+        "the completions and chat handlers share one output path (non-streamed and streamed "
+        "choices, logprobs, tools, reasoning, vLLM's token-id fields); splitting it by "
+        "endpoint is the next step"
+    ),
+}
+# Modules allowed at the package root, each with its reason.
+ROOT_MODULES: dict[str, str] = {
+    "__init__.py": "the package",
+    "sampling_params.py": "vLLM's import path (``vllm.sampling_params``), kept for drop-in use",
+}
 
 
 @dataclass
@@ -213,7 +224,7 @@ def test_no_private_name_imports() -> None:
 
 def test_package_root_holds_no_loose_modules() -> None:
     """Every module lives in the folder of its concept; the root only has the package."""
-    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py",))
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ROOT_MODULES)
     assert not loose, f"modules at src/kvstack/ outside any folder: {loose}"
 
 

@@ -1,6 +1,8 @@
 """kvstack: an LLM inference engine whose centre is the KV cache.
 
-``from kvstack import LLM, SamplingParams`` gives vLLM's offline API;
+``from kvstack import LLM, SamplingParams, TokensPrompt`` gives vLLM's offline API
+(``kvstack.sampling_params`` holds ``SamplingParams`` and ``StructuredOutputsParams`` at
+vLLM's import path);
 ``LLM.from_config(EngineConfig(...))`` builds one from a ready configuration. Heavy
 modules (torch) load lazily so ``kvstack --help`` stays fast.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstack.core.prompts import TextPrompt, TokensPrompt
 from kvstack.core.request import CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
@@ -25,6 +28,8 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 

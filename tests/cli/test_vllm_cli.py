@@ -22,7 +22,7 @@ VLLM_LINE = [
     "serve", "some/model.gguf", "--port", "8001", "--served-model-name", "m", "alias",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--kv-cache-dtype",
     "fp8_e4m3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    "--gpu-memory-utilization", "0.05", "--tensor-parallel-size", "1", "--enforce-eager",
+    "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", "1", "--enforce-eager",
     "--trust-remote-code", "--dtype", "auto", "--max-model-len", "512",
     "--allowed-origins", '["https://a.example"]', "--root-path", "/llm",
     "--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}',

@@ -119,9 +119,9 @@ def test_unknown_fields_are_ignored_logged_and_named(
     assert "ignoring unknown fields" in caplog.text and "metadata" in caplog.text
     plain = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert plain.status_code == 200 and "kvstack-ignored-fields" not in plain.headers
-    for path, extra in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})]:
-        r = c.post(path, json={**extra, "return_token_strs": True})
-        assert r.status_code == 200 and r.headers["kvstack-ignored-fields"] == "return_token_strs"
+    # /tokenize honours return_token_strs (vLLM's); /detokenize has no such field.
+    r = c.post("/detokenize", json={"tokens": [5], "return_token_strs": True})
+    assert r.status_code == 200 and r.headers["kvstack-ignored-fields"] == "return_token_strs"
     # Still strictly typed: a known field of the wrong type is a 400 naming it.
     bad = {"prompt": "hi", "stream_options": {"include_usage": "yes"}, "zzz": 1}
     err(c.post("/v1/completions", json=bad), "stream_options.include_usage")
@@ -349,10 +349,16 @@ def test_generation_config_defaults_apply_to_unset_fields(
 ) -> None:
     s, c = served
     assert s.engine.generation_defaults == GEN_DEFAULTS
+    # Completions' max_tokens defaults to 16 as in vLLM (its field default wins over the
+    # model's max_new_tokens); null leaves it to the engine: the generation config's 5.
     r = c.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    _, sp = s.last()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.0, 0.9, 0, 16)
+    r = c.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True, "max_tokens": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-    _, sp = s.last()  # max_tokens unset: the engine takes the default (capped by the context)
-    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.0, 0.9, 0, None)
+    _, sp = s.last()  # max_tokens null: the engine takes the default (capped by the context)
+    assert sp.max_tokens is None
     explicit = {"prompt": "hi", "temperature": 0.7, "top_p": 1.0, "top_k": 3, "max_tokens": 2}
     assert c.post("/v1/completions", json=explicit).status_code == 200
     _, sp = s.last()

@@ -67,6 +67,7 @@ def test_unknown_fields_are_ignored_and_reported(srv: ServerProcess) -> None:
         "messages": [{"role": "user", "content": "Hi", "foo": 1}],
         "max_tokens": 2,
         "bogus_field": True,
+        "stream": True,  # vLLM: stream_options only with stream
         "stream_options": {"include_usage": True, "bar": 0},
     }
     headers = {"Authorization": f"Bearer {KEY}"}

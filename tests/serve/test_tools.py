@@ -106,7 +106,7 @@ def test_required_and_named_tool_choice(client: TestClient, llm: LLM) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice in ("required", named):
         c = chat(client, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
-        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == ""  # vLLM
         valid_calls(c["message"]["tool_calls"])
         assert len(c["message"]["tool_calls"]) == 1
         if choice == named:
@@ -117,6 +117,18 @@ def test_required_and_named_tool_choice(client: TestClient, llm: LLM) -> None:
         assert finish == "tool_calls" and content == "" and len(calls) == 1
         valid_calls(calls)
     llm.engine.check_integrity()
+
+
+def test_forced_calls_cut_by_max_tokens_leave_no_raw_call_text(client: TestClient) -> None:
+    # vLLM: a forced choice answers content "" and only complete calls; a call cut by
+    # max_tokens is neither a call nor "<tool_call>..." text in content.
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("required", named):
+        c = chat(client, tools=TOOLS, tool_choice=choice, max_tokens=3)
+        assert c["finish_reason"] == "length" and c["message"]["content"] == "", c
+        assert not c["message"].get("tool_calls")
+        content, calls, finish = stream_chat(client, tools=TOOLS, tool_choice=choice, max_tokens=3)
+        assert finish == "length" and content == "" and calls == []
 
 
 def test_auto_parses_calls_and_keeps_bad_ones_as_content(client: TestClient) -> None:

@@ -12,6 +12,7 @@ the top layer: nothing else in kvstack imports ``kvstack.cli``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from collections.abc import Sequence
@@ -61,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvstackError as e:
         print(f"kvstack: error: {e}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unrecognized(parser, args.command, extra)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -76,6 +79,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kvstack plan ... | head`: the reader left; not an error
         sys.stderr.close()
         return 0
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """argparse's usage error for arguments no flag takes, with the closest flag spelling
+    (``--enable-prefix-cachin`` -> ``--enable-prefix-caching``); exits with status 2."""
+    sub = next(
+        a.choices[command]
+        for a in parser._actions
+        if isinstance(a, argparse._SubParsersAction) and command in a.choices
+    )
+    flags = [e.split("=")[0] for e in extra if e.startswith("-")]
+    near = [m for f in flags for m in difflib.get_close_matches(f, sub._option_string_actions, 1)]
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 
 
 __all__ = ["build_parser", "main"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from kvstack.cli.engine_args import add_engine_args
+from kvstack.cli.vllm_flags import add_vllm_flags, apply_vllm_flags
 from kvstack.config.engine import EngineConfig
 from kvstack.core.errors import ConfigError
 from kvstack.core.options import add_arguments
@@ -21,6 +22,7 @@ from kvstack.serve.server import ServerOptions
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser(
         "serve",
+        usage="%(prog)s [MODEL] [options]  (kvstack serve -h lists them)",
         help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
         description="Serve the model over HTTP with the OpenAI API and Prometheus metrics.",
     )
@@ -31,6 +33,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_arguments(s, ServerOptions)
     add_arguments(s, RayOptions)
     add_engine_args(s)
+    add_vllm_flags(s)  # every other `vllm serve` flag: accepted, mapped or refused
     s.set_defaults(func=cmd_serve)
 
 
@@ -39,6 +42,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.model not in ("default", a.model_tag):
             raise ConfigError(f"two models: {a.model_tag!r} and --model {a.model!r}")
         a.model = a.model_tag
+    apply_vllm_flags(a)
     server = ServerOptions.from_cli_args(a)
     engine = EngineConfig.from_cli_args(a)
     server.check(engine)

@@ -34,7 +34,12 @@ def codecs() -> Iterable[str]:
 
 # vLLM's spellings of kvstack's values (``--dtype auto``, ``--kv-cache-dtype fp8_e4m3``):
 # accepted as choices and converted to kvstack's name (idempotent, as ``convert`` must be).
-VLLM_DTYPES = {"auto": "bfloat16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+# float16 / half: kvstack's CPU kernels compute in bfloat16, the other 16-bit format (same
+# memory, wider exponent range), so a vLLM command line asking for fp16 gets bfloat16.
+VLLM_DTYPES = {
+    "auto": "bfloat16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
+    "half": "bfloat16", "float16": "bfloat16", "fp16": "bfloat16",
+}  # fmt: skip
 VLLM_KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "bfloat16": "bf16"}
 
 

@@ -281,7 +281,7 @@ class EngineConfig:
     dtype: str = option(
         "bfloat16",
         "weights, activations and KV cache dtype (float32 for exact comparisons; vLLM's "
-        "'auto' is bfloat16 here; float16 is not supported on CPU)",
+        "'auto' is bfloat16 here; float16/half run as bfloat16, the CPU kernels' 16-bit type)",
         group=ENGINE, choices=lambda: ("bfloat16", "float32", *VLLM_DTYPES),
         convert=to_dtype,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstack.core.errors import ConfigError
+from kvstack.core.errors import ConfigError, ModelLoadError
 
 Apply = Callable[[Any, dict[str, Any]], None]
 
@@ -47,22 +47,72 @@ def _gpu_memory_utilization(value: Any, out: dict[str, Any]) -> None:
             "gpu_memory_utilization sizes the KV pool: give it or kv_cache_memory / "
             "num_blocks, not both"
         )
-    out["kv_cache_memory"] = max(1, int(value * available_memory()))
+    out["kv_cache_memory"] = kv_share(value, weights_bytes(out.get("model", "default")))
 
 
-def available_memory() -> int:
-    """Bytes of RAM the kernel says are available now (``MemAvailable``)."""
+def kv_share(fraction: float, weights: int) -> int:
+    """KV pool bytes for ``--gpu-memory-utilization fraction``, as vLLM's CPU backend
+    reads it: the fraction of *total* RAM this server may use, weights, runtime and KV
+    together, so KV = fraction x MemTotal - this process's RSS - the weights about to
+    load. It is then capped so the pool never takes more than 80 % of the RAM available
+    after the weights (a shared host keeps room); ``ConfigError`` if nothing is left."""
+    total, avail = meminfo("MemTotal"), meminfo("MemAvailable")
+    wanted = int(fraction * total) - process_rss() - weights
+    cap = int(0.8 * (avail - weights))
+    kv = min(wanted, cap)
+    if kv <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization={fraction}: {fraction:.0%} of {total / 2**30:.1f} GiB "
+            f"leaves no room for the KV cache after the weights ({weights / 2**30:.2f} GiB) "
+            "and this process; raise it or give kv_cache_memory (--kv-cache-memory-bytes)"
+        )
+    return kv
+
+
+def weights_bytes(model: str) -> int:
+    """Bytes of the model's weight files (a .gguf, or a folder's *.safetensors); 0 when
+    the model cannot be found yet (the load reports that)."""
+    from kvstack.model.loader.registry import resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except ModelLoadError:  # an unknown model fails at load, with its own message
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def meminfo(field_name: str) -> int:
+    """Bytes of ``/proc/meminfo``'s ``field_name`` (``MemTotal``, ``MemAvailable``)."""
     import os
 
     try:
         with open("/proc/meminfo") as f:
             lines = f.readlines()
-    except OSError:  # no /proc (not Linux): free pages instead
+    except OSError:  # no /proc (not Linux): physical / free pages instead
         lines = []
     for line in lines:
-        if line.startswith("MemAvailable:"):
+        if line.startswith(field_name + ":"):
             return int(line.split()[1]) * 1024
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    pages = "SC_PHYS_PAGES" if field_name == "MemTotal" else "SC_AVPHYS_PAGES"
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages))
+
+
+def available_memory() -> int:
+    """Bytes of RAM the kernel says are available now (``MemAvailable``)."""
+    return meminfo("MemAvailable")
+
+
+def process_rss() -> int:
+    """This process's resident bytes now (``/proc/self/statm``; 0 where there is none)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def _must_be(name: str, ok: Callable[[Any], bool], why: str) -> Apply:
@@ -88,8 +138,9 @@ VLLM_KEYWORDS: dict[str, VllmKeyword] = {
         _prefix_caching,
     ),
     "gpu_memory_utilization": VllmKeyword(
-        "fraction of the RAM available at startup given to the KV pool (vLLM: of GPU "
-        "memory, weights included); sets kv_cache_memory",
+        "fraction of total RAM for weights, runtime and KV together, as vLLM's CPU "
+        "backend reads it (KV = fraction x RAM - RSS - weights), capped at 80 % of the "
+        "RAM available after the weights; sets kv_cache_memory",
         _gpu_memory_utilization,
         cli=float,
     ),

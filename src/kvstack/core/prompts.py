@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from kvstack.core.errors import InvalidRequestError
 
@@ -25,6 +25,22 @@ UNSUPPORTED = {
     "token_type_ids": "kvstack's decoder models take no token type ids",
     "prompt_embeds": "kvstack takes token ids, not embeddings",
 }
+
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: ``{"prompt": text}`` (``from kvstack import TextPrompt``)."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: ``{"prompt_token_ids": ids}``, with the text it came from
+    optionally (``from kvstack import TokensPrompt``)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
 
 
 @dataclass(frozen=True)

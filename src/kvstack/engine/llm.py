@@ -17,6 +17,7 @@ from kvstack.core.request import RequestOutput, SamplingParams
 from kvstack.engine.llm_engine import LLMEngine
 from kvstack.engine.stats import EngineStats
 from kvstack.model.tokenizer.chat_template import load_chat_template
+from kvstack.model.tokenizer.tokenizer import Tokenizer
 
 
 class LLM:
@@ -172,6 +173,11 @@ class LLM:
     def get_stats(self) -> EngineStats:
         """Engine counters: prefix hits, evictions, preemptions, KV usage and waste."""
         return self.engine.stats()
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer, as vLLM's ``LLM.get_tokenizer()``: ``encode``,
+        ``decode`` and ``apply_chat_template`` as transformers' tokenizers have them."""
+        return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no ``SamplingParams``: vLLM's defaults

@@ -307,7 +307,7 @@ class LLMEngine:
             return self._fail_step(out, f"internal error: {exc}")
         if self.connector is not None:
             self.connector.after_step()  # write-through: queue this step's new blocks
-        record_logprobs(self.scheduler.requests, result)
+        record_logprobs(self.scheduler.requests, result, self.tokenizer)
         now = time.monotonic()
         changed = self.scheduler.update_from_output(out, result.sampled, result.accepted)
         self.press.after_step((s.request for s in out.scheduled), result.press_queries)

@@ -14,12 +14,14 @@ The incremental detokenizer (``model/tokenizer/detokenizer.py``) does the holdin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstack.core.request import (
     CompletionOutput,
+    Logprob,
     Request,
     RequestMetrics,
     RequestOutput,
@@ -186,20 +188,38 @@ class OutputProcessor:
         return list(st.children) if st else []
 
 
-def record_logprobs(requests: Mapping[str, Request], result: RunnerOutput) -> None:
-    """Append a step's sampled-token and prompt logprobs to their (live) requests."""
+def record_logprobs(
+    requests: Mapping[str, Request], result: RunnerOutput, tokenizer: Tokenizer | None = None
+) -> None:
+    """Append a step's sampled-token and prompt logprobs to their (live) requests, each
+    ``Logprob.decoded_token`` filled with its token's text as vLLM's are (with
+    ``tokenizer``)."""
     for rid, lp in result.logprobs.items():
         req = requests.get(rid)
         token = result.sampled.get(rid)
         if req is None or token is None:
             continue
+        if tokenizer is not None:
+            lp = {t: _decoded(tokenizer, t, entry) for t, entry in lp.items()}
         req.output_logprobs.append(lp)
         if token in lp:
             req.cumulative_logprob += lp[token].logprob
     for rid, (_, entries) in result.prompt_logprobs.items():
         req = requests.get(rid)
         if req is not None and req.prompt_logprobs is not None:
+            if tokenizer is not None:
+                entries = [
+                    None if e is None else {t: _decoded(tokenizer, t, x) for t, x in e.items()}
+                    for e in entries
+                ]
             req.prompt_logprobs.extend(entries)
+
+
+def _decoded(tokenizer: Tokenizer, token: int, entry: Logprob) -> Logprob:
+    if entry.decoded_token is not None:
+        return entry
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    return dataclasses.replace(entry, decoded_token=text)
 
 
 def _ended_by_stop_token(req: Request) -> bool:

@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.config.engine import EngineConfig
@@ -24,7 +23,9 @@ from kvstack.core.errors import ConfigError
 from kvstack.core.options import Switch, check_choices, from_namespace, option
 from kvstack.kv.tiers.redis_url import redacted_spec
 from kvstack.serve.api.endpoints import DEFAULT_OPEN_ENDPOINTS, open_endpoints
+from kvstack.serve.api.served_names import default_served_names
 from kvstack.serve.conversation_options import ConversationOptions
+from kvstack.serve.frontend_options import FrontendOptions
 
 if TYPE_CHECKING:
     import uvicorn
@@ -48,7 +49,7 @@ class ServerOptions:
         None,
         "model id(s) clients send and /v1/models lists, as vLLM's: the first is the name "
         "in responses and metrics, the others are accepted aliases (default: the model "
-        "file's name)",
+        "as given, then the file's name as an alias, as vLLM)",
         group=SERVER, nargs="+", metavar="NAME", convert=lambda v: _names(v),
     )  # fmt: skip
     api_key: str | None = option(
@@ -125,13 +126,11 @@ class ServerOptions:
         group=SERVER, choices=lambda: _tool_parsers(),
     )  # fmt: skip
     enable_auto_tool_choice: bool = option(
-        True,
-        "parse tool calls under tool_choice auto (on by default; vLLM needs "
-        "--enable-auto-tool-choice for it)",
-        group=SERVER, flag="--no-enable-auto-tool-choice",
-        flag_help="answer tool_choice auto with 400, as vLLM without --enable-auto-tool-choice",
-        switches=(Switch("--enable-auto-tool-choice", True, "vLLM's flag: parse tool calls "
-                         "under tool_choice auto (kvstack's default)"),),
+        False,
+        "parse tool calls under tool_choice auto (off by default as in vLLM: a request "
+        "with tools and tool_choice auto, or tools alone, gets vLLM's 400)",
+        group=SERVER, switches=(Switch("--no-enable-auto-tool-choice", False, "the default: "
+                                       "tool_choice auto is 400, as vLLM without the flag"),),
     )  # fmt: skip
 
     allowed_origins: tuple[str, ...] | None = option(
@@ -165,6 +164,7 @@ class ServerOptions:
         group=SERVER, choices=lambda: _hash_algos(),
     )  # fmt: skip
     conversation: ConversationOptions = field(default_factory=ConversationOptions)  # a part
+    frontend: FrontendOptions = FrontendOptions()  # noqa: RUF009 (vLLM's front end; frozen)
 
     def __post_init__(self) -> None:
         # Built directly (Ray, tests) rather than through ``build``: normalise the same way.
@@ -243,14 +243,6 @@ def _tool_parsers() -> tuple[str, ...]:
     return TOOL_PARSERS.names()
 
 
-def default_served_name(model: str) -> str:
-    """The model file's stem (``SmolLM2-135M-Instruct.Q4_1``) or the HF folder's name."""
-    from kvstack.model.loader.registry import resolve_model_path
-
-    path = Path(resolve_model_path(model))
-    return path.stem if path.is_file() else path.name
-
-
 def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
     """Labels of ``vllm:cache_config_info``: vLLM's ``CacheConfig`` names where kvstack has
     the setting (``num_gpu_blocks`` is the pool's blocks, in RAM here), then kvstack's."""
@@ -280,7 +272,7 @@ def build_server(
 
     options.check(engine_config)
     llm = LLM.from_config(engine_config)
-    names = options.served_model_name or (default_served_name(engine_config.model),)
+    names = options.served_model_name or default_served_names(engine_config.model)
     name = names[0]
     eng = llm.engine
     metrics = ServerMetrics(
@@ -308,6 +300,8 @@ def build_server(
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
             conversation=options.conversation,
+            frontend=options.frontend,
+            identity=repr(engine_config),
         ),
     )
     pub = kv_events if kv_events is not None else bind_kv_events(options)
@@ -371,7 +365,7 @@ def uvicorn_config(app: FastAPI, o: ServerOptions) -> uvicorn.Config:
         app,
         host=o.host,
         port=o.port,
-        log_level="info",
+        **o.frontend.uvicorn_kwargs(),
         root_path=o.root_path or "",
         timeout_graceful_shutdown=int(o.shutdown_grace) + 5,
         http=header_deadline_protocol(o.header_timeout),

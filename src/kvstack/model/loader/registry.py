@@ -22,6 +22,7 @@ from kvstack.model.arch.decoder import LlamaModel
 from kvstack.model.arch.gemma3_decoder import model_class
 from kvstack.model.kernels.loader import load_kernels
 from kvstack.model.loader.gguf import GGUF_MAGIC, load_gguf, read_gguf_config
+from kvstack.model.loader.hf_cache import cached_snapshot, hub_cache_dir
 from kvstack.model.loader.safetensors import config_from_hf, load_hf_folder, read_hf_config
 from kvstack.model.quant.gguf_blocks import packed_gguf_weights
 from kvstack.model.quant.packed import PackedWeight
@@ -97,6 +98,8 @@ def resolve_model_path(model: str | Path) -> Path:
     if isinstance(model, str) and model.strip().lower() in GEMMA3_ALIASES:
         return gemma3_270m_path()
     path = Path(model).expanduser()
+    if not path.exists() and isinstance(model, str):
+        path = cached_snapshot(model.strip()) or path  # an ORG/NAME id in the HF cache
     if path.is_file():
         return path
     if path.is_dir():
@@ -110,7 +113,9 @@ def resolve_model_path(model: str | Path) -> Path:
         )
     raise ModelLoadError(
         f"model {str(model)!r} not found: give 'default' (SmolLM2-135M-Instruct), "
-        "'gemma3-270m', a .gguf file or a Hugging Face folder"
+        "'gemma3-270m', a .gguf file, a Hugging Face folder, or a Hugging Face id "
+        f"(ORG/NAME) already in the local hub cache ({hub_cache_dir()}); kvstack never "
+        "downloads"
     )
 
 

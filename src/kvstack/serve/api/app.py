@@ -6,7 +6,7 @@
 * ``routes_responses``: ``/v1/responses`` (OpenAI's Responses API) and its stored responses;
 * ``routes_cache``: ``/v1/cache/pin`` / ``unpin``, ``/reset_prefix_cache``, ``/v1/kv_events``;
 * ``routes_ops``: ``/health``, ``/load``, ``/version``, ``/metrics``, ``/tokenize``,
-  ``/detokenize``;
+  ``/detokenize``, ``/openapi.json`` (``docs_pages``: ``/docs`` and ``/redoc``, assets local);
 * ``routes_ui``: the web view at ``/`` (``/static/*``) and its ``/v1/kv/state`` stream.
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with the
@@ -30,6 +30,7 @@ from fastapi import FastAPI
 
 import kvstack
 from kvstack.serve.api.context import ServerConfig, ServerContext
+from kvstack.serve.api.docs_pages import docs_router
 from kvstack.serve.api.http_errors import install_error_handlers
 from kvstack.serve.api.leniency import IgnoredFieldsHeader
 from kvstack.serve.api.openapi import publish_models
@@ -76,15 +77,19 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(responses_router(app.state.responses))
     app.include_router(ops_router(ctx, lambda: app.openapi()))
     app.include_router(cache_router(ctx))
+    if not config.frontend.disable_fastapi_docs:  # vLLM's --disable-fastapi-docs
+        app.include_router(docs_router(ctx, "kvstack"))
     app.state.kv_state = KVStateStream(engine)  # the web view's stream (tests read its counter)
     mount_ui(app, ctx, app.state.kv_state)
     app.add_middleware(IgnoredFieldsHeader)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
+        f = config.frontend  # vLLM's --allowed-methods, --allowed-headers, --allow-credentials
         app.add_middleware(
-            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-            allow_headers=["*"],
+            CORSMiddleware, allow_origins=list(config.allowed_origins),
+            allow_methods=list(f.allowed_methods), allow_headers=list(f.allowed_headers),
+            allow_credentials=f.allow_credentials,
         )  # fmt: skip
     publish_models(app, (*REQUEST_MODELS, ResponsesRequest))
     return app

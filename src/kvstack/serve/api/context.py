@@ -35,6 +35,7 @@ from kvstack.serve.chat.reasoning_parsers import ReasoningParser, check_template
 from kvstack.serve.chat.segments import chat_segments
 from kvstack.serve.chat.tool_calls import ToolPlan
 from kvstack.serve.conversation_options import ConversationOptions
+from kvstack.serve.frontend_options import FrontendOptions
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -72,11 +73,13 @@ class ServerConfig:
     open_endpoints: frozenset[str] = field(
         default_factory=lambda: open_endpoints(DEFAULT_OPEN_ENDPOINTS)
     )
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's front end
+    identity: str = ""  # the model and engine options, hashed into system_fingerprint
 
 
-def decode_body(body: bytes, model: type[M]) -> M:
-    """``body`` (UTF-8 JSON, an object) validated as ``model``; ``ApiError`` 400 naming the
-    first problem (its field as ``param`` when pydantic or ``json_body`` names one)."""
+def decode_json(body: bytes) -> dict[str, Any]:
+    """``body`` (UTF-8 JSON, an object) decoded; ``ApiError`` 400 naming the first problem
+    (its field as ``param`` when ``json_body`` names one)."""
     try:
         data = load_json(body)
     except BodyError as e:  # NaN, a huge integer, a lone surrogate: named (json_body)
@@ -89,6 +92,11 @@ def decode_body(body: bytes, model: type[M]) -> M:
         raise ApiError(400, "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    return data
+
+
+def validate_body(data: dict[str, Any], model: type[M]) -> M:
+    """``data`` validated as ``model``; ``ApiError`` 400 naming the first problem's field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -140,12 +148,15 @@ class ServerContext:
             check_bearer(raw, self.config.api_key)
 
     def check_model(self, name: str | None) -> None:
-        """404 for a model name other than the served ones (None: the served one)."""
+        """404 for a model name other than the served ones (None: the served one); a
+        LoRA adapter's name is such a name, since kvstack loads none."""
         c = self.config
         if name is not None and name != c.model_name and name not in c.model_aliases:
-            raise ApiError(
-                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-            )
+            served = ", ".join((c.model_name, *c.model_aliases))
+            raise ApiError(  # vLLM's NotFoundError (serve/engine/serving.py), code 404
+                404, f"The model `{name}` does not exist. Valid aliases: {served}.",
+                "NotFoundError", param="model",
+            )  # fmt: skip
 
     async def parse(self, raw: Request, model: type[M]) -> M:
         """The body as ``model``; 413 / 400 with the first problem found. A body over
@@ -154,12 +165,38 @@ class ServerContext:
         body = await read_body(raw, self.config.max_body_bytes, self.config.body_timeout_s)
 
         def work() -> tuple[M, list[str]]:
-            parsed = decode_body(body, model)
+            parsed = validate_body(decode_json(body), model)
             return parsed, ignored_fields(parsed)  # walks every message: CPU too
 
         parsed, ignored = await self.off_loop(work) if len(body) > OFF_LOOP_BYTES else work()
         note_ignored(raw, ignored)
         return parsed
+
+    async def parse_first(self, raw: Request, models: tuple[type[BaseModel], ...]) -> BaseModel:
+        """The body as the first of ``models`` it validates as (vLLM's SageMaker
+        ``/invocations`` dispatch by shape); 400 naming the expected types if none. Large
+        bodies are decoded off the loop, as in ``parse``."""
+        body = await read_body(raw, self.config.max_body_bytes, self.config.body_timeout_s)
+
+        def work() -> tuple[BaseModel, list[str]] | None:
+            data = decode_json(body)
+            for model in models:
+                try:
+                    model.model_validate(data)
+                except (ValidationError, RecursionError):
+                    continue
+                parsed = validate_body(data, model)
+                return parsed, ignored_fields(parsed)
+            return None
+
+        found = await self.off_loop(work) if len(body) > OFF_LOOP_BYTES else work()
+        if found is None:
+            names = [m.__name__ for m in models]
+            raise ApiError(
+                400, f"Cannot find suitable handler for request. Expected one of: {names}"
+            )
+        note_ignored(raw, found[1])
+        return found[0]
 
     def ids_of(
         self,

@@ -33,7 +33,16 @@ FLOOR = -9999.0
 Entries = Sequence[dict[int, Logprob] | None]
 
 
-def token_str(tok: Tokenizer, tid: int) -> str:
+class TokenIdNames:
+    """Names tokens ``token_id:N`` where logprobs show tokens (vLLM's
+    ``--return-tokens-as-token-ids``): a token that is not valid UTF-8 alone stays
+    identifiable. Passed where a ``Tokenizer`` is, it answers ``decode`` only."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
+
+
+def token_str(tok: Tokenizer | TokenIdNames, tid: int) -> str:
     return tok.decode([tid], skip_special_tokens=False)
 
 
@@ -42,7 +51,11 @@ def _lp(x: float) -> float:
 
 
 def completion_logprobs(
-    tok: Tokenizer, token_ids: Sequence[int], entries: Entries, k: int, text_offset: int = 0
+    tok: Tokenizer | TokenIdNames,
+    token_ids: Sequence[int],
+    entries: Entries,
+    k: int,
+    text_offset: int = 0,
 ) -> dict[str, Any]:
     """OpenAI completions ``logprobs`` of ``token_ids``, ``entries[i]`` scoring token i
     (None: unscored, the first prompt token); offsets start at ``text_offset``."""
@@ -102,12 +115,14 @@ def prompt_logprobs_json(tok: Tokenizer, entries: Entries | None) -> list[Any] |
     return out
 
 
-def _top_entry(tok: Tokenizer, tid: int, lp: Logprob) -> dict[str, Any]:
+def _top_entry(tok: Tokenizer | TokenIdNames, tid: int, lp: Logprob) -> dict[str, Any]:
     s = token_str(tok, tid)
     return {"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode())}
 
 
-def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, k: int) -> dict[str, Any]:
+def chat_logprobs(
+    tok: Tokenizer | TokenIdNames, c: CompletionOutput, start: int, k: int
+) -> dict[str, Any]:
     """OpenAI chat ``logprobs.content`` for tokens ``start..`` of ``c``."""
     content = []
     for tid, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):

@@ -36,16 +36,19 @@ from kvstack.core.errors import InvalidRequestError
 from kvstack.core.request import CompletionOutput, RequestOutput, SamplingParams
 from kvstack.model.tokenizer.tokenizer import Tokenizer
 from kvstack.serve.api.logprob_format import (
+    TokenIdNames,
     chat_logprobs,
     completion_logprobs,
     next_offset,
     prompt_logprobs_json,
 )
 from kvstack.serve.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvstack.serve.api.vllm_checks import fit_context, tokens_as_ids
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.serve.chat.reasoning_parsers import ReasoningParser, ReasoningSplit, ReasoningStream
 from kvstack.serve.chat.segments import Mark
 from kvstack.serve.chat.tool_calls import ChoiceToolStream
+from kvstack.serve.frontend_options import FrontendOptions
 from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
 
 
@@ -59,6 +62,8 @@ class ApiContext:
     # 512 sequences, and 64 x 16 filled --max-waiting for everyone else).
     max_sequences: int = 64
     reasoning: ReasoningParser | None = None  # --reasoning-parser
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's flags
+    fingerprint: str | None = None  # system_fingerprint (FrontendOptions.fingerprint)
 
 
 @dataclass
@@ -71,6 +76,7 @@ class _ChoiceState:
     reasoning: ReasoningStream | None = None  # chat with --reasoning-parser
     echoed: bool = False
     offset: int = 0  # text_offset of the next completions logprobs token
+    ids_sent: int = 0  # token ids streamed (return_token_ids)
 
 
 def _new_state(
@@ -148,13 +154,14 @@ class OpenAIHandler:
         try:
             for i, (full, full_text, spans) in enumerate(prompts):
                 ids = sp.truncate_prompt(full, engine.model_info.max_model_len)
+                psp = fit_context(sp, len(ids), engine.model_info.max_model_len)
                 whole = len(ids) == len(full)
                 text = full_text if whole else None
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 stream = await self.ctx.engine.add(
                     rid,
                     ids,
-                    sp,
+                    psp,
                     RequestInfo(endpoint, session_id),
                     cache_salt=req.cache_salt,
                     timeout_s=self.ctx.request_timeout_s,
@@ -195,6 +202,7 @@ class OpenAIHandler:
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                         "prompt_logprobs": prompt_lps,
+                        **_token_ids(req, c.token_ids, job.prompt_ids),
                     }
                 )
         return {
@@ -202,6 +210,7 @@ class OpenAIHandler:
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
+            "system_fingerprint": self.ctx.fingerprint,
             "choices": choices,
             "usage": usage(jobs),
         }
@@ -233,7 +242,7 @@ class OpenAIHandler:
         st.lp_sent = len(c.logprobs or [])
         lp = None
         if req.logprobs is not None and (ids or final):
-            lp = completion_logprobs(tok, ids, entries, req.logprobs, st.offset)
+            lp = completion_logprobs(self._names(req), ids, entries, req.logprobs, st.offset)
             st.offset = next_offset(lp, st.offset)
         return text, lp
 
@@ -260,11 +269,12 @@ class OpenAIHandler:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": chat_logprobs(tok, c, 0, req.top_logprobs or 0)
+                    "logprobs": chat_logprobs(self._names(req), c, 0, req.top_logprobs or 0)
                     if req.logprobs
                     else None,
                     "finish_reason": "tool_calls" if calls else c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **_token_ids(req, c.token_ids, None),
                 }
             )
         return {
@@ -272,8 +282,10 @@ class OpenAIHandler:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
+            "system_fingerprint": self.ctx.fingerprint,
             "choices": choices,
             "usage": usage(jobs),
+            **({"prompt_token_ids": job.prompt_ids} if req.return_token_ids else {}),
             "prompt_logprobs": prompt_logprobs_json(tok, job.last.prompt_logprobs),
         }
 
@@ -308,7 +320,8 @@ class OpenAIHandler:
                     yield _sse(error_body(item.error, "server_error", code=500))
                 if choices:
                     chunk = {"id": rid, "object": obj, "created": created,
-                             "model": self.ctx.model_name, "choices": choices}  # fmt: skip
+                             "model": self.ctx.model_name, "choices": choices,
+                             "system_fingerprint": self.ctx.fingerprint}  # fmt: skip
                     if req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far
                         chunk["usage"] = usage(jobs)
                     yield _sse(chunk)
@@ -334,7 +347,6 @@ class OpenAIHandler:
         )
         if st.done:
             return None
-        tok = self.ctx.tokenizer
         first = not st.role_sent
         lp: dict | None = None
         if isinstance(req, CompletionRequest):
@@ -346,7 +358,7 @@ class OpenAIHandler:
             text = c.text[st.text_sent :]
             n_lp = len(c.logprobs or [])
             if c.logprobs is not None and n_lp > st.lp_sent:
-                lp = chat_logprobs(tok, c, st.lp_sent, req.top_logprobs or 0)
+                lp = chat_logprobs(self._names(req), c, st.lp_sent, req.top_logprobs or 0)
             st.text_sent = len(c.text)
             st.lp_sent = n_lp
         st.role_sent = True
@@ -383,7 +395,16 @@ class OpenAIHandler:
             out["text"] = text
         if st.done:
             out["stop_reason"] = c.stop_reason
+        if req.return_token_ids:  # vLLM: each chunk's new ids, the prompt's with the first
+            prompt = job.prompt_ids if first else None
+            out.update(_token_ids(req, c.token_ids[st.ids_sent :], prompt))
+            st.ids_sent = len(c.token_ids)
         return out
+
+    def _names(self, req: CompletionRequest | ChatCompletionRequest) -> Any:
+        """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's
+        ``return_tokens_as_token_ids``)."""
+        return TokenIdNames() if tokens_as_ids(req, self.ctx.frontend) else self.ctx.tokenizer
 
 
 Item = tuple[Job, RequestOutput | BaseException]
@@ -431,6 +452,15 @@ async def _single(job: Job) -> AsyncIterator[Item]:
             yield job, out
     except BaseException as exc:
         yield job, exc
+
+
+def _token_ids(
+    req: CompletionRequest | ChatCompletionRequest, ids: list[int], prompt: list[int] | None
+) -> dict[str, Any]:
+    """vLLM's ``token_ids`` (and ``prompt_token_ids``) of a choice, if the request asked."""
+    if not req.return_token_ids:
+        return {}
+    return {"token_ids": list(ids), **({"prompt_token_ids": prompt} if prompt is not None else {})}
 
 
 def _sse(obj: dict) -> str:

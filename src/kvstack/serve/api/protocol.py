@@ -87,7 +87,12 @@ class _Sampling(StrictBody, StructuredFields):
     truncate_prompt_tokens: StrictInt | None = None
     # vLLM: logprobs of every prompt token (null first), in the response's
     # ``prompt_logprobs`` (completions: per choice; chat: top level).
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # <= --max-logprobs
+    # vLLM's output options: each choice's token ids (and the prompt's), logprob tokens
+    # as 'token_id:N' (default: --return-tokens-as-token-ids); beam search is refused.
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    use_beam_search: StrictBool = False
     # kvstack extension (KV compression): a KV press for this request (``kv/press/``).
     kv_press: str | None = None
     kv_press_ratio: float | None = None
@@ -188,8 +193,9 @@ PromptType = str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
 class CompletionRequest(_Sampling):
     prompt: PromptType
+    max_tokens: StrictInt | None = 16  # vLLM's default (null: up to the context's end)
     echo: StrictBool = False
-    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # <= --max-logprobs
     suffix: None = None  # not supported; present so the error names the field
     best_of: None = None
 
@@ -203,6 +209,11 @@ class CompletionRequest(_Sampling):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+    def _max_tokens(self) -> int | None:
+        if "max_tokens" not in self.model_fields_set and self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super()._max_tokens()
 
     @property
     def echo_only(self) -> bool:
@@ -237,7 +248,8 @@ def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # <= --max-logprobs
+    chat_template: str | None = None  # only with --trust-request-chat-template
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -248,6 +260,7 @@ class ChatCompletionRequest(_Sampling):
     # vLLM: prepend the last message to the answer when it has the answer's role.
     echo: StrictBool = False
     _plan: ToolPlan | None = PrivateAttr(default=None)
+    _role: str = PrivateAttr(default="assistant")
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
@@ -264,6 +277,8 @@ class ChatCompletionRequest(_Sampling):
     def segments(self, tokenizer: Tokenizer) -> tuple[list[int], list[Mark]] | None:
         """``prompt_ids`` with its tools, documents and marked parts as segments (segment reuse,
         ``serve/chat/segments.py``); None when it has none. Call ``tool_plan`` first."""
+        if self.chat_template is not None:  # the request's own template: rendered whole
+            return None
         return chat_segments(
             tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
@@ -274,10 +289,13 @@ class ChatCompletionRequest(_Sampling):
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The conversation's token ids (``InvalidRequestError`` if it cannot be rendered);
         call ``tool_plan`` first when the request has tools."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.chat_template is not None:  # checked against --trust-request-chat-template
+            kwargs["chat_template"] = self.chat_template
         return chat_prompt_ids(
             tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs, plan=self._plan,
+            chat_template_kwargs=kwargs or None, plan=self._plan,
             documents=self.documents,
         )  # fmt: skip
 
@@ -303,8 +321,13 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def response_role(self) -> str:
-        """vLLM: "assistant", or the last message's role without a generation prompt."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+        """vLLM: the server's ``--response-role`` ("assistant"), or the last message's role
+        without a generation prompt."""
+        return self._role if self.add_generation_prompt else self.messages[-1].role
+
+    def use_response_role(self, role: str) -> None:
+        """The role answers take under a generation prompt (``--response-role``)."""
+        self._role = role
 
     def echo_text(self) -> str:
         """What ``echo`` prepends: the last message if it has the answer's role."""
@@ -326,6 +349,7 @@ class TokenizeRequest(StrictBody):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool | None = False  # vLLM: also each token's vocabulary string
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 

@@ -25,6 +25,7 @@ from kvstack.serve.api.http_errors import ApiError
 from kvstack.serve.api.openai_api import ApiContext, Job, OpenAIHandler
 from kvstack.serve.api.openapi import request_body
 from kvstack.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from kvstack.serve.api.vllm_checks import check_request, log_request, model_card
 from kvstack.serve.async_engine import EngineDeadError, QueueFullError
 from kvstack.serve.chat.segments import Mark
 from kvstack.serve.output_stream import RequestTimeoutError
@@ -43,7 +44,8 @@ class OpenAIRoutes:
         cfg = ctx.config
         api = ApiContext(
             ctx.engine, ctx.tokenizer, cfg.model_name, cfg.request_timeout_s,
-            cfg.max_sequences_per_request, ctx.reasoning,
+            cfg.max_sequences_per_request, ctx.reasoning, cfg.frontend,
+            cfg.frontend.fingerprint(cfg.identity),
         )  # fmt: skip
         self.handler = OpenAIHandler(api)
 
@@ -61,16 +63,22 @@ class OpenAIRoutes:
             ctx.check_auth(raw)
             return await self.serve(raw, await ctx.parse(raw, ChatCompletionRequest))
 
+        @r.post("/invocations")
+        async def invocations(raw: Request) -> Response:
+            """SageMaker's entry point, as vLLM's: a chat body (``messages``) or a
+            completion body (``prompt``), chosen by which one the body validates as.
+            Unlike vLLM's, it needs the API key like ``/v1/*`` (it runs the same model)."""
+            ctx.check_auth(raw)
+            req = await ctx.parse_first(raw, (ChatCompletionRequest, CompletionRequest))
+            assert isinstance(req, ChatCompletionRequest | CompletionRequest)
+            return await self.serve(raw, req)
+
         @r.get("/v1/models")
         async def models(raw: Request) -> dict:
             ctx.check_auth(raw)
             info = ctx.engine.model_info
             names = (ctx.config.model_name, *ctx.config.model_aliases)
-            cards = [
-                {"id": n, "object": "model", "created": 0, "owned_by": "kvstack",
-                 "root": info.root, "max_model_len": info.max_model_len}
-                for n in names
-            ]  # fmt: skip
+            cards = [model_card(n, info.root, info.max_model_len) for n in names]
             return {"object": "list", "data": cards}
 
         return r
@@ -101,7 +109,13 @@ class OpenAIRoutes:
         """Queue the request's prompts (``render``'s, if given: the Responses API renders
         its own); its errors as the ``ApiError`` of their status."""
         chat = isinstance(req, ChatCompletionRequest)
+        opts = self.ctx.config.frontend
         try:
+            check_request(req, opts)
+            if isinstance(req, ChatCompletionRequest):
+                req.use_response_role(opts.response_role)
+                if kwargs := opts.template_defaults():  # the request's own keys win
+                    req.chat_template_kwargs = {**kwargs, **(req.chat_template_kwargs or {})}
             defaults = self.ctx.engine.generation_defaults
             make_prompts = render or (lambda: self.prompts(req))
             # Both CPU work (a million stop_token_ids took 1.5 s to check): off the loop.
@@ -109,9 +123,12 @@ class OpenAIRoutes:
                 lambda: (make_prompts(), req.sampling_params(defaults))
             )
             session = raw.headers.get("x-session-id") or req.user
-            return await self.handler.start(
+            rid, jobs = await self.handler.start(
                 prompts, req, sp, endpoint or ("chat" if chat else "completions"), session
             )
+            if opts.enable_log_requests:
+                log_request(rid, req, [len(ids) for ids, _, _ in prompts])
+            return rid, jobs
         except SpecTooLargeError as e:
             raise ApiError(413, str(e), param=e.param) from None
         except InvalidRequestError as e:

@@ -53,6 +53,7 @@ def ops_router(ctx: ServerContext, app_openapi: Callable[[], dict[str, Any]]) ->
             "model_id": routing.model_id,
             "role": ctx.config.role,
             "served_model_name": ctx.config.model_name,
+            "server_load": engine.num_active,  # vLLM's field: requests in flight
         }
 
     @r.get("/version")
@@ -77,7 +78,10 @@ def ops_router(ctx: ServerContext, app_openapi: Callable[[], dict[str, Any]]) ->
                 req.continue_final_message, req.chat_template_kwargs, tools=req,
             )
         )  # fmt: skip
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.model_info.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.model_info.max_model_len}
+        if req.return_token_strs:  # vLLM: each id's token as the vocabulary spells it
+            out["token_strs"] = [ctx.tokenizer.id_to_piece(i) for i in ids]
+        return out
 
     @r.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> dict:
@@ -92,6 +96,9 @@ def ops_router(ctx: ServerContext, app_openapi: Callable[[], dict[str, Any]]) ->
             return ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
 
         return {"prompt": await ctx.off_loop(decode)}
+
+    if ctx.config.frontend.disable_fastapi_docs:  # vLLM's --disable-fastapi-docs
+        return r
 
     @r.get("/openapi.json", include_in_schema=False)
     async def openapi(raw: Request) -> JSONResponse:

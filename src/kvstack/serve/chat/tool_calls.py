@@ -96,7 +96,8 @@ class ToolPlan:
             mode, name = (choice or "auto"), None
         if mode == "auto" and not auto_enabled:
             raise InvalidRequestError(
-                '"auto" tool choice is off on this server (--no-enable-auto-tool-choice)',
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
                 param="tool_choice",
             )
         return cls(list(tools), mode, name, parallel is not False, parser_name, set(names))
@@ -155,14 +156,22 @@ class ToolPlan:
         return TOOL_PARSERS.get(self.parser_name)()
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished output."""
+        """(content, calls) of a finished output. A forced choice (named, required) has
+        content "" as vLLM's (``message_assembly``), its calls only if complete: an
+        output cut by ``max_tokens`` gives no calls and no raw call text."""
         if self.mode == "none":
             return text, []
-        if self.mode in ("named", "required") and self.parser_name != "hermes":
-            calls = self.forced_calls(text)
-            return (None, calls) if calls else (text, [])
+        if self.forced:
+            if self.parser_name != "hermes":
+                return "", self.forced_calls(text)
+            return "", self.parser.extract(text, self.names).tool_calls
         parsed = self.parser.extract(text, self.names)
         return parsed.content, parsed.tool_calls
+
+    @property
+    def forced(self) -> bool:
+        """tool_choice named or required: the output is constrained to calls."""
+        return self.mode in ("named", "required")
 
     def streamer(self) -> ChoiceToolStream | None:
         """Streaming state of one choice (None: content streams as is)."""
@@ -252,6 +261,8 @@ class ChoiceToolStream:
     def delta(self, text: str, done: bool) -> dict[str, Any]:
         """The chat ``delta`` for new text (and the end of the output when ``done``)."""
         events = self.feed(text) + (self.finish() if done else [])
+        if self.plan.forced:  # calls only (vLLM): no text of a call cut by max_tokens
+            events = [e for e in events if not isinstance(e, ContentDelta)]
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         calls: dict[int, dict[str, Any]] = {}
         for e in events:
