@@ -17,7 +17,8 @@ Blocks are registered in the prefix cache *when they are scheduled*, not after t
 step: the runner writes every new K/V of a step before any attention reads, so a
 request admitted later in the same step can already reuse them (vLLM v1 does the
 same). That is what stops 32 simultaneous prompts with one system prompt from all
-computing it. A step that fails must therefore reset the cache (``LLMEngine``).
+computing it. A step that fails must therefore drop what it registered
+(``forget_blocks``; ``step_isolation.py`` says which blocks); the rest stays.
 
 The last prompt token is always computed (a hit covers at most ``num_tokens - 1``
 tokens, block-aligned). Models with sliding-window layers get ``kv/hybrid.py`` instead.
@@ -355,6 +356,12 @@ class KVCacheManager(PagedCommon):
         if self.pool.residency is not None:
             self.pool.residency.reset()
         self._external.clear()
+
+    def forget_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache entries of ``block_ids`` (a failed step wrote them;
+        ``step_isolation.py``); pins and every other entry stay."""
+        if self.cache is not None:
+            self.pool.reclaim(self.cache.forget([self.pool.blocks[i] for i in block_ids]))
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
