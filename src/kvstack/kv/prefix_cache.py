@@ -251,8 +251,7 @@ class HashPrefixCache(PrefixCache):
             if h is None or self.table.get(h) is not block:
                 continue
             del self.table[h]
-            if h in self.policy:
-                self.policy.on_remove(h)
+            self.policy.on_remove(h)  # held or candidate
             block.block_hash = None
             removed.append(h)
             if block.ref_cnt == 0:

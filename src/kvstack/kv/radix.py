@@ -241,8 +241,7 @@ class RadixPrefixCache(PrefixCache):
                 assert h is not None
                 del self.by_hash[h]
                 del self.node_of[block.block_id]
-                if h in self.policy:
-                    self.policy.on_remove(h)
+                self.policy.on_remove(h)  # held or candidate
                 block.block_hash = None
                 removed.append(h)
                 if block.ref_cnt == 0:
