@@ -108,7 +108,7 @@ def test_a_bad_request_fails_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) ->
     assert cached <= set(eng.held_block_hashes()["device"]), "the prefix cache was reset"
     assert eng.num_pinned_blocks() == 5
     monkeypatch.undo()
-    out = llm.generate([PREFIX + [3]], SamplingParams(max_tokens=1))[0]
+    out = llm.generate([[*PREFIX, 3]], SamplingParams(max_tokens=1))[0]
     assert out.num_cached_tokens == 80
     assert_clean(eng)
 
@@ -120,7 +120,7 @@ def test_a_reader_of_the_bad_requests_fresh_blocks_is_recomputed(
     hit on blocks registered when scheduled): it is requeued and recomputes them."""
     eng = llm.engine
     shared = [(11 * j) % 300 + 10 for j in range(48)]  # 3 blocks, not cached yet
-    good_ids, bad_ids = shared + [1, 2, 3], shared + [4, 5]
+    good_ids, bad_ids = [*shared, 1, 2, 3], [*shared, 4, 5]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     solo = run(eng, {"solo": (good_ids, sp)})["solo"]
     eng.reset_prefix_cache()

@@ -8,7 +8,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,11 +67,11 @@ def test_a_bad_request_leaves_another_clients_stream_alone(
     def gated(final_only: bool = False) -> Any:
         """Hold the stream after 3 tokens until the bad request is queued: one step."""
         running = eng.scheduler.running
-        if len(eng.scheduler.requests) < 2 and time.monotonic() < deadline:
-            if running and len(running[0].output_token_ids) >= 3:
-                held.set()
-                time.sleep(0.005)
-                return []
+        alone = len(eng.scheduler.requests) < 2 and time.monotonic() < deadline
+        if alone and running and len(running[0].output_token_ids) >= 3:
+            held.set()
+            time.sleep(0.005)
+            return []
         return step(final_only)
 
     monkeypatch.setattr(eng.runner, "_sample", bad_sample)
@@ -86,7 +85,7 @@ def test_a_bad_request_leaves_another_clients_stream_alone(
     reader = threading.Thread(target=stream)
     reader.start()
     assert held.wait(60)
-    bad = client.post("/v1/completions", json={"prompt": BAD + [40, 41], "max_tokens": 4})
+    bad = client.post("/v1/completions", json={"prompt": [*BAD, 40, 41], "max_tokens": 4})
     reader.join(120)
     monkeypatch.undo()
 
