@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "engine",
         "engine_stats",
+        "step_isolation",
         "segment_support",
         "hybrid_support",
         "llm",
