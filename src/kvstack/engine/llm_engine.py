@@ -3,8 +3,8 @@
 ``step()`` = ``scheduler.schedule()`` -> ``runner.execute()`` ->
 ``scheduler.update_from_output()`` -> detokenize and check stop strings. Everything a
 user can get wrong is rejected in ``add_request`` before any state changes, so a bad
-request never disturbs the others; an unexpected model error fails only the requests
-of that step and frees their blocks.
+request never disturbs the others; the request responsible for an unexpected model
+error fails alone, found by bisection (``step_isolation.py``), and its batch mates go on.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvstack.engine.output_processor import OutputProcessor, ParentState, record
 from kvstack.engine.segments import enable_segments, request_marks
 from kvstack.engine.snapshot import engine_stats
 from kvstack.engine.stats import EngineStats, UsageTracker
+from kvstack.engine.step_isolation import recover_step
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
 from kvstack.kv.events import KVEventLog
 from kvstack.kv.layouts import build_kv_manager
@@ -38,7 +39,6 @@ from kvstack.model.loader.generation_config import load_generation_defaults
 from kvstack.model.loader.registry import build_model, load_tokenizer, resolve_model_path
 from kvstack.model.runner import LogitCapture, ModelRunner
 from kvstack.model.structured import StructuredOutputManager
-from kvstack.sched.output import SchedulerOutput
 from kvstack.sched.scheduler import Scheduler
 from kvstack.spec.drafter import build_drafter
 from kvstack.spec.speculator import build_speculator
@@ -300,11 +300,14 @@ class LLMEngine:
         kv = self.kv_manager
         waste = kv.waste_slots(self.scheduler.running) / (kv.num_blocks * kv.block_size)
         self.usage_tracker.record(kv.usage, waste)
+        failed: list[RequestOutput] = []
         try:
             result = self.runner.execute(out)
-        except Exception as exc:  # never let one bad step kill the engine loop
-            logger.exception("model step failed; failing its %d requests", len(out.scheduled))
-            return self._fail_step(out, f"internal error: {exc}")
+        except Exception as exc:  # a bad request fails alone (step_isolation.py)
+            logger.exception("model step failed; isolating its failing request")
+            out, result, failed = recover_step(self, out, exc)
+            if not out.scheduled:
+                return failed
         if self.connector is not None:
             self.connector.after_step()  # write-through: queue this step's new blocks
         record_logprobs(self.scheduler.requests, result, self.tokenizer)
@@ -325,7 +328,7 @@ class LLMEngine:
             self.speculator.after_step(out.scheduled, result.accepted, changed)
         outputs = self.outputs.outputs_for(touched, final_only)
         self.outputs.release_finished(touched)
-        return outputs
+        return failed + outputs
 
     def _grammar_stop(self, req: Request, verdict: str) -> None:
         """Finish a request whose grammar is complete (stop) or rejected a token (error)."""
@@ -334,22 +337,6 @@ class LLMEngine:
             logger.warning("%s: structured output failed: %s", req.request_id, verdict)
             req.error, status = f"structured output failed: {verdict}", RequestStatus.FINISHED_ERROR
         self.scheduler.finish_request(req.request_id, status)
-
-    def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
-        # Blocks were registered in the prefix cache when scheduled; their KV may be
-        # half written now, so nothing cached may be trusted.
-        self.kv_manager.reset_prefix_cache()
-        if self.connector is not None:
-            self.connector.discard_step()
-        ids = set()
-        for s in out.scheduled:
-            s.request.error = message
-            self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
-            ids.add(s.request.request_id)
-        self.structured.release(ids)
-        outputs = self.outputs.outputs_for(ids)
-        self.outputs.release_finished(ids)
-        return outputs
 
     # ------------------------------------------------------------------ prefix cache
     def reset_prefix_cache(self) -> None:

@@ -185,6 +185,9 @@ class ContiguousKVManager:
     def reset_prefix_cache(self) -> None:
         return None
 
+    def forget_blocks(self, block_ids: Iterable[int]) -> None:
+        return None  # no prefix cache
+
     # Codecs and presses need the paged layout (``CacheConfig`` refuses them earlier).
     def set_block_free_hook(self, hook: Callable[[int], None] | None) -> None:
         if hook is not None:

@@ -381,6 +381,12 @@ class HybridKVManager(HybridPins, PagedCommon):
         if self.pool.residency is not None:
             self.pool.residency.reset()
 
+    def forget_blocks(self, block_ids: Iterable[int]) -> None:
+        """The grouped caches cannot drop single pages yet: a failed step that wrote
+        any cached page forgets every entry and pin (``reset_prefix_cache``)."""
+        if self.cache is not None and any(self.pool.blocks[i].block_hash for i in block_ids):
+            self.reset_prefix_cache()
+
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """Pool invariants; every reference is a table entry (or the null page's own);

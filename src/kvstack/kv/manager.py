@@ -1,10 +1,9 @@
 """KVCacheManager: which blocks each request holds (vLLM v1 ``kv_cache_manager.py``).
 
-The scheduler asks ``get_computed_blocks(request)`` when it admits a request (the
-longest cached prefix), then ``allocate_slots(request, num_new_tokens,
-computed)`` before scheduling tokens; the manager grows the request's block table so
-it covers ``num_computed_tokens + num_new_tokens`` slots, or returns None (and changes
-nothing) when the pool is too small, so the scheduler can preempt someone and retry.
+The scheduler asks ``get_computed_blocks(request)`` (the longest cached prefix) when it
+admits a request, then ``allocate_slots(request, num_new_tokens, computed)``: the table
+grows to ``num_computed_tokens + num_new_tokens`` slots, or None (nothing changed) when
+the pool is too small, so the scheduler can preempt someone and retry.
 
 Block table of a request with block_size 4 after a 4-token prefix hit and 6 computed
 tokens::
@@ -17,10 +16,10 @@ Blocks are registered in the prefix cache *when they are scheduled*, not after t
 step: the runner writes every new K/V of a step before any attention reads, so a
 request admitted later in the same step can already reuse them (vLLM v1 does the
 same). That is what stops 32 simultaneous prompts with one system prompt from all
-computing it. A step that fails must therefore reset the cache (``LLMEngine``).
-
-The last prompt token is always computed (a hit covers at most ``num_tokens - 1``
-tokens, block-aligned). Models with sliding-window layers get ``kv/hybrid.py`` instead.
+computing it. A step that fails must therefore drop what it registered
+(``forget_blocks``; ``engine/step_isolation.py`` says which); the rest stays. The last
+prompt token is always computed (a hit covers at most ``num_tokens - 1`` tokens,
+block-aligned). Sliding-window models get ``kv/hybrid.py``.
 
 Externally loaded blocks (offload tiers, vLLM v1's connector shape): the connector says how
 many blocks after the device hit it can supply; ``allocate_slots(..., num_external_blocks=k)``
@@ -423,6 +422,12 @@ class KVCacheManager(PagedCommon):
         if self.pool.residency is not None:
             self.pool.residency.reset()
         self._external.clear()
+
+    def forget_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache entries of ``block_ids`` (a failed step wrote them;
+        ``step_isolation.py``); pins and every other entry stay."""
+        if self.cache is not None:
+            self.pool.reclaim(self.cache.forget([self.pool.blocks[i] for i in block_ids]))
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:

@@ -123,6 +123,13 @@ class PrefixCache(abc.ABC):
     def _drop_all(self) -> list[KVCacheBlock]:
         """Forget every entry; return the unreferenced blocks (hash cleared)."""
 
+    @abc.abstractmethod
+    def forget(self, blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Drop the entries of ``blocks`` (held or not; uncached ones are skipped) whose
+        KV can no longer be trusted (a failed step wrote them); their hashes are cleared
+        and a ``BlockRemoved`` published. Returns the unreferenced ones for the pool's
+        free queue; held ones go there when released."""
+
     def on_hit(self, blocks: Sequence[KVCacheBlock]) -> None:
         for block in blocks:
             assert block.block_hash is not None
@@ -235,6 +242,22 @@ class HashPrefixCache(PrefixCache):
 
     def _detach(self, block_hash: BlockHash) -> KVCacheBlock:
         return self.table.pop(block_hash)
+
+    def forget(self, blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
+        freed: list[KVCacheBlock] = []
+        removed: list[BlockHash] = []
+        for block in blocks:
+            h = block.block_hash
+            if h is None or self.table.get(h) is not block:
+                continue
+            del self.table[h]
+            self.policy.on_remove(h)  # held or candidate
+            block.block_hash = None
+            removed.append(h)
+            if block.ref_cnt == 0:
+                freed.append(block)
+        self._removed(removed)
+        return freed
 
     def _drop_all(self) -> list[KVCacheBlock]:
         freed = [b for b in self.table.values() if b.ref_cnt == 0]

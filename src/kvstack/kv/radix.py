@@ -205,6 +205,49 @@ class RadixPrefixCache(PrefixCache):
             self.policy.on_release(tail)
         return block
 
+    def forget(self, blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Cut the tree above each block and drop the subtree below the cut (a
+        descendant's KV was computed from the forgotten block's: it goes too)."""
+        freed: list[KVCacheBlock] = []
+        removed: list[BlockHash] = []
+        for block in blocks:
+            h = block.block_hash
+            if h is None or self.by_hash.get(h) is not block:
+                continue  # not cached, or gone with an earlier block's subtree
+            node = self.node_of[block.block_id]
+            k = node.blocks.index(block)
+            if k > 0:
+                self._split(node, k)  # ``node`` keeps the blocks from ``block`` on
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.chunks[0]]
+            self._drop_subtree(node, freed, removed)
+            if parent.parent is not None and parent.is_leaf and parent.blocks[-1].ref_cnt == 0:
+                tail = parent.blocks[-1].block_hash
+                assert tail is not None
+                self.policy.on_release(tail)  # the parent's tail is a candidate now
+        self._removed(removed)
+        return freed
+
+    def _drop_subtree(
+        self, top: RadixNode, freed: list[KVCacheBlock], removed: list[BlockHash]
+    ) -> None:
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for block in node.blocks:
+                h = block.block_hash
+                assert h is not None
+                del self.by_hash[h]
+                del self.node_of[block.block_id]
+                self.policy.on_remove(h)  # held or candidate
+                block.block_hash = None
+                removed.append(h)
+                if block.ref_cnt == 0:
+                    self._num_unreferenced -= 1
+                    freed.append(block)
+
     def _drop_all(self) -> list[KVCacheBlock]:
         freed = [b for b in self.by_hash.values() if b.ref_cnt == 0]
         for block in self.by_hash.values():

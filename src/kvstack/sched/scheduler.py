@@ -272,6 +272,12 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
+    def requeue(self, req: Request) -> None:
+        """Preempt a running request (recompute later): its step read KV that a failed
+        request of the same step wrote (``step_isolation.py``)."""
+        self.running.remove(req)
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         if self.segments is not None:

@@ -413,7 +413,7 @@ class AsyncEngine:
         if out.finished:
             self._streams.pop(out.request_id, None)
             if out.error is not None and out.error.startswith(STEP_ERROR_PREFIX):
-                self._count_internal()  # LLMEngine._fail_step: the model step raised
+                self._count_internal()  # step_isolation: the request made its step raise
             self._finish(out, info, now)
         return stream, out
 

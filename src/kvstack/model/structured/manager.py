@@ -127,6 +127,14 @@ class StructuredOutputManager:
             return tracked.matcher.error() or f"token {token} does not match the grammar"
         return "done" if tracked.matcher.is_terminated() else None
 
+    def rewind(self, request_id: str, num_accepted: int) -> None:
+        """Undo the tokens the request's matcher accepted after its first ``num_accepted``
+        (a failed step's attempt is run again: ``step_isolation.py``)."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None and tracked.num_accepted > num_accepted:
+            tracked.matcher.rollback(tracked.num_accepted - num_accepted)
+            tracked.num_accepted = num_accepted
+
     def check_integrity(self, live: dict[str, Request], finishing: Iterable[str] = ()) -> None:
         """Every matcher belongs to a live (or just finished) request and has consumed
         exactly its output tokens."""
