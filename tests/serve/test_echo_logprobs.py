@@ -246,7 +246,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": "2"}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": True}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     (
