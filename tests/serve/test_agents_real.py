@@ -58,7 +58,8 @@ class Customer(BaseModel):
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("agents")
-    with ServerProcess(["--max-model-len", "2048", "--max-num-seqs", "64"], d / "log") as s:
+    args = ["--max-model-len", "2048", "--max-num-seqs", "64", "--enable-auto-tool-choice"]
+    with ServerProcess(args, d / "log") as s:
         yield s
 
 

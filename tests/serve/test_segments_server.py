@@ -40,7 +40,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     engine = EngineConfig.from_options(
         model=str(path), dtype="float32", num_blocks=256, max_model_len=2048
     )
-    llm, _, app, _ = build_server(engine, ServerOptions(served_model_name="t", enable_auto_tool_choice=True))
+    llm, _, app, _ = build_server(
+        engine, ServerOptions(served_model_name="t", enable_auto_tool_choice=True)
+    )
     SERVED["llm"] = llm
     with TestClient(app) as c:
         yield c
