@@ -31,7 +31,7 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "bogus_field": 1, "max_tokens": "x"}, 400, "max_tokens"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "maximum context length"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),

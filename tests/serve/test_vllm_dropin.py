@@ -57,15 +57,22 @@ def events(c: TestClient, path: str, body: dict[str, Any]) -> list[dict[str, Any
     return [json.loads(x) for x in lines[:-1]]
 
 
-def test_completions_default_to_16_tokens_and_cut_to_the_context(client: TestClient) -> None:
+def test_completions_default_to_16_tokens_and_refuse_past_the_context(
+    client: TestClient,
+) -> None:
     body: dict[str, Any] = {"prompt": [5, 6, 7], "ignore_eos": True}
-    assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+    r = client.post("/v1/completions", json=body).json()
+    assert r["usage"]["completion_tokens"] == 16
+    assert r["system_fingerprint"].startswith("kvstack-")
     r = client.post("/v1/completions", json={**body, "max_tokens": None}).json()
     assert r["usage"]["completion_tokens"] == MAX_LEN - 3  # null: to the context's end
-    r = client.post("/v1/completions", json={"prompt": list(range(3, 43)), "max_tokens": 100,
-                                            "ignore_eos": True}).json()  # fmt: skip
-    assert r["usage"]["completion_tokens"] == MAX_LEN - 40  # vLLM's get_max_tokens
-    assert r["system_fingerprint"].startswith("kvstack-")
+    too_long = {"prompt": list(range(3, 43)), "max_tokens": 100, "ignore_eos": True}
+    msg = error(client.post("/v1/completions", json=too_long), 400, "max_tokens")
+    assert msg == (  # vLLM's _validate_input
+        f"'max_tokens' or 'max_completion_tokens' is too large: 100. This model's maximum "
+        f"context length is {MAX_LEN} tokens and your request has 40 input tokens "
+        f"(100 > {MAX_LEN} - 40)."
+    )
 
 
 def test_vllms_error_objects(client: TestClient) -> None:

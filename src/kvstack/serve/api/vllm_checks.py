@@ -9,7 +9,6 @@ wording), a request-level ``chat_template`` without ``--trust-request-chat-templ
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -65,10 +64,10 @@ def tokens_as_ids(req: CompletionRequest | ChatCompletionRequest, opts: Frontend
 
 
 def fit_context(sp: SamplingParams, num_prompt: int, max_model_len: int) -> SamplingParams:
-    """``sp`` for a prompt of ``num_prompt`` tokens, as vLLM's ``get_max_tokens``:
-    ``max_tokens`` is cut to the room the context leaves; a prompt that leaves no room
-    is a 400 with vLLM's "This model's maximum context length is ..." (param
-    ``input_tokens``)."""
+    """``sp`` checked for a prompt of ``num_prompt`` tokens, as vLLM's ``_validate_input``:
+    a prompt that leaves no room is a 400 with vLLM's "This model's maximum context length
+    is ..." (param ``input_tokens``), and a ``max_tokens`` past the room left is vLLM's
+    "'max_tokens' or 'max_completion_tokens' is too large" 400 (param ``max_tokens``)."""
     room = max_model_len - num_prompt
     if room <= 0:
         why = (
@@ -83,7 +82,12 @@ def fit_context(sp: SamplingParams, num_prompt: int, max_model_len: int) -> Samp
             param="input_tokens",
         )
     if sp.max_tokens is not None and sp.max_tokens > room:
-        return dataclasses.replace(sp, max_tokens=room, min_tokens=min(sp.min_tokens, room))
+        raise InvalidRequestError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {sp.max_tokens}. This "
+            f"model's maximum context length is {max_model_len} tokens and your request has "
+            f"{num_prompt} input tokens ({sp.max_tokens} > {max_model_len} - {num_prompt}).",
+            param="max_tokens",
+        )
     return sp
 
 
