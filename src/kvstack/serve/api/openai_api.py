@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.core.errors import InvalidRequestError
-from kvstack.core.request import CompletionOutput, RequestOutput, SamplingParams
+from kvstack.core.request import CompletionOutput, SamplingParams
 from kvstack.model.tokenizer.tokenizer import Tokenizer
+from kvstack.serve.api.jobs import ChoiceState, Job, merged_outputs, usage
 from kvstack.serve.api.logprob_format import (
     TokenIdNames,
     chat_logprobs,
@@ -45,11 +46,10 @@ from kvstack.serve.api.logprob_format import (
 from kvstack.serve.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvstack.serve.api.vllm_checks import fit_context, tokens_as_ids
 from kvstack.serve.async_engine import AsyncEngine
-from kvstack.serve.chat.reasoning_parsers import ReasoningParser, ReasoningSplit, ReasoningStream
+from kvstack.serve.chat.reasoning_parsers import ReasoningParser, ReasoningSplit
 from kvstack.serve.chat.segments import Mark
-from kvstack.serve.chat.tool_calls import ChoiceToolStream
 from kvstack.serve.frontend_options import FrontendOptions
-from kvstack.serve.output_stream import OutputStream, RequestInfo, RequestTimeoutError
+from kvstack.serve.output_stream import RequestInfo, RequestTimeoutError
 
 
 @dataclass
@@ -66,62 +66,13 @@ class ApiContext:
     fingerprint: str | None = None  # system_fingerprint (FrontendOptions.fingerprint)
 
 
-@dataclass
-class _ChoiceState:
-    text_sent: int = 0
-    lp_sent: int = 0
-    role_sent: bool = False
-    done: bool = False
-    tools: ChoiceToolStream | None = None  # chat requests with tools
-    reasoning: ReasoningStream | None = None  # chat with --reasoning-parser
-    echoed: bool = False
-    offset: int = 0  # text_offset of the next completions logprobs token
-    ids_sent: int = 0  # token ids streamed (return_token_ids)
-
-
 def _new_state(
     req: CompletionRequest | ChatCompletionRequest, reasoning: ReasoningParser | None
-) -> _ChoiceState:
+) -> ChoiceState:
     chat = isinstance(req, ChatCompletionRequest)
     plan = req.tool_plan() if isinstance(req, ChatCompletionRequest) else None
     think = reasoning.stream() if chat and reasoning is not None else None
-    return _ChoiceState(tools=None if plan is None else plan.streamer(), reasoning=think)
-
-
-@dataclass
-class Job:
-    """One prompt of a request: its stream and what has been streamed so far."""
-
-    index: int
-    stream: OutputStream
-    prompt_ids: list[int]
-    prompt_text: str | None
-    last: RequestOutput | None = None
-    choices: dict[int, _ChoiceState] = field(default_factory=dict)
-
-
-def usage(jobs: list[Job]) -> dict[str, Any]:
-    prompt = sum(len(j.prompt_ids) for j in jobs)
-    completion = sum(len(c.token_ids) for j in jobs if j.last for c in j.last.outputs)
-    cached = sum(j.last.num_cached_tokens for j in jobs if j.last)
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-    segment = sum(j.last.num_segment_tokens for j in jobs if j.last)
-    if segment:  # extension (segment reuse): prompt tokens copied from reusable segments
-        out["prompt_tokens_details"]["kvstack_segment_tokens"] = segment
-    # Extension (offload tiers on): where the cached tokens came from.
-    splits = [j.last.cached_tokens_by_tier for j in jobs if j.last]
-    if splits and all(s is not None for s in splits):
-        by_tier: dict[str, int] = {}
-        for split in splits:
-            for tier, n in (split or {}).items():
-                by_tier[tier] = by_tier.get(tier, 0) + n
-        out["kvstack_cached_tokens"] = by_tier
-    return out
+    return ChoiceState(tools=None if plan is None else plan.streamer(), reasoning=think)
 
 
 class OpenAIHandler:
@@ -191,7 +142,7 @@ class OpenAIHandler:
             assert job.last is not None
             prompt_lps = prompt_logprobs_json(tok, job.last.prompt_logprobs)
             for c in job.last.outputs:
-                piece = self.completion_piece(job, c, req, _ChoiceState(), final=True)
+                piece = self.completion_piece(job, c, req, ChoiceState(), final=True)
                 assert piece is not None
                 text, lp = piece
                 choices.append(
@@ -216,7 +167,7 @@ class OpenAIHandler:
         }
 
     def completion_piece(
-        self, job: Job, c: CompletionOutput, req: CompletionRequest, st: _ChoiceState, final: bool
+        self, job: Job, c: CompletionOutput, req: CompletionRequest, st: ChoiceState, final: bool
     ) -> tuple[str, dict | None] | None:
         """Text and ``logprobs`` of choice ``c`` not sent yet (all of it for a fresh
         ``st``). With ``echo`` the prompt goes first, once its logprobs are all there
@@ -299,7 +250,7 @@ class OpenAIHandler:
     ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        outputs, tasks = _outputs(jobs)
+        outputs, tasks = merged_outputs(jobs)
         try:
             async for job, item in outputs:
                 if isinstance(item, BaseException):
@@ -405,53 +356,6 @@ class OpenAIHandler:
         """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's
         ``return_tokens_as_token_ids``)."""
         return TokenIdNames() if tokens_as_ids(req, self.ctx.frontend) else self.ctx.tokenizer
-
-
-Item = tuple[Job, RequestOutput | BaseException]
-
-
-def _outputs(jobs: list[Job]) -> tuple[AsyncIterator[Item], list[asyncio.Task[None]]]:
-    """Every job's outputs as they come, a failed stream's exception as its last item.
-    One job (the common case) streams directly; several are merged by the returned
-    tasks, which the caller cancels when it stops early.
-
-    The merge queue holds one item: a pump whose put waits leaves its stream's newer
-    outputs to coalesce in the stream's one-slot buffer, as one prompt's do
-    (``output_stream.OutputSlot``). So a reader that stops reading holds two outputs per
-    prompt (in its pump's hand, in its slot) and the queued one; an unbounded queue held
-    every step's cumulative output (4 prompts x n=16, 600 steps: 2,399 items, 356 MiB).
-    """
-    if len(jobs) == 1:
-        return _single(jobs[0]), []
-    merged: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue(1)
-
-    async def pump(job: Job) -> None:
-        try:
-            async for out in job.stream:
-                await merged.put((job, out))
-        except BaseException as exc:
-            await merged.put((job, exc))
-            return
-        await merged.put((job, None))
-
-    async def many() -> AsyncIterator[Item]:
-        remaining = len(jobs)
-        while remaining:
-            job, item = await merged.get()
-            if item is None:
-                remaining -= 1
-            else:
-                yield job, item
-
-    return many(), [asyncio.create_task(pump(j)) for j in jobs]
-
-
-async def _single(job: Job) -> AsyncIterator[Item]:
-    try:
-        async for out in job.stream:
-            yield job, out
-    except BaseException as exc:
-        yield job, exc
 
 
 def _token_ids(

@@ -22,7 +22,8 @@ from kvstack.core.errors import InvalidRequestError
 from kvstack.core.structured_outputs import SpecTooLargeError
 from kvstack.serve.api.context import ServerContext
 from kvstack.serve.api.http_errors import ApiError
-from kvstack.serve.api.openai_api import ApiContext, Job, OpenAIHandler
+from kvstack.serve.api.jobs import Job
+from kvstack.serve.api.openai_api import ApiContext, OpenAIHandler
 from kvstack.serve.api.openapi import request_body
 from kvstack.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvstack.serve.api.vllm_checks import check_request, log_request, model_card

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvstack.core.errors import InvalidRequestError
 from kvstack.core.request import CompletionOutput
 from kvstack.serve.api.http_errors import ApiError
-from kvstack.serve.api.openai_api import Job, usage
+from kvstack.serve.api.jobs import Job, usage
 from kvstack.serve.api.protocol import ChatCompletionRequest
 from kvstack.serve.api.routes_openai import OpenAIRoutes, Prompts
 from kvstack.serve.chat.reasoning_parsers import ReasoningSplit
