@@ -131,6 +131,18 @@ def group_variants(source: str, digests: dict[str, str], order: list[isa.IsaLeve
     return [Unit(source, names[0], tuple(names)) for names in by_digest.values()]
 
 
+def cached_plan(cache: Path, key: str) -> list[Unit] | None:
+    """The units ``cache`` holds for ``key``; None when there is no plan for this key
+    (none written yet, another key, or a file this version cannot read)."""
+    try:
+        cached = json.loads(cache.read_text())
+        if cached["key"] != key:
+            return None
+        return [Unit(u[0], u[1], tuple(u[2])) for u in cached["units"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def plan(
     cxx: str,
     levels: list[isa.IsaLevel],
@@ -150,12 +162,8 @@ def plan(
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     cache = build / "plan.json"
-    try:
-        cached = json.loads(cache.read_text())
-        if cached["key"] == key:
-            return [Unit(u[0], u[1], tuple(u[2])) for u in cached["units"]]
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        pass
+    if (units := cached_plan(cache, key)) is not None:
+        return units
     stub = build / "stub"
     stub_headers(stub, csrc)
 
