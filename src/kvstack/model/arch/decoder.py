@@ -30,6 +30,8 @@ previous sub-layer's output to ``residual``::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvstack.core.errors import ModelLoadError
@@ -60,7 +62,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         ops: LayerOps | None = None,
         linears: LinearBuilder | None = None,

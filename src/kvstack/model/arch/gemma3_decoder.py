@@ -21,6 +21,7 @@ keys with ``rope_theta``; the attention scale is ``query_pre_attn_scalar ** -0.5
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,7 @@ class Gemma3Model(LlamaModel):
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         ops: LayerOps | None = None,
         linears: LinearBuilder | None = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -266,24 +267,37 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: Path) -> None:
-    """Raise ``ModelLoadError`` if a weight is missing or has the wrong shape."""
+def check_weights(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    where: Path,
+    skipped: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Raise ``ModelLoadError`` if a weight is missing or has the wrong shape (``skipped``:
+    the shapes of weights not read as floats)."""
     expected = expected_shapes(cfg)
-    missing = [n for n in expected if n not in weights]
+    shapes = {n: tuple(t.shape) for n, t in weights.items()} | dict(skipped or {})
+    missing = [n for n in expected if n not in shapes]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelLoadError(f"{where}: missing tensors {', '.join(missing[:3])}{more}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
+        if shapes[name] != shape:
             raise ModelLoadError(
-                f"{where}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
+                f"{where}: tensor {name} has shape {shapes[name]}, expected {shape}"
             )
 
 
 def load_gguf(
-    path: str | Path, *, num_threads: int | None = None
+    path: str | Path,
+    *,
+    num_threads: int | None = None,
+    skip: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a GGUF: its ``ModelConfig`` and float32 weights under Hugging Face names."""
+    """Load a GGUF: its ``ModelConfig`` and float32 weights under Hugging Face names.
+
+    ``skip`` (HF name -> shape): weights the caller has in another form (kept packed) and
+    that are not dequantized; their shapes are still checked."""
     with GGUFFile.open(path) as g:
         cfg = config_from_gguf(g)
         wanted = expected_shapes(cfg)
@@ -318,14 +332,17 @@ def load_gguf(
             return names[name], w
 
         # numpy's dequantization releases the GIL for large arrays: threads help.
-        order = sorted(names, key=lambda n: -g.tensors[n].nbytes)
+        skip = skip or {}
+        order = sorted(
+            (n for n in names if names[n] not in skip), key=lambda n: -g.tensors[n].nbytes
+        )
         workers = num_threads or min(4, os.cpu_count() or 1)
         try:
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 weights = dict(pool.map(convert, order))
         except (ValueError, TypeError, RuntimeError) as e:
             raise ModelLoadError(f"{g.path}: cannot decode tensor data ({e})") from e
-    check_weights(cfg, weights, Path(path))
+    check_weights(cfg, weights, Path(path), skip)
     return cfg, weights
 
 

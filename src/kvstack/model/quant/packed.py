@@ -20,6 +20,7 @@ kernel's one fma give bit-identical weights, equal to gguf-py's float32 dequanti
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -117,3 +118,39 @@ def dequantize_reference(w: PackedWeight, dtype: torch.dtype = torch.float32) ->
     if w.min is not None:
         out = out + w.min.unsqueeze(-1)
     return out.reshape(n, k).to(dtype)
+
+
+class DenseOrPacked(Mapping[str, torch.Tensor]):
+    """A model's float32 weights where those kept packed are not expanded at load.
+
+    ``dense`` holds the weights read as floats; a name found only in ``packed`` is
+    dequantized when asked for (``dequantize_reference``: bit-identical to gguf-py's float32
+    values), which happens only where a linear falls back to a dense layer. Loading a GGUF
+    this way reads each packed tensor once, as bytes, instead of expanding it to float32
+    and then packing it again (``model/loader/registry.load_model``)."""
+
+    def __init__(self, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedWeight]):
+        self.dense = dense
+        self.packed = packed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.dense:
+            return self.dense[name]
+        return dequantize_reference(self.packed[name])
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would dequantize to answer
+        return name in self.dense or name in self.packed
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.dense
+        yield from (n for n in self.packed if n not in self.dense)
+
+    def __len__(self) -> int:
+        return len(self.dense) + sum(1 for n in self.packed if n not in self.dense)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The weight's shape, without dequantizing it."""
+        if name in self.dense:
+            return tuple(self.dense[name].shape)
+        w = self.packed[name]
+        return (w.out_features, w.in_features)
