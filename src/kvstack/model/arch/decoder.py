@@ -80,8 +80,9 @@ class LlamaModel:
             return weights[name]
 
         def linear(*names: str) -> LinearOp:
-            for name in names:
-                w(name)
+            missing = [n for n in names if n not in weights]  # no read: a packed one stays so
+            if missing:
+                raise ModelLoadError(f"model weights lack tensor {missing[0]!r}")
             return lin.build(list(names), weights)
 
         def optional(on: bool, *names: str) -> torch.Tensor | None:

@@ -54,9 +54,11 @@ class LinearOp(Protocol):
 
 
 class WeightScheme(Protocol):
-    """One ``--quantization`` choice: the packed form of a weight, or None (dense)."""
+    """One ``--quantization`` choice: the packed form of weight ``name``, or None (dense).
+    ``weights`` maps names to float32 weights; a scheme reads it only if it needs the
+    floats (``gguf`` does not: its weights may not have been expanded at all)."""
 
-    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None: ...
+    def pack(self, name: str, weights: Mapping[str, torch.Tensor]) -> PackedWeight | None: ...
 
 
 class SchemeFactory(Protocol):
@@ -71,7 +73,7 @@ class NoQuantization:
     def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
         del packed
 
-    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+    def pack(self, name: str, weights: Mapping[str, torch.Tensor]) -> PackedWeight | None:
         return None
 
 
@@ -80,8 +82,8 @@ class Int8:
     def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
         del packed
 
-    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
-        return quantize_int8(weight)
+    def pack(self, name: str, weights: Mapping[str, torch.Tensor]) -> PackedWeight | None:
+        return quantize_int8(weights[name])
 
 
 @QUANTIZATIONS.register("int4", help=f"4-bit groups of {INT4_GROUP}, quantized at load")
@@ -89,7 +91,8 @@ class Int4:
     def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
         del packed
 
-    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+    def pack(self, name: str, weights: Mapping[str, torch.Tensor]) -> PackedWeight | None:
+        weight = weights[name]
         if weight.shape[1] % INT4_GROUP:
             return None
         return quantize_int4(weight)
@@ -100,7 +103,7 @@ class GGUFPacked:
     def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
         self.packed = packed
 
-    def pack(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+    def pack(self, name: str, weights: Mapping[str, torch.Tensor]) -> PackedWeight | None:
         return self.packed.get(name)
 
 
@@ -122,7 +125,7 @@ class LinearBuilder:
 
     def build(self, names: list[str], weights: Mapping[str, torch.Tensor]) -> LinearOp:
         """The linear of the weights ``names`` stacked along the output (fused q/k/v)."""
-        parts = [self.scheme.pack(n, weights[n]) for n in names]
+        parts = [self.scheme.pack(n, weights) for n in names]
         packed = [p for p in parts if p is not None]
         if len(packed) == len(parts):
             fused = concat_rows(packed) if len(packed) > 1 else packed[0]
