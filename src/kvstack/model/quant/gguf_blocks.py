@@ -32,7 +32,7 @@ from kvstack.core.model_config import ModelConfig
 from kvstack.model.kernels.loader import note_fallback
 from kvstack.model.loader.gguf import gguf_family, hf_name, unpermute_qk
 from kvstack.model.loader.gguf_reader import GGUFFile
-from kvstack.model.quant.packed import PackedWeight, pack_u4
+from kvstack.model.quant.packed import PackedWeight
 
 Q = GGMLQuantizationType
 
@@ -91,10 +91,16 @@ def _q4_k(blocks: np.ndarray) -> PackedWeight:
     sc, m = k4_scales(blocks[..., 4:16])
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, nb * 8)
     mn = -(dmin[..., None] * m.astype(np.float32)).reshape(n, nb * 8)
-    qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32)
-    values = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nb * 256)
+    # Chunk c's bytes i = 0..31 hold sub-block 2c's value i (low nibble) and 2c+1's (high);
+    # kvstack's byte j of a sub-block holds its values j (low) and 16 + j (high): the nibbles
+    # are regrouped byte-wise, never widened to one value per byte.
+    qs = blocks[..., 16:].reshape(n, nb, 4, 2, 16)
+    lo, hi = qs[..., 0, :], qs[..., 1, :]
+    even = (lo & 15) | ((hi & 15) << 4)
+    odd = (lo >> 4) | (hi & 0xF0)
+    codes = np.stack([even, odd], axis=3).reshape(n, nb * 128)
     return PackedWeight(
-        pack_u4(torch.from_numpy(values)),
+        torch.from_numpy(codes),
         torch.from_numpy(np.ascontiguousarray(scale)),
         torch.from_numpy(np.ascontiguousarray(mn)),
         4,
