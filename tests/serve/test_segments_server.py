@@ -83,6 +83,18 @@ def test_tools_in_any_order_reuse_their_segments(client: TestClient) -> None:
     assert metric(client, "kvstack:segment_recomputed_tokens_total") > 0
 
 
+def test_reused_tokens_never_exceed_the_prompt(client: TestClient) -> None:
+    """A segment the prefix cache already covers is counted once, as a cached token: the
+    segment count is the tokens copied from segment entries, past the prefix hit."""
+    tools = [tool("zeta", 5), tool("eta", 4)]
+    for order in (tools, tools, tools[::-1], tools[::-1], tools):
+        body = chat(client, messages=ASK, tools=order)
+        usage = body["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached + segment_tokens(body) <= usage["prompt_tokens"], usage
+    assert cached > 0  # the same order again: a prefix hit
+
+
 def test_documents_and_marked_parts(client: TestClient) -> None:
     docs = [
         {"title": f"d{i}", "text": f"Document {i} says " + "words " * (20 + i)} for i in range(3)

@@ -309,7 +309,7 @@ class Request:
     # (a copy of standalone KV), only blocks before ``cacheable_tokens`` are a true prefix.
     segments: SegmentMarks | None = None
     cacheable_tokens: int | None = None
-    num_segment_tokens: int = 0  # prompt tokens of segments already cached on arrival
+    num_segment_tokens: int = 0  # prompt tokens copied from segments cached on arrival
 
     @property
     def num_prompt_tokens(self) -> int:

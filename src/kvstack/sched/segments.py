@@ -89,7 +89,8 @@ class SegmentPlanner:
         self.cache = cache
         self.model_id = model_id
         self.held: dict[str, list[SegmentEntry | None]] = {}  # request id -> per span
-        self._counted: set[str] = set()  # requests whose queries were counted
+        # Per request whose queries were counted: the spans cached on its arrival.
+        self._arrival_hits: dict[str, set[int]] = {}
         self.reserver: str | None = None  # the one request holding an incomplete set
         self.tiers: SegmentTiers | None = None  # entries in the offload tiers
         # The most repair rows one step may carry (the engine: --max-num-batched-tokens
@@ -120,14 +121,14 @@ class SegmentPlanner:
         assert req.segments is not None
         rid = req.request_id
         spans = req.segments.spans
-        if rid not in self._counted:  # queries and hits counted once per request
-            self._counted.add(rid)
+        if rid not in self._arrival_hits:  # queries and hits counted once per request
+            hits = self._arrival_hits[rid] = set()
             for i, span in enumerate(spans):
                 n = span[1] - span[0]
                 self.cache.counters.query_tokens += n
                 if self.cache.entries.get(self._key(req, i)) is not None:
                     self.cache.counters.hit_tokens += n
-                    req.num_segment_tokens += n
+                    hits.add(i)
         held = self.held.get(rid)
         if held is None:
             if self.reserver is not None and self.reserver != rid:
@@ -238,7 +239,7 @@ class SegmentPlanner:
     def forget(self, req: Request, finished: bool) -> None:
         """A preempted or finished request lets go of the entries it had not copied."""
         if finished:
-            self._counted.discard(req.request_id)
+            self._arrival_hits.pop(req.request_id, None)
         if self.reserver == req.request_id:
             self.reserver = None
         for entry in self.held.pop(req.request_id, ()):
@@ -297,7 +298,8 @@ class SegmentPlanner:
 
     def commit(self, req: Request, plan: Placement) -> None:
         """The scheduled step copies ``plan``: release those entries, stop prefix-cache
-        registration at the first copy, count the tokens."""
+        registration at the first copy, count the tokens (the request's
+        ``num_segment_tokens``: tokens copied from entries that were cached on arrival)."""
         held = self.held.get(req.request_id)
         for i in plan.used:
             assert held is not None
@@ -311,6 +313,13 @@ class SegmentPlanner:
             req.cacheable_tokens = first if cap is None else min(cap, first)
         counters = self.cache.counters
         counters.placed_tokens += sum(x.length for x in plan.imports)
+        if req.num_preemptions == 0:  # the usage a client sees: first admission only
+            # Tokens copied from entries cached on arrival. Copies start past the prefix
+            # hit and never overlap: cached + segment tokens never exceed the prompt.
+            hits = self._arrival_hits.get(req.request_id, set())
+            req.num_segment_tokens += sum(
+                imp.length for i, imp in zip(plan.used, plan.imports, strict=True) if i in hits
+            )
         counters.recomputed_tokens += plan.rows - plan.gap_tokens
 
     def check_integrity(self, live: set[str]) -> None:
