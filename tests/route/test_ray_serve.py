@@ -115,7 +115,7 @@ def test_killed_replica_loses_no_unstarted_request(ray_srv: ServerProcess) -> No
 @pytest.mark.slow
 def test_bad_input_through_ray_gets_openai_errors(ray_srv: ServerProcess) -> None:
     r = httpx.post(ray_srv.url + "/v1/completions", content=b"{bad", timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     r = httpx.post(
         ray_srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30
     )

@@ -275,6 +275,6 @@ def test_bad_echo_and_prompt_logprobs_input(
     r = client.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["type"] == "invalid_request_error" and err["code"] == 400
+    assert err["param"] == param and err["type"] == "BadRequestError" and err["code"] == 400
     ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert ok.status_code == 200

@@ -72,7 +72,7 @@ def post(client: TestClient, path: str, raw: str) -> httpx.Response:
 def param_of(r: httpx.Response) -> str:
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["message"] and error["type"] == "invalid_request_error", error
+    assert error["message"] and error["type"] == "BadRequestError", error
     return str(error["param"])
 
 

@@ -85,7 +85,7 @@ def served(model_dir: Path) -> Iterator[tuple[Served, TestClient]]:
 def err(r: Any, param: str) -> str:
     assert r.status_code == 400, r.text
     e = r.json()["error"]
-    assert e["param"] == param and e["type"] == "invalid_request_error", e
+    assert e["param"] == param and e["type"] == "BadRequestError", e
     return str(e["message"])
 
 

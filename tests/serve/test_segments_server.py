@@ -115,7 +115,7 @@ def test_bad_segment_field_is_a_400(client: TestClient) -> None:
         "/v1/chat/completions",
         json={"model": "t", "messages": [{"role": "user", "content": [part]}]},
     )
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
 
 
 def test_a_pressed_request_keeps_its_tools_unsegmented(client: TestClient) -> None:

@@ -118,7 +118,7 @@ def test_an_unexpected_exception_is_a_counted_logged_500(
         with caplog.at_level(logging.ERROR, logger="kvstack.serve"):
             r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         monkeypatch.undo()
-        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
         assert any(rec.exc_info for rec in caplog.records)  # the traceback is in the log
         assert internal_errors(client, "http") == 1.0
 

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from kvstack import LLM
 from kvstack.core.structured_outputs import MAX_SPEC_BYTES
 from kvstack.serve.api.app import ServerConfig, create_app
+from kvstack.serve.api.http_errors import VLLM_ERROR_TYPES
 from kvstack.serve.async_engine import AsyncEngine
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_gguf
 
@@ -230,7 +231,8 @@ def test_bad_input_gets_an_openai_error_and_loses_nothing(
     r = client.post("/v1/chat/completions", content=payload)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    kind = VLLM_ERROR_TYPES.get(status, "invalid_request_error")
+    assert err["param"] == param and err["type"] == kind, err
     assert chat(client, max_tokens=2)["finish_reason"] in ("length", "stop")
     eng = llm.engine
     assert not eng.has_unfinished_requests() and eng.structured.num_requests == 0

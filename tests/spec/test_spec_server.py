@@ -72,7 +72,7 @@ def test_a_request_that_cannot_speculate_is_a_400(served: dict[str, Any]) -> Non
     assert bad.status_code == 400, bad.text
     err = bad.json()["error"]
     assert "kv_press_every" in err["message"] and "speculative" in err["message"]
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "BadRequestError"
 
 
 @pytest.mark.parametrize(

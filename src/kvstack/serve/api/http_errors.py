@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,14 +22,23 @@ from starlette.requests import ClientDisconnect
 
 from kvstack.serve.api.protocol import error_body
 
+# vLLM's error ``type`` per status (its ``create_error_response``: ``BadRequestError`` by
+# default, ``NotFoundError`` for an unknown model, ``InternalServerError``); a status vLLM
+# never answers by itself keeps OpenAI's ``invalid_request_error``.
+VLLM_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
 
 class ApiError(Exception):
+    """An error answered as ``{"error": {...}}`` with ``status``; ``type_`` defaults to
+    vLLM's type for the status (``VLLM_ERROR_TYPES``)."""
+
     def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error",
+        self, status: int, message: str, type_: str | None = None,
         param: str | None = None, code: Any = None, headers: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        kind = type_ or VLLM_ERROR_TYPES.get(status, "invalid_request_error")
+        self.status, self.message, self.type, self.param = status, message, kind, param
         self.code = code if code is not None else status
         self.headers = headers
 
@@ -58,8 +68,9 @@ def install_error_handlers(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return err(ApiError(e.status_code, str(e.detail), kind))
+        # vLLM answers Starlette's errors (no such route, wrong method) with the status
+        # phrase as the type: "Not Found", "Method Not Allowed".
+        return err(ApiError(e.status_code, str(e.detail), HTTPStatus(e.status_code).phrase))
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(raw: Request, _: ClientDisconnect) -> JSONResponse:
@@ -74,7 +85,7 @@ def install_error_handlers(
         logger.exception("unhandled error")
         if on_internal is not None:
             on_internal()
-        return err(ApiError(500, f"internal error: {e}", "server_error"))
+        return err(ApiError(500, f"internal error: {e}"))
 
     return err
 

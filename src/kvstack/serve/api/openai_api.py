@@ -258,7 +258,7 @@ class OpenAIHandler:
                     if isinstance(item, RequestTimeoutError):
                         yield _sse(error_body(msg, "timeout", code=408))
                     else:
-                        yield _sse(error_body(msg, "server_error", code=500))
+                        yield _sse(error_body(msg, "InternalServerError", code=500))
                     yield "data: [DONE]\n\n"
                     return
                 job.last = item
@@ -268,7 +268,7 @@ class OpenAIHandler:
                     if (ch := self._delta(job, c, req, chat)) is not None
                 ]  # fmt: skip
                 if item.error:
-                    yield _sse(error_body(item.error, "server_error", code=500))
+                    yield _sse(error_body(item.error, "InternalServerError", code=500))
                 if choices:
                     chunk = {"id": rid, "object": obj, "created": created,
                              "model": self.ctx.model_name, "choices": choices,

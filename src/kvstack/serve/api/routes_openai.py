@@ -154,7 +154,7 @@ class OpenAIRoutes:
             return Response(status_code=499)
         errors = [j.last.error for j in jobs if j.last is not None and j.last.error]
         if errors:
-            raise ApiError(500, errors[0], "server_error")
+            raise ApiError(500, errors[0])
         if self.ctx.config.role == "prefill":
             await self.flush_offload()
         if isinstance(req, ChatCompletionRequest):

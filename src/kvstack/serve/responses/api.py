@@ -65,7 +65,9 @@ class Turn:
 
 def not_found(response_id: str, param: str = "response_id") -> ApiError:
     """vLLM's 404 for a response id it does not hold."""
-    return ApiError(404, f"Response with id '{response_id}' not found.", param=param, code=404)
+    # vLLM's responses handler names this one invalid_request_error (OpenAI's), not NotFoundError.
+    message = f"Response with id '{response_id}' not found."
+    return ApiError(404, message, "invalid_request_error", param=param, code=404)
 
 
 class ResponsesHandler:
@@ -113,7 +115,7 @@ class ResponsesHandler:
         last = jobs[0].last
         assert last is not None
         if last.error:
-            raise ApiError(500, last.error, "server_error")
+            raise ApiError(500, last.error)
         out = last.outputs[0]
         split = self.split(out.text)
         content, calls = (split.content, []) if plan is None else plan.parse(split.content or "")
