@@ -395,3 +395,28 @@ def test_a_pin_holds_every_page_of_its_hit() -> None:
     kv.reset_prefix_cache()  # drops pins too
     kv.check_integrity()
     assert kv.num_pinned_blocks == 0 and kv.num_free_blocks == kv.num_blocks
+
+
+@CACHES
+@pytest.mark.parametrize("windows", [[None, W], [W, W + 4]])
+def test_forget_drops_only_the_failed_steps_pages(cache: str, windows: list[int | None]) -> None:
+    """A failed step's pages (every group's) leave the cache; other entries and pins stay,
+    and a later prompt hits only up to the first forgotten block."""
+    kv = manager(windows, pages=200, cache=cache)
+    shared = list(range(24))
+    admit(kv, req("a", [*shared, 1]))
+    kv.free("a")
+    assert kv.pin_prefix(list(range(16))) == 16
+    pinned = kv.num_pinned_blocks
+    b = req("b", [*shared, *range(100, 117)])
+    assert admit(kv, b) == 24
+    tables = kv.group_block_ids("b") or []
+    written = sorted({p for t in tables for p in t[6:]} - {0})  # b's own blocks 6..9
+    kv.forget_blocks(written)
+    kv.check_integrity()
+    assert kv.num_pinned_blocks == pinned
+    kv.free(b)
+    kv.check_integrity()
+    assert admit(kv, req("c", [*shared, *range(100, 117)])) == 24  # a's blocks still hit
+    kv.free("c")
+    kv.check_integrity()

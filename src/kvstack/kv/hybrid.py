@@ -382,10 +382,11 @@ class HybridKVManager(HybridPins, PagedCommon):
             self.pool.residency.reset()
 
     def forget_blocks(self, block_ids: Iterable[int]) -> None:
-        """The grouped caches cannot drop single pages yet: a failed step that wrote
-        any cached page forgets every entry and pin (``reset_prefix_cache``)."""
-        if self.cache is not None and any(self.pool.blocks[i].block_hash for i in block_ids):
-            self.reset_prefix_cache()
+        """Drop the entries of the pages a failed step wrote (any group's; the null page
+        is never cached); pins and every other entry stay (``step_isolation.py``)."""
+        if self.cache is not None:
+            pages = [self.pool.blocks[i] for i in block_ids]
+            self.pool.reclaim(self.cache.forget([b for b in pages if b is not self.null]))
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:

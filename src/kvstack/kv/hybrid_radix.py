@@ -111,6 +111,23 @@ class GroupedRadixCache(GroupedHits, RadixPrefixCache):
         self._keyed_unreferenced -= 1
         return self.table.pop(block_hash)
 
+    def forget(self, blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Group 0's pages as the tree forgets them (with the subtree below); another
+        group's keyed pages one by one (no page's KV is computed from a keyed page of
+        another position's entry: a later hit still needs group 0's)."""
+        freed = super().forget([b for b in blocks if b.block_hash and not tagged(b.block_hash)])
+        for block in blocks:
+            h = block.block_hash
+            if h is None or not tagged(h) or self.table.get(h) is not block:
+                continue
+            del self.table[h]
+            self.policy.on_remove(h)  # held or candidate
+            block.block_hash = None
+            if block.ref_cnt == 0:
+                self._keyed_unreferenced -= 1
+                freed.append(block)
+        return freed
+
     def _removed(self, hashes: list[BlockHash]) -> None:
         super()._removed([h for h in hashes if not tagged(h)])
 

@@ -250,7 +250,7 @@ class HashPrefixCache(PrefixCache):
             h = block.block_hash
             if h is None or self.table.get(h) is not block:
                 continue
-            del self.table[h]
+            self._detach(h)  # (a subclass unlinks what else it indexes: a token tree)
             self.policy.on_remove(h)  # held or candidate
             block.block_hash = None
             removed.append(h)
