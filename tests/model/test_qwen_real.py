@@ -27,6 +27,7 @@ from kvstack.testing.real_models import (
     load_kvstack,
     load_reference,
     render,
+    run_reference,
 )
 
 MODEL = "qwen2.5-coder-0.5b"
@@ -73,9 +74,12 @@ def test_chat_template_renders_as_transformers(tok: Tokenizer, hf_tok: Any, case
 
 @pytest.fixture(scope="module")
 def check(path: Path) -> RealModelCheck:
+    """Both sides run once for the module, one float32 model in memory at a time."""
     hf, tok = load_reference(path)
+    ref = run_reference(hf, tok, NEW_TOKENS)
+    del hf
     llm: LLM = load_kvstack(MODEL)
-    result = check_real_model(MODEL, path, llm, hf, tok, NEW_TOKENS)
+    result = check_real_model(MODEL, path, llm, ref, NEW_TOKENS)
     print(result)
     return result
 

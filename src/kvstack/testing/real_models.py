@@ -2,7 +2,7 @@
 
 Used by the slow real-weight test of Qwen2.5-Coder-0.5B-Instruct
 (``tests/model/test_qwen_real.py``) and by ``benchmarks/real_model_check.py`` for the 1.5B,
-whose float32 copies (kvstack's and transformers') need ~7 GB together.
+whose float32 copy needs ~7 GB: the reference runs first and is freed before kvstack loads.
 
 The reference is transformers' own GGUF reader (``from_pretrained(dir, gguf_file=...)``:
 it dequantizes every tensor with gguf-py and builds ``Qwen2ForCausalLM``) with the
@@ -149,13 +149,59 @@ def render(tok: Any, chat: Chat, ours: bool) -> str:
     return str(out)
 
 
-def template_mismatches(llm: LLM, hf_tok: Any) -> list[int]:
-    """Indices of ``TEMPLATE_CASES`` whose text differs between the two renderers."""
-    return [
-        i
-        for i, chat in enumerate(TEMPLATE_CASES)
-        if render(llm.tokenizer, chat, True) != render(hf_tok, chat, False)
-    ]
+@dataclass
+class Reference:
+    """What transformers gives for one model: each ``TEMPLATE_CASES`` chat rendered, and
+    per ``CHATS`` prompt its ids, logits at every position, greedy tokens and the top-2
+    logit gap of each greedy step. Kept so the reference can be freed before kvstack
+    loads (only one float32 copy of the model in memory at a time)."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    logits: list[torch.Tensor]
+    tokens: list[list[int]]
+    gaps: list[list[float]]
+    seconds: float
+
+
+def reference_greedy(
+    hf: Any, ids: list[int], new_tokens: int
+) -> tuple[torch.Tensor, list[int], list[float]]:
+    """transformers' logits at every prompt position, then its greedy tokens and each
+    step's top-2 logit gap (a plain loop over its forward and KV cache: no logits
+    processors), as ``kvstack.testing.families.hf_greedy`` but keeping the prefill's logits."""
+    tokens: list[int] = []
+    gaps: list[float] = []
+    past, x, prompt_logits = None, torch.tensor([ids]), None
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out = hf(x, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            if prompt_logits is None:
+                prompt_logits = out.logits[0].float()
+            top2 = out.logits[0, -1].float().topk(2)
+            tokens.append(int(top2.indices[0]))
+            gaps.append(float(top2.values[0] - top2.values[1]))
+            x = torch.tensor([[tokens[-1]]])
+    if prompt_logits is None:
+        raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+    return prompt_logits, tokens, gaps
+
+
+def run_reference(hf: Any, hf_tok: Any, new_tokens: int) -> Reference:
+    """transformers' side of every check (the prompts are its own tokenization of its
+    own rendering)."""
+    start = time.perf_counter()
+    ref = Reference([render(hf_tok, c, False) for c in TEMPLATE_CASES], [], [], [], [], 0.0)
+    for chat in CHATS:
+        ids = hf_tok.encode(render(hf_tok, chat, False), add_special_tokens=False)
+        logits, tokens, gaps = reference_greedy(hf, ids, new_tokens)
+        ref.ids.append(ids)
+        ref.logits.append(logits)
+        ref.tokens.append(tokens)
+        ref.gaps.append(gaps)
+    ref.seconds = round(time.perf_counter() - start, 1)
+    return ref
 
 
 def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -176,46 +222,16 @@ def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         ).float()
 
 
-def reference_greedy(
-    hf: Any, ids: list[int], new_tokens: int
-) -> tuple[Any, list[int], list[float]]:
-    """transformers' logits at every prompt position, then its greedy tokens and each
-    step's top-2 logit gap (a plain loop over its forward and KV cache: no logits
-    processors), as ``kvstack.testing.families.hf_greedy`` but keeping the prefill's logits."""
-    tokens: list[int] = []
-    gaps: list[float] = []
-    past, x, prompt_logits = None, torch.tensor([ids]), None
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            out = hf(x, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            if prompt_logits is None:
-                prompt_logits = out.logits[0].float()
-            top2 = out.logits[0, -1].float().topk(2)
-            tokens.append(int(top2.indices[0]))
-            gaps.append(float(top2.values[0] - top2.values[1]))
-            x = torch.tensor([[tokens[-1]]])
-    return prompt_logits, tokens, gaps
-
-
-def check_prompt(
-    llm: LLM, hf: Any, hf_tok: Any, chat: Chat, new_tokens: int, seconds: dict[str, float]
-) -> PromptCheck:
-    """Greedy tokens and prompt logits of one chat prompt, kvstack vs transformers (the
-    prompt is transformers' tokenization of its own rendering); adds the time each side
-    took to ``seconds``."""
-    ids = hf_tok.encode(render(hf_tok, chat, False), add_special_tokens=False)
-    ours_ids = llm.tokenizer.apply_chat_template(chat[0], tools=chat[1], tokenize=True)
-    start = time.perf_counter()
-    ref, want, gaps = reference_greedy(hf, ids, new_tokens)
-    mid = time.perf_counter()
+def check_prompt(llm: LLM, ref: Reference, i: int, new_tokens: int) -> PromptCheck:
+    """kvstack's greedy tokens and prompt logits for ``CHATS[i]`` against ``ref``'s."""
+    messages, tools = CHATS[i]
+    ids, want, gaps = ref.ids[i], ref.tokens[i], ref.gaps[i]
+    ours_ids = llm.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[ids], sampling_params=sp, use_tqdm=False)
     got = list(out[0].outputs[0].token_ids)
     ours = prefill_logits(llm, ids)
-    seconds["transformers"] = round(seconds.get("transformers", 0.0) + mid - start, 1)
-    seconds["kvstack"] = round(seconds.get("kvstack", 0.0) + time.perf_counter() - mid, 1)
-    first = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+    first = next((k for k, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
     return PromptCheck(
         prompt_tokens=len(ids),
         ids_equal=ours_ids == ids,
@@ -223,17 +239,22 @@ def check_prompt(
         kvstack=got,
         first_difference=first,
         gap_there=None if first is None else gaps[first],
-        max_logit_diff=float((ours - ref).abs().max()),
-        argmax_equal=bool(torch.equal(ours.argmax(-1), ref.argmax(-1))),
+        max_logit_diff=float((ours - ref.logits[i]).abs().max()),
+        argmax_equal=bool(torch.equal(ours.argmax(-1), ref.logits[i].argmax(-1))),
     )
 
 
 def check_real_model(
-    model: str, path: Path, llm: LLM, hf: Any, hf_tok: Any, new_tokens: int
+    model: str, path: Path, llm: LLM, ref: Reference, new_tokens: int
 ) -> RealModelCheck:
-    """Chat templates, then each of ``CHATS``: greedy tokens and logits."""
+    """kvstack's side: chat templates, then each of ``CHATS``' greedy tokens and logits."""
     result = RealModelCheck(model=model, path=str(path))
-    result.template_mismatches = template_mismatches(llm, hf_tok)
-    for chat in CHATS:
-        result.prompts.append(check_prompt(llm, hf, hf_tok, chat, new_tokens, result.seconds))
+    result.template_mismatches = [
+        i
+        for i, chat in enumerate(TEMPLATE_CASES)
+        if render(llm.tokenizer, chat, True) != ref.texts[i]
+    ]
+    start = time.perf_counter()
+    result.prompts = [check_prompt(llm, ref, i, new_tokens) for i in range(len(CHATS))]
+    result.seconds = {"transformers": ref.seconds, "kvstack": round(time.perf_counter() - start, 1)}
     return result
