@@ -16,6 +16,7 @@ largest absolute difference over every position of every prompt.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,7 @@ def load_reference(path: Path) -> tuple[Any, Any]:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     model.generation_config.eos_token_id = None
+    gc.collect()  # the loader's dequantized numpy copies: a second model's worth of memory
     return model, tok
 
 

