@@ -142,6 +142,10 @@ def test_wrong_version_and_missing_parts_name_the_pip_command(site: Path) -> Non
     pins = " ".join(f"{model.distribution}{k}==1.0.0" for k in range(1, 5))
     assert f"pip install 'kvstack[fake-extra]' (or: pip install {pins})" in msg
     assert cache_files(site) == []  # nothing written before the parts are all there
+    for data in (site / f"{model.package}1" / "data").iterdir():
+        data.unlink()
+    with pytest.raises(ModelLoadError, match=rf"{model.distribution}1 1.0.0 holds no data/"):
+        assembled_gguf(model, lambda _: None)
 
 
 def _assemble_in_child(model: PartWheelModel, log: str, barrier: Any) -> None:

@@ -168,8 +168,10 @@ def part_files(model: PartWheelModel) -> list[Path]:
     for k in range(1, model.parts + 1):
         dist, path = f"{model.distribution}{k}", _part_file(f"{model.package}{k}")
         version = _installed_version(dist)
-        if path is None or version is None:
+        if version is None:
             problems.append(f"{dist} is not installed")
+        elif path is None:
+            problems.append(f"{dist} {version} holds no data/partNN.bin (a damaged install)")
         elif version != model.version:
             problems.append(f"{dist} is version {version}, {model.name} needs =={model.version}")
         else:
