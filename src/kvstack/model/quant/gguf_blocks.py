@@ -103,12 +103,41 @@ def _q4_k(blocks: np.ndarray) -> PackedWeight:
     )
 
 
+def _q5_0(blocks: np.ndarray) -> PackedWeight:
+    n = blocks.shape[0]
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, blocks, 1]: bit j = q_j's 5th
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, blocks, 32]
+    qs = blocks[..., 6:22]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)  # nibble order: j and j + 16
+    codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).reshape(n, -1)
+    return PackedWeight(
+        torch.from_numpy(codes), torch.from_numpy(_f16(blocks, 0)), None, 8, 32, "Q5_0"
+    )
+
+
+def _q6_k(blocks: np.ndarray) -> PackedWeight:
+    n, nb = blocks.shape[0], blocks.shape[1]
+    ql = blocks[..., 0:128].reshape(n, nb, 2, 1, 64)  # 128-weight halves h
+    low = np.concatenate([ql & 15, ql >> 4], axis=3).reshape(n, nb, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, nb * 256)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    scale = (d[..., None] * sc).reshape(n, nb * 16)  # exact: 11 x 8 bits
+    return PackedWeight(
+        torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale)), None, 8, 16, "Q6_K"
+    )
+
+
 # GGUF type -> (bytes per block, decoder of [N, blocks, bytes] blocks)
 PACKED_GGUF_TYPES = {
     Q.Q8_0: (34, _q8_0),
     Q.Q4_0: (18, _q4_0),
     Q.Q4_1: (20, _q4_1),
     Q.Q4_K: (144, _q4_k),
+    Q.Q5_0: (22, _q5_0),
+    Q.Q6_K: (210, _q6_k),
 }
 
 

@@ -148,6 +148,10 @@ class QuantLinear:
         self._decode: Any = None  # the decode path, bound at first use (_decode_fn)
 
     @property
+    def in_features(self) -> int:
+        return self.packed.in_features
+
+    @property
     def kernel(self) -> str:
         """What runs at decode: a PyTorch op's name, ``quant_gemv``, ``quant_linear_vnni``,
         ``quant_linear`` or the dense reference."""
@@ -195,3 +199,31 @@ class QuantLinear:
                 self._decode = self._decode_fn()
             return self._decode(x)
         return dense_linear(x, self.dequantize(x.dtype))
+
+
+class StackedLinear:
+    """A fused linear (q/k/v, gate/up) whose parts are packed in widths that cannot share
+    one ``PackedWeight`` (e.g. a 4-bit Q4_K q/k with an 8-bit Q6_K v): each run of parts
+    that ``concat_rows`` joins is its own ``QuantLinear``, run one after another on the
+    same input and their outputs concatenated along the features. Exact (every part keeps
+    its bytes and kernel); the cost is one more kernel call and a copy of the output
+    columns, instead of dequantizing the whole matrix to the model dtype."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    @property
+    def kernel(self) -> str:
+        return " + ".join(p.kernel for p in self.parts)
+
+    @property
+    def decode_bytes(self) -> int:
+        return sum(p.decode_bytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)

@@ -37,8 +37,8 @@ import torch
 
 from kvstack.core.registry import Registry
 from kvstack.model.arch.layers import Linear
-from kvstack.model.kernels.loader import Kernels, note_fallback
-from kvstack.model.quant.linear import QuantLinear
+from kvstack.model.kernels.loader import Kernels
+from kvstack.model.quant.linear import QuantLinear, StackedLinear
 from kvstack.model.quant.packed import PackedWeight, concat_rows
 from kvstack.model.quant.quantize import INT4_GROUP, quantize_int4, quantize_int8
 
@@ -104,6 +104,20 @@ class GGUFPacked:
         return self.packed.get(name)
 
 
+def fusable_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """``parts`` (in row order) joined into as few ``PackedWeight`` s as ``concat_rows``
+    allows: consecutive parts of one bit width become one (Q5_0 q/k with a Q8_0 v, Q4_K
+    with Q6_K needs two: 4-bit q/k, 8-bit v)."""
+    runs: list[PackedWeight] = [parts[0]]
+    for p in parts[1:]:
+        joined = concat_rows([runs[-1], p])
+        if joined is None:
+            runs.append(p)
+        else:
+            runs[-1] = joined
+    return runs
+
+
 class LinearBuilder:
     """Builds a model's linear layers under one scheme; ``summary`` says what it chose."""
 
@@ -124,18 +138,12 @@ class LinearBuilder:
         """The linear of the weights ``names`` stacked along the output (fused q/k/v)."""
         parts = [self.scheme.pack(n, weights[n]) for n in names]
         packed = [p for p in parts if p is not None]
-        if len(packed) == len(parts):
-            fused = concat_rows(packed) if len(packed) > 1 else packed[0]
-            if fused is not None:
-                linear = QuantLinear(fused, self.dtype, self.kernels)
-                self.paths[f"{fused.source} {fused.bits}-bit -> {linear.kernel}"] += 1
-                return linear
-            note_fallback(
-                "quant_linear",
-                "mixed_formats",
-                message=f"{names}: the parts of a fused matrix have different formats "
-                f"({', '.join(p.source for p in packed)}); it is kept dense",
-            )
+        if packed and len(packed) == len(parts):
+            runs = fusable_runs(packed)
+            linears = [QuantLinear(run, self.dtype, self.kernels) for run in runs]
+            for run, lin in zip(runs, linears, strict=True):
+                self.paths[f"{run.source} {run.bits}-bit -> {lin.kernel}"] += 1
+            return linears[0] if len(linears) == 1 else StackedLinear(linears)
         if packed or self.quantization != "none":
             self.paths[f"dense {str(self.dtype).removeprefix('torch.')} (not packed)"] += 1
         else:
