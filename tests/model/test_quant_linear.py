@@ -225,7 +225,8 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 31, 576), ("Q4_0", 7, 128),
                                               ("Q8_0", 9, 192), ("Q4_K", 5, 512),
                                               ("int8", 17, 320), ("int4", 3, 64),
-                                              ("int4g96", 5, 576)])  # fmt: skip
+                                              ("int4g96", 5, 576), ("Q5_0", 7, 192),
+                                              ("Q6_K", 5, 512)])  # fmt: skip
 def test_vnni_kernel_matches_its_int8_activation_reference(
     kernels: Kernels, kind: str, n: int, k: int
 ) -> None:

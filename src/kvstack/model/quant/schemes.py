@@ -7,7 +7,8 @@ A scheme decides, per weight, whether it is kept packed (``PackedWeight``, multi
 none  every linear dense (bf16 / float32): the reference
 int8  every linear quantized at load, int8 per output channel (``quantize.py``)
 int4  every linear quantized at load, 4-bit groups of 32 with fp16 scale and min
-gguf  the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K bytes kept as they are (a GGUF only)
+gguf  the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K bytes kept as they are, Q5_0 and Q6_K
+      as exact 8-bit codes (5 / 6 bits widened to 8: ``gguf_blocks.py``; a GGUF only)
 ====  ===================================================================================
 
 "Every linear" is the fused q/k/v, o, fused gate/up and down of each layer, and the
@@ -18,10 +19,14 @@ reads). What stays in the model dtype, and why:
   saves memory, not time (a tied model holds it twice: dense for lookups, packed as
   lm_head);
 - RMSNorm weights and RoPE tables: 576-value vectors, read once per token;
-- under ``gguf``, a tensor whose GGUF type has no packed kernel (F32, F16, BF16, Q5_*,
-  Q2_K, Q3_K, Q5_K, Q6_K): dequantized, with one warning naming the type (``load``);
-- a fused matrix whose parts have different formats (e.g. Q4_K q/k with a Q6_K v), or
-  under ``int4`` a weight whose ``in_features`` is not a multiple of 32.
+- under ``gguf``, a tensor whose GGUF type has no packed kernel (F32, F16, BF16, Q5_1,
+  Q2_K, Q3_K, Q5_K): dequantized, with one warning naming the type (``load``);
+- under ``int4``, a weight whose ``in_features`` is not a multiple of 32.
+
+A fused matrix whose parts differ in format stays packed: parts of one bit width join
+(``concat_rows``: Q5_0 q/k with a Q8_0 v; scales repeated to a common group), and a 4-bit
+run next to an 8-bit one (Q4_K q/k, Q6_K v) is a ``StackedLinear`` of one packed linear
+each (``fusable_runs``).
 
 The builder logs, once per model, how many linears took which path.
 """
@@ -95,7 +100,7 @@ class Int4:
         return quantize_int4(weight)
 
 
-@QUANTIZATIONS.register("gguf", help="a GGUF's Q8_0/Q4_0/Q4_1/Q4_K weights kept packed")
+@QUANTIZATIONS.register("gguf", help="a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q6_K weights kept packed")
 class GGUFPacked:
     def __init__(self, packed: Mapping[str, PackedWeight]) -> None:
         self.packed = packed
