@@ -34,7 +34,7 @@ def test_8bit_gguf_types_at_a_lower_isa_level(level: str) -> None:
     assert f"level {level}" in out
 
 
-def test_unknown_isa_cap_is_one_line_and_counted() -> None:
+def test_isa_cap_keeps_the_levels_at_or_below_it() -> None:
     assert isa.capped(["avx2", "avx512", "avx512_bf16"], "avx512") == ["avx2", "avx512"]
     assert isa.capped(["avx2", "avx512"], None) == ["avx2", "avx512"]
     with pytest.raises(KeyError, match="unknown ISA level 'sse'"):
