@@ -213,6 +213,21 @@ def test_fused_4_and_8_bit_parts_stay_packed_side_by_side(
     assert lin.decode_bytes == qk.decode_bytes + v.decode_bytes
 
 
+def test_packed_parts_stay_packed_beside_a_part_without_a_kernel(kernels: Kernels) -> None:
+    """A v of a GGUF type with no packed kernel (e.g. Q5_K) is dense alone; q/k keep
+    their packed bytes (before, the whole fused matrix was dequantized)."""
+    q = random_packed("Q4_K", 32, 256, 1)
+    v = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
+    builder = LinearBuilder("gguf", torch.float32, {"q": q}, kernels)
+    lin = builder.build(["q", "v"], {"q": torch.empty(0), "v": v})
+    assert isinstance(lin, StackedLinear) and lin.kernel == "quant_linear + dense"
+    assert builder.summary() == "1 x Q4_K 4-bit -> quant_linear, 1 x dense float32 (not packed)"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    want = F.linear(x, torch.cat([dequantize_reference(q), v]))
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin.dequantize(torch.float32), torch.cat([dequantize_reference(q), v]))
+
+
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp's activation rounding (block_q8_0: per 32 values, scale max|x| / 127)."""
     m, k = x.shape

@@ -202,28 +202,37 @@ class QuantLinear:
 
 
 class StackedLinear:
-    """A fused linear (q/k/v, gate/up) whose parts are packed in widths that cannot share
-    one ``PackedWeight`` (e.g. a 4-bit Q4_K q/k with an 8-bit Q6_K v): each run of parts
-    that ``concat_rows`` joins is its own ``QuantLinear``, run one after another on the
-    same input and their outputs concatenated along the features. Exact (every part keeps
-    its bytes and kernel); the cost is one more kernel call and a copy of the output
-    columns, instead of dequantizing the whole matrix to the model dtype."""
+    """A fused linear (q/k/v, gate/up) whose parts cannot share one ``PackedWeight``: a
+    4-bit run next to an 8-bit one (a Q4_K q/k with a Q6_K v), or packed parts next to a
+    part of a GGUF type with no packed kernel (kept dense, ``Linear``). Each run of parts
+    is its own linear, run one after another on the same input, their outputs
+    concatenated along the features. Exact (every part keeps its bytes and kernel); the
+    cost is one more call and a copy of the output columns, instead of dequantizing the
+    whole matrix to the model dtype."""
 
-    def __init__(self, parts: list[QuantLinear]) -> None:
+    def __init__(self, parts: list[QuantLinear | Linear]) -> None:
         self.parts = parts
         self.out_features = sum(p.out_features for p in parts)
-        self.in_features = parts[0].in_features
+        first = parts[0]
+        self.in_features = (
+            first.in_features if isinstance(first, QuantLinear) else int(first.weight.shape[1])
+        )
 
     @property
     def kernel(self) -> str:
-        return " + ".join(p.kernel for p in self.parts)
+        return " + ".join(p.kernel if isinstance(p, QuantLinear) else "dense" for p in self.parts)
 
     @property
     def decode_bytes(self) -> int:
-        return sum(p.decode_bytes for p in self.parts)
+        return sum(
+            p.decode_bytes if isinstance(p, QuantLinear) else p.weight.nbytes for p in self.parts
+        )
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([p.dequantize(dtype) for p in self.parts])
+        return torch.cat(
+            [p.dequantize(dtype) if isinstance(p, QuantLinear) else p.weight.to(dtype)
+             for p in self.parts]
+        )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)

@@ -26,7 +26,7 @@ reads). What stays in the model dtype, and why:
 A fused matrix whose parts differ in format stays packed: parts of one bit width join
 (``concat_rows``: Q5_0 q/k with a Q8_0 v; scales repeated to a common group), and a 4-bit
 run next to an 8-bit one (Q4_K q/k, Q6_K v) is a ``StackedLinear`` of one packed linear
-each (``fusable_runs``).
+each (``fusable_runs``); a part with no packed kernel beside packed ones is dense alone.
 
 The builder logs, once per model, how many linears took which path.
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
+from itertools import groupby
 from typing import Protocol
 
 import torch
@@ -140,21 +141,34 @@ class LinearBuilder:
         self.paths: Counter[str] = Counter()
 
     def build(self, names: list[str], weights: Mapping[str, torch.Tensor]) -> LinearOp:
-        """The linear of the weights ``names`` stacked along the output (fused q/k/v)."""
+        """The linear of the weights ``names`` stacked along the output (fused q/k/v).
+        Packed parts stay packed even beside a part that is not (a GGUF type with no
+        packed kernel): that part alone is dense, and the whole a ``StackedLinear``."""
         parts = [self.scheme.pack(n, weights[n]) for n in names]
-        packed = [p for p in parts if p is not None]
-        if packed and len(packed) == len(parts):
-            runs = fusable_runs(packed)
-            linears = [QuantLinear(run, self.dtype, self.kernels) for run in runs]
-            for run, lin in zip(runs, linears, strict=True):
-                self.paths[f"{run.source} {run.bits}-bit -> {lin.kernel}"] += 1
-            return linears[0] if len(linears) == 1 else StackedLinear(linears)
-        if packed or self.quantization != "none":
-            self.paths[f"dense {str(self.dtype).removeprefix('torch.')} (not packed)"] += 1
-        else:
-            self.paths[f"dense {str(self.dtype).removeprefix('torch.')}"] += 1
-        w = torch.cat([weights[n] for n in names]) if len(names) > 1 else weights[names[0]]
-        return Linear(w, self.dtype)
+        if all(p is None for p in parts):
+            plain = self.quantization == "none"
+            self.paths[self._dense_path(plain)] += 1
+            return Linear(self._stacked(names, weights), self.dtype)
+        ops: list[QuantLinear | Linear] = []
+        for is_packed, group in groupby(zip(names, parts, strict=True), lambda t: t[1] is not None):
+            run = list(group)
+            if not is_packed:
+                self.paths[self._dense_path(False)] += 1
+                ops.append(Linear(self._stacked([n for n, _ in run], weights), self.dtype))
+                continue
+            for fused in fusable_runs([p for _, p in run if p is not None]):
+                linear = QuantLinear(fused, self.dtype, self.kernels)
+                self.paths[f"{fused.source} {fused.bits}-bit -> {linear.kernel}"] += 1
+                ops.append(linear)
+        return ops[0] if len(ops) == 1 else StackedLinear(ops)
+
+    def _dense_path(self, plain: bool) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"dense {dtype}" if plain else f"dense {dtype} (not packed)"
+
+    @staticmethod
+    def _stacked(names: list[str], weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([weights[n] for n in names]) if len(names) > 1 else weights[names[0]]
 
     def summary(self) -> str:
         return ", ".join(f"{n} x {path}" for path, n in self.paths.items())
