@@ -85,3 +85,14 @@ def test_installed_build_loads_its_best_level() -> None:
     assert "loaded True" in out, out
     assert f"INFO C++ kernels: ISA level {best.name} " in out
     assert f"state {best.name} (" in out
+
+
+def test_isa_cap_loads_a_lower_level_and_an_unknown_one_falls_back() -> None:
+    if not isa.runnable(isa.cpu_flags()):
+        return
+    out = load_with({isa.ISA_ENV: "avx2"})
+    assert "loaded True" in out and "INFO C++ kernels: ISA level avx2 " in out
+    out = load_with({isa.ISA_ENV: "sse9"})
+    assert "loaded False" in out and "('all', 'isa_unsupported'): 1" in out
+    (warning,) = [ln for ln in out.splitlines() if ln.startswith("WARNING")]
+    assert "KVSTACK_ISA='sse9' is no ISA level" in warning

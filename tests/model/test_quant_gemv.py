@@ -31,7 +31,8 @@ def untile_codes(t: TiledWeight, out_features: int, in_features: int) -> torch.T
 
 
 KINDS = [("Q4_1", 32, 576), ("Q4_0", 16, 128), ("Q8_0", 48, 192), ("Q4_K", 16, 512),
-         ("int8", 32, 320), ("int4", 64, 64), ("int4g96", 16, 576)]  # fmt: skip
+         ("int8", 32, 320), ("int4", 64, 64), ("int4g96", 16, 576), ("Q5_0", 32, 160),
+         ("Q6_K", 16, 512)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -41,7 +42,9 @@ def test_tiles_round_trip_and_keep_fp16_scales_only_where_exact(kind: str, n: in
     plain = w.q if w.bits == 8 else unpack_u4(w.q)
     assert torch.equal(untile_codes(t, n, k), plain)
     # GGUF's and int4's scales are fp16 values; Q4_K's (fp16 x 6 bits) and int8's are not
-    assert t.scale.dtype == (torch.float32 if kind in ("Q4_K", "int8") else torch.float16)
+    assert t.scale.dtype == (
+        torch.float32 if kind in ("Q4_K", "int8", "Q6_K") else torch.float16
+    )  # Q6_K: fp16 x int8
     assert torch.equal(t.scale.float().transpose(1, 2).reshape(n, -1), w.scale)
     last = n // 16 - 1  # the last tile
     if w.bits == 4:  # tile t, vector v, lane j, byte b: q[16t+j, 8v+b] | q[16t+j, 8v+4+b] << 4
@@ -85,6 +88,8 @@ def test_gemv_refuses_bad_shapes(kernels: Kernels) -> None:
     assert not kernels.quant_gemv_ok(40, 128, 32, 4)  # N % 16
     assert not kernels.quant_gemv_ok(32, 80, 32, 4)  # K % 32
     assert not kernels.quant_gemv_ok(32, 128, 48, 4)  # group % 32
+    assert not kernels.quant_gemv_ok(32, 128, 16, 4)  # groups of 16: 8 bits only
+    assert not kernels.quant_gemv_ok(32, 128, 48, 8)
     assert not kernels.quant_gemv_ok(32, 128, 32, 2)
     with pytest.raises(RuntimeError):
         kernels.quant_gemv(x[:, :96], t.codes, t.scale, t.min, t.group, t.bits)  # K

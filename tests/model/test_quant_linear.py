@@ -13,7 +13,12 @@ import torch.nn.functional as F
 
 from kvstack.model.kernels.loader import Kernels
 from kvstack.model.quant.gguf_blocks import PACKED_GGUF_TYPES, pack_gguf
-from kvstack.model.quant.linear import QuantLinear, int8_dot_is_avx2, torch_weight_op
+from kvstack.model.quant.linear import (
+    QuantLinear,
+    StackedLinear,
+    int8_dot_is_avx2,
+    torch_weight_op,
+)
 from kvstack.model.quant.packed import (
     PackedWeight,
     concat_rows,
@@ -22,6 +27,7 @@ from kvstack.model.quant.packed import (
     unpack_u4,
 )
 from kvstack.model.quant.quantize import quantize_int4, quantize_int8
+from kvstack.model.quant.schemes import LinearBuilder
 from kvstack.testing.tiny_models import quantize_q4_k
 
 Q = gguf.GGMLQuantizationType
@@ -33,6 +39,11 @@ def gguf_bytes(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     Q4_K also gets fully random bytes (every scale / min bit pattern) for half the rows."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    if qtype == Q.Q6_K:  # no quantizer in gguf-py: random bytes, sane d (every code, sc)
+        blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+        d = (rng.uniform(0.5, 2, size=(n, k // 256)) / (32 * 64 * np.sqrt(k))).astype(np.float16)
+        blocks[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
+        return blocks.reshape(n, -1)
     if qtype != Q.Q4_K:
         return np.asarray(gguf.quants.quantize(w, qtype))
     raw = quantize_q4_k(w)
@@ -54,8 +65,9 @@ def test_gguf_blocks_decode_exactly_as_gguf_py(qtype: Q) -> None:
 
 
 def test_types_without_a_packed_kernel_are_left_to_the_dequantizer() -> None:
-    raw = np.asarray(gguf.quants.quantize(np.ones((2, 64), np.float32), Q.Q5_0))
-    assert pack_gguf(raw, int(Q.Q5_0)) is None
+    raw = np.asarray(gguf.quants.quantize(np.ones((2, 64), np.float32), Q.Q5_1))
+    assert pack_gguf(raw, int(Q.Q5_1)) is None
+    assert pack_gguf(np.zeros((2, 176), np.uint8), int(Q.Q5_K)) is None
 
 
 def test_nibble_order_round_trips() -> None:
@@ -90,6 +102,8 @@ SHAPES = [  # (kind, N, K): odd N everywhere, int8 per channel also odd K
     ("Q4_0", 13, 224),
     ("Q4_1", 31, 576),
     ("Q4_K", 9, 512),
+    ("Q5_0", 19, 160),
+    ("Q6_K", 11, 512),
 ]
 
 
@@ -157,14 +171,61 @@ def test_quantizers_stay_within_half_a_step() -> None:
         quantize_int4(torch.ones(2, 48))
 
 
-def test_fused_parts_concatenate_only_in_one_format() -> None:
+def test_fused_parts_of_one_width_concatenate_exactly() -> None:
     a, b = random_packed("Q4_1", 4, 64, 1), random_packed("Q4_1", 2, 64, 2)
     both = concat_rows([a, b])
     assert both is not None
     assert torch.equal(
         dequantize_reference(both), torch.cat([dequantize_reference(a), dequantize_reference(b)])
     )
-    assert concat_rows([a, random_packed("Q4_0", 2, 64, 3)]) is None
+    q4_0 = concat_rows([a, random_packed("Q4_0", 2, 64, 3)])
+    assert q4_0 is not None and q4_0.source == "Q4_1+Q4_0"
+    # 8 bits: Q5_0 q/k with a Q8_0 v (group 32), with a Q6_K v (group 16: scales repeated)
+    q, v8, v6 = (random_packed(t, n, 256, s) for t, n, s in (("Q5_0", 6, 4), ("Q8_0", 2, 5),
+                                                              ("Q6_K", 2, 6)))  # fmt: skip
+    for v, group in ((v8, 32), (v6, 16)):
+        fused = concat_rows([q, q, v])
+        assert fused is not None and fused.group == group and fused.bits == 8
+        assert fused.source == f"Q5_0+{v.source}"
+        want = torch.cat([dequantize_reference(p) for p in (q, q, v)])
+        assert torch.equal(dequantize_reference(fused), want)
+    assert concat_rows([random_packed("Q4_K", 2, 256, 7), v6]) is None  # 4 with 8 bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_4_and_8_bit_parts_stay_packed_side_by_side(
+    kernels: Kernels, dtype: torch.dtype
+) -> None:
+    """Q4_K q/k with a Q6_K v (the 1.5B's layers): two packed linears, outputs joined --
+    never a dense fallback -- and exactly the one-format kernels' results."""
+    parts = {"q": random_packed("Q4_K", 32, 512, 1), "k": random_packed("Q4_K", 16, 512, 2),
+             "v": random_packed("Q6_K", 16, 512, 3)}  # fmt: skip
+    builder = LinearBuilder("gguf", dtype, parts, kernels)
+    lin = builder.build(["q", "k", "v"], {n: torch.empty(0) for n in parts})
+    assert isinstance(lin, StackedLinear) and lin.out_features == 64 and lin.in_features == 512
+    assert [p.packed.source for p in lin.parts] == ["Q4_K", "Q6_K"]
+    assert "dense" not in builder.summary()
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
+    qk, v = lin.parts
+    assert torch.equal(lin(x), torch.cat([qk(x), v(x)], dim=1))
+    want = torch.cat([dequantize_reference(parts[n], dtype) for n in "qkv"])
+    assert torch.equal(lin.dequantize(dtype), want)
+    assert lin.decode_bytes == qk.decode_bytes + v.decode_bytes
+
+
+def test_packed_parts_stay_packed_beside_a_part_without_a_kernel(kernels: Kernels) -> None:
+    """A v of a GGUF type with no packed kernel (e.g. Q5_K) is dense alone; q/k keep
+    their packed bytes (before, the whole fused matrix was dequantized)."""
+    q = random_packed("Q4_K", 32, 256, 1)
+    v = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
+    builder = LinearBuilder("gguf", torch.float32, {"q": q}, kernels)
+    lin = builder.build(["q", "v"], {"q": torch.empty(0), "v": v})
+    assert isinstance(lin, StackedLinear) and lin.kernel == "quant_linear + dense"
+    assert builder.summary() == "1 x Q4_K 4-bit -> quant_linear, 1 x dense float32 (not packed)"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    want = F.linear(x, torch.cat([dequantize_reference(q), v]))
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin.dequantize(torch.float32), torch.cat([dequantize_reference(q), v]))
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +240,8 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 31, 576), ("Q4_0", 7, 128),
                                               ("Q8_0", 9, 192), ("Q4_K", 5, 512),
                                               ("int8", 17, 320), ("int4", 3, 64),
-                                              ("int4g96", 5, 576)])  # fmt: skip
+                                              ("int4g96", 5, 576), ("Q5_0", 7, 192),
+                                              ("Q6_K", 5, 512)])  # fmt: skip
 def test_vnni_kernel_matches_its_int8_activation_reference(
     kernels: Kernels, kind: str, n: int, k: int
 ) -> None:

@@ -1,5 +1,5 @@
 """``--quantization`` through the engine on tiny written models: ``gguf`` keeps Q4_1 / Q8_0 /
-Q4_K packed and, in float32, generates the tokens of the dequantized model (logprobs
+Q4_K / Q5_0 packed and, in float32, generates the tokens of the dequantized model (logprobs
 within 1e-4) under another weights fingerprint; a type without a packed kernel falls back
 with one warning naming it; int8 / int4 quantize an HF folder at load; bad choices fail
 at startup."""
@@ -61,7 +61,7 @@ def generate(path: Path, **kw: object) -> tuple[LLM, list[list[int]], list[float
     return llm, tokens, lps
 
 
-@pytest.mark.parametrize(("qtype", "width"), [("Q4_1", 64), ("Q4_K", 256)])
+@pytest.mark.parametrize(("qtype", "width"), [("Q4_1", 64), ("Q4_K", 256), ("Q5_0", 64)])
 def test_gguf_packed_generates_as_the_dequantized_model_in_fp32(
     tmp_path: Path, qtype: str, width: int
 ) -> None:
@@ -89,14 +89,14 @@ def test_type_without_packed_kernel_falls_back_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(kernels_mod, "_fallbacks", Counter())
-    path = tiny_gguf(tmp_path, "Q5_0")
+    path = tiny_gguf(tmp_path, "Q5_1")
     _, want, _ = generate(path, dtype="float32")
     with caplog.at_level(logging.WARNING, logger="kvstack.kernels"):
         llm, got, _ = generate(path, dtype="float32", quantization="gguf")
-    warned = [r.getMessage() for r in caplog.records if "Q5_0" in r.getMessage()]
-    assert len(warned) == 1 and "no packed kernel" in warned[0]
+    warned = [r.getMessage() for r in caplog.records if "Q5_1" in r.getMessage()]
+    assert len(warned) == 1 and "GGUF type Q5_1 has no packed kernel" in warned[0]
     counts = kernels_mod.fallback_counts()
-    assert counts[("quant_linear", "gguf_Q5_0")] == 2 * 7  # 2 layers x 7 matrices
+    assert counts[("quant_linear", "gguf_Q5_1")] == 2 * 7  # 2 layers x 7 matrices
     assert isinstance(llm.engine.model.lm_head, QuantLinear)  # the Q8_0 embedding still packs
     assert not isinstance(llm.engine.model.layers[0].qkv, QuantLinear)
     assert got == want

@@ -22,6 +22,8 @@ from the level loaded (``active``): which bf16 tile kernel the linears use
 whether AMX may be asked for (``amx_level``), and whether oneDNN has native bf16
 (``onednn_bf16``). Invariant: a level is chosen only when every one of its ``cpu_flags``
 is in ``/proc/cpuinfo``, so the library loaded never holds an instruction this CPU lacks.
+``KVSTACK_ISA`` (``capped``) lowers the level chosen, e.g. to test the AVX2 kernels on an
+AVX-512 machine (one level per process: a library is loaded once).
 """
 
 from __future__ import annotations
@@ -139,6 +141,19 @@ def choose_level(flags: Iterable[str], built: Iterable[str]) -> IsaLevel | None:
     names = set(built)
     usable = [lv for lv in runnable(flags) if lv.name in names]
     return usable[-1] if usable else None
+
+
+ISA_ENV = "KVSTACK_ISA"  # e.g. avx2: load no level above this one (tests run both paths)
+
+
+def capped(built: Iterable[str], cap: str | None) -> list[str]:
+    """The levels of ``built`` at or below ``cap`` (a level name; None or empty: all of
+    them). ``KVSTACK_ISA=avx2`` on an AVX-512 CPU runs the AVX2 kernels, so one machine
+    tests both code paths; it never raises a level. KeyError for an unknown ``cap``."""
+    if not cap:
+        return list(built)
+    rank = level(cap).rank
+    return [name for name in built if level(name).rank <= rank]
 
 
 def levels_to_build(flags: Iterable[str], every: bool) -> list[IsaLevel]:

@@ -23,7 +23,9 @@ reason}``. Reasons for ``all``: ``not_built`` (installed without a
 compiler), ``stale`` (built from older C++ sources or another torch: ``make kernels``),
 ``isa_unsupported`` (no AVX2 + FMA, or no level built that this CPU runs),
 ``load_failed`` (the library would not open), ``build_in_progress`` (a build held its lock
-past the timeout), ``disabled`` (``KVSTACK_NO_KERNELS``); and per-kernel ones such as
+past the timeout), ``disabled`` (``KVSTACK_NO_KERNELS``; ``KVSTACK_ISA=avx2``, or any
+level name, caps the level loaded so that an AVX-512 machine runs and tests the AVX2
+kernels: an unknown name is ``isa_unsupported``); and per-kernel ones such as
 ``encoded_cache`` (a codec with no kernel view; every built-in codec has one, and the
 codec kernel has a portable path for every CPU and head size, so none falls back on an
 ISA) or
@@ -146,9 +148,14 @@ def _open() -> Kernels | None:
             if stale is not None:
                 _give_up("stale", f"{stale}: run `make kernels` to rebuild")
                 return None
-            chosen = isa.choose_level(flags, manifest.levels)
+            cap = os.environ.get(isa.ISA_ENV, "").strip()
+            if cap and cap not in isa.LEVEL_NAMES:
+                known = ", ".join(isa.LEVEL_NAMES)
+                _give_up("isa_unsupported", f"{isa.ISA_ENV}={cap!r} is no ISA level ({known})")
+                return None
+            chosen = isa.choose_level(flags, isa.capped(manifest.levels, cap))
             if chosen is None:
-                built = ", ".join(manifest.levels)
+                built = ", ".join(isa.capped(manifest.levels, cap))
                 _give_up("isa_unsupported", f"this CPU runs none of the levels built ({built})")
                 return None
             path = manifest.library(directory, chosen.name)

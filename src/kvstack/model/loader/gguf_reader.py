@@ -137,7 +137,8 @@ _U64 = struct.Struct("<Q")
 def _read_strings(mm: mmap.mmap, pos: int, count: int, path: Path) -> tuple[list[str], int]:
     """``count`` length-prefixed strings from ``pos``: (strings, the position after them).
     One tight loop: a tokenizer's vocabulary and merges are ~150k strings each (Qwen2)."""
-    size, unpack, out = len(mm), _U64.unpack_from, []
+    size, unpack = len(mm), _U64.unpack_from
+    out: list[str] = []
     append = out.append
     for _ in range(count):
         (n,) = unpack(mm, pos)

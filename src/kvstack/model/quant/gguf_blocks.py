@@ -5,6 +5,10 @@ Block layouts, from llama.cpp's ``ggml-common.h`` (``d``, ``m``, ``dmin`` are fp
     Q8_0  34 B / 32 w: d, qs int8[32]                    w = d * q
     Q4_0  18 B / 32 w: d, qs[16] (nibble pairs j, j+16)  w = d * (q - 8)
     Q4_1  20 B / 32 w: d, m, qs[16]                      w = d * q + m
+    Q5_0  22 B / 32 w: d, qh u32, qs[16]                 w = d * (q - 16), q 5 bits:
+         low nibbles as Q4_0's (j, j+16), bit j of qh the 5th bit of q_j
+    Q6_K 210 B / 256 w: ql[128], qh[64], sc int8[16], d  w = d * sc_s * (q - 32), q 6 bits,
+         sixteen 16-weight sub-blocks s (gguf-py's ``Q6_K.dequantize_blocks`` order)
     Q4_K 144 B / 256 w: d, dmin, scales[12], qs[128]     w = d * sc_s * q - dmin * m_s
          eight 32-weight sub-blocks s with 6-bit sc_s, m_s packed in ``scales`` (llama.cpp's
          ``get_scale_min_k4``); qs byte i of 64-chunk c holds sub-block 2c's value i in
@@ -16,8 +20,15 @@ regrouped into that order, its sub-block scale ``d * sc`` and min ``-dmin * m`` 
 float32 (exact: 11 x 6 bits). The dequantized values are bit-identical to gguf-py's
 ``gguf.quants.dequantize`` (``tests/model/test_quant_linear.py`` checks it).
 
-Deviation from llama.cpp: the fp16 scales are stored as float32 (4 extra bytes per
-32 weights for Q4_0 / Q4_1 / Q8_0, +20 % for Q4_1): one kernel serves every format.
+Q5_0 and Q6_K become kvstack's 8-bit form (Q8_0's): the int8 codes ``q - 16`` / ``q - 32``
+with the scale ``d`` per 32 weights / ``d * sc_s`` per 16 (fp16 x int8: exact in float32),
+no min, so every 8-bit kernel serves them.
+
+Deviations from llama.cpp: the fp16 scales are stored as float32 (4 extra bytes per
+32 weights for Q4_0 / Q4_1 / Q8_0, +20 % for Q4_1): one kernel serves every format; Q5_0's
+5 and Q6_K's 6 bits are widened to 8 (Q5_0 1.125 B a weight instead of llama.cpp's 0.69,
+Q6_K 1.25 instead of 0.82; bf16 reads 2): one int8 code per weight keeps every 8-bit
+kernel's arithmetic, instead of a bit-unpacking kernel per format.
 """
 
 from __future__ import annotations
@@ -109,12 +120,41 @@ def _q4_k(blocks: np.ndarray) -> PackedWeight:
     )
 
 
+def _q5_0(blocks: np.ndarray) -> PackedWeight:
+    n = blocks.shape[0]
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, blocks, 1]: bit j = q_j's 5th
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, blocks, 32]
+    qs = blocks[..., 6:22]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)  # nibble order: j and j + 16
+    codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).reshape(n, -1)
+    return PackedWeight(
+        torch.from_numpy(codes), torch.from_numpy(_f16(blocks, 0)), None, 8, 32, "Q5_0"
+    )
+
+
+def _q6_k(blocks: np.ndarray) -> PackedWeight:
+    n, nb = blocks.shape[0], blocks.shape[1]
+    ql = blocks[..., 0:128].reshape(n, nb, 2, 1, 64)  # 128-weight halves h
+    low = np.concatenate([ql & 15, ql >> 4], axis=3).reshape(n, nb, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, nb * 256)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    scale = (d[..., None] * sc).reshape(n, nb * 16)  # exact: 11 x 8 bits
+    return PackedWeight(
+        torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale)), None, 8, 16, "Q6_K"
+    )
+
+
 # GGUF type -> (bytes per block, decoder of [N, blocks, bytes] blocks)
 PACKED_GGUF_TYPES = {
     Q.Q8_0: (34, _q8_0),
     Q.Q4_0: (18, _q4_0),
     Q.Q4_1: (20, _q4_1),
     Q.Q4_K: (144, _q4_k),
+    Q.Q5_0: (22, _q5_0),
+    Q.Q6_K: (210, _q6_k),
 }
 
 

@@ -148,6 +148,10 @@ class QuantLinear:
         self._decode: Any = None  # the decode path, bound at first use (_decode_fn)
 
     @property
+    def in_features(self) -> int:
+        return self.packed.in_features
+
+    @property
     def kernel(self) -> str:
         """What runs at decode: a PyTorch op's name, ``quant_gemv``, ``quant_linear_vnni``,
         ``quant_linear`` or the dense reference."""
@@ -195,3 +199,40 @@ class QuantLinear:
                 self._decode = self._decode_fn()
             return self._decode(x)
         return dense_linear(x, self.dequantize(x.dtype))
+
+
+class StackedLinear:
+    """A fused linear (q/k/v, gate/up) whose parts cannot share one ``PackedWeight``: a
+    4-bit run next to an 8-bit one (a Q4_K q/k with a Q6_K v), or packed parts next to a
+    part of a GGUF type with no packed kernel (kept dense, ``Linear``). Each run of parts
+    is its own linear, run one after another on the same input, their outputs
+    concatenated along the features. Exact (every part keeps its bytes and kernel); the
+    cost is one more call and a copy of the output columns, instead of dequantizing the
+    whole matrix to the model dtype."""
+
+    def __init__(self, parts: list[QuantLinear | Linear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        first = parts[0]
+        self.in_features = (
+            first.in_features if isinstance(first, QuantLinear) else int(first.weight.shape[1])
+        )
+
+    @property
+    def kernel(self) -> str:
+        return " + ".join(p.kernel if isinstance(p, QuantLinear) else "dense" for p in self.parts)
+
+    @property
+    def decode_bytes(self) -> int:
+        return sum(
+            p.decode_bytes if isinstance(p, QuantLinear) else p.weight.nbytes for p in self.parts
+        )
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat(
+            [p.dequantize(dtype) if isinstance(p, QuantLinear) else p.weight.to(dtype)
+             for p in self.parts]
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)

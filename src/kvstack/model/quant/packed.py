@@ -12,14 +12,19 @@ holding ``q[k0 + j]`` in its low and ``q[k0 + 16 + j]`` in its high nibble: llam
 ``block_q4_0`` / ``block_q4_1`` order (ggml-common.h), so those GGUF bytes are used as they
 are. ``group % 32 == 0`` for 4 bits.
 
+Groups of 8-bit weights need not be whole 32-runs: Q6_K's are 16 (the kernels take
+``group % 32 == 0`` or, 8 bits only, ``group == 16``).
+
 Invariant: ``scale * q`` is exact in float32 for every weight kvstack packs (GGUF scales are
-fp16, or fp16 times a 6-bit integer for Q4_K; ``quantize.py`` rounds its scales to fp16
-where the format has a min), so ``dequantize_reference`` (multiply, then add) and the
+fp16, or fp16 times a 6-bit integer for Q4_K, or fp16 times an int8 for Q6_K: 11 + 7
+significant bits, times a 6-bit code, fits float32's 24; ``quantize.py`` rounds its
+scales to fp16 where the format has a min), so ``dequantize_reference`` (multiply, then add) and the
 kernel's one fma give bit-identical weights, equal to gguf-py's float32 dequantization.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -77,20 +82,40 @@ class PackedWeight:
         )
 
 
+def regroup(w: PackedWeight, group: int) -> PackedWeight:
+    """``w`` with its scales (and mins) repeated to groups of ``group`` (dividing
+    ``w.group``): the same weights, bit for bit; the codes are shared."""
+    if group == w.group:
+        return w
+    if w.group % group:
+        raise ValueError(f"group {group} does not divide {w.group}")
+    reps = w.group // group
+    mn = None if w.min is None else w.min.repeat_interleave(reps, dim=1).contiguous()
+    scale = w.scale.repeat_interleave(reps, dim=1).contiguous()
+    return PackedWeight(w.q, scale, mn, w.bits, group, w.source)
+
+
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight | None:
     """The parts stacked along ``out_features`` (fused qkv, gate_up), or None when their
-    formats differ (bits, group or source)."""
+    bit widths differ (a 4-bit part cannot join an 8-bit one without changing its
+    bytes). Parts of one width but other groups (Q5_0 / Q8_0 groups of 32 with Q6_K's
+    16) share the smallest group, their scales repeated (``regroup``: exact); the
+    source names every format joined (``"Q5_0+Q8_0"``)."""
     first = parts[0]
-    if any((p.bits, p.group, p.source) != (first.bits, first.group, first.source) for p in parts):
+    if any(p.bits != first.bits for p in parts):
         return None
+    group = math.gcd(*(p.group for p in parts))
+    if first.bits == 4 and group % 32:
+        return None
+    parts = [regroup(p, group) for p in parts]
     mins = [p.min for p in parts]
     return PackedWeight(
         torch.cat([p.q for p in parts]).contiguous(),
         torch.cat([p.scale for p in parts]).contiguous(),
         None if first.min is None else torch.cat([m for m in mins if m is not None]).contiguous(),
         first.bits,
-        first.group,
-        first.source,
+        group,
+        "+".join(dict.fromkeys(p.source for p in parts)),
     )
 
 

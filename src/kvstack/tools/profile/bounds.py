@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvstack.model.quant.linear import QuantLinear
+from kvstack.model.quant.linear import QuantLinear, StackedLinear
 
 BANDWIDTH_BYTES = 256 * 2**20
 
@@ -80,7 +80,8 @@ def measure_bounds(model: Any, ms: tuple[int, ...] = ()) -> MachineBounds:
     """Bandwidth and GEMM throughput with ``model``'s ``gate_up`` (peak at M = 2048); of a
     dense copy in the model dtype when the weights are quantized (``--quantization``)."""
     layer = model.layers[0].gate_up
-    if isinstance(layer, QuantLinear):  # (a dense Linear's ``packed`` is oneDNN's copy)
+    # (a dense Linear's ``packed`` is oneDNN's copy)
+    if isinstance(layer, QuantLinear | StackedLinear):
         from kvstack.model.arch.layers import Linear
 
         layer = Linear(layer.dequantize(model.dtype), model.dtype)

@@ -38,7 +38,7 @@ import torch
 
 import kvstack.model.arch.decoder as llama_mod
 from kvstack.model.attention import AttentionMetadata
-from kvstack.model.quant.linear import QuantLinear
+from kvstack.model.quant.linear import QuantLinear, StackedLinear
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -77,9 +77,9 @@ class TimedLinear:
         self.inner, self.name, self.rec = inner, name, rec
         # A quantized linear (--quantization) reads its packed codes. (A dense ``Linear``
         # has a ``packed`` too where oneDNN has native bf16: its reordered weight tensor.)
-        if isinstance(inner, QuantLinear):
-            packed = inner.packed
-            self.out_f, self.in_f = int(packed.out_features), int(packed.in_features)
+        if isinstance(inner, QuantLinear | StackedLinear):
+            self.out_f = int(inner.out_features)
+            self.in_f = int(inner.in_features)
             self.weight_bytes = int(inner.decode_bytes)
         else:
             w = inner.weight

@@ -374,8 +374,8 @@ std::vector<torch::Tensor> decode_team(
   const std::vector<torch::Tensor> bufs = add_buffers(s, residual);
   const int64_t kmax = std::max({s.Hd, s.H * s.HD, s.I});
   std::vector<int32_t> xq(s.M * kmax / 4);
-  std::vector<float> dx(s.M * kmax / 32), xs(s.M * kmax / 32);
-  s.qa = {xq.data(), dx.data(), xs.data()};
+  std::vector<float> dx(s.M * kmax / 32), xs(s.M * kmax / 32), xh(s.M * kmax / 16);
+  s.qa = {xq.data(), dx.data(), xs.data(), xh.data()};
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
     const int tid = omp_get_thread_num(), team_size = omp_get_num_threads();

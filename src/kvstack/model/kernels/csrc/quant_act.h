@@ -11,9 +11,17 @@
 
 namespace kvstack_quant {
 
-// One chunk of 32 activations: codes to q, returns (scale d, sum of the codes).
+// One chunk's scale d, the sum of its 32 codes and of its first 16 (the second half's is
+// sum - sum_lo: 8-bit weights in groups of 16, Q6_K, take each half's sum).
+struct Chunk {
+  float d;
+  int sum;
+  int sum_lo;
+};
+
+// One chunk of 32 activations: codes to q, returns its Chunk.
 template <typename T>
-inline std::pair<float, int> quantize_chunk(const T* src, int8_t* q) {
+inline Chunk quantize_chunk(const T* src, int8_t* q) {
 #if defined(KVSTACK_AVX512)
   const __m512 v0 = load16(src), v1 = load16(src + 16);
   const __m512 mag = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
@@ -23,7 +31,8 @@ inline std::pair<float, int> quantize_chunk(const T* src, int8_t* q) {
   const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
-  return {d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))};
+  const int lo = _mm512_reduce_add_epi32(q0);
+  return {d, lo + _mm512_reduce_add_epi32(q1), lo};
 #elif defined(KVSTACK_AVX2)
   __m256 v[4];
   __m256 mag = _mm256_setzero_ps();
@@ -43,22 +52,26 @@ inline std::pair<float, int> quantize_chunk(const T* src, int8_t* q) {
   const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
-  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-  return {d, _mm_cvtsi128_si32(s4)};
+  const auto hsum = [](__m256i s) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s4);
+  };
+  const int lo = hsum(_mm256_add_epi32(qi[0], qi[1]));
+  return {d, lo + hsum(_mm256_add_epi32(qi[2], qi[3])), lo};
 #else
   float amax = 0.f;
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(src[j])));
   const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-  int sum = 0;
+  int sum = 0, lo = 0;
   for (int j = 0; j < 32; ++j) {
     const int v = static_cast<int>(std::nearbyint(to_f(src[j]) * inv));
     q[j] = static_cast<int8_t>(v);
     sum += v;
+    if (j == 15) lo = sum;
   }
-  return {d, sum};
+  return {d, sum, lo};
 #endif
 }
 

@@ -6,7 +6,8 @@
 // Q8_0 x Q8_0 dot products (quant_act.h quantizes the activations):
 //   y[m, n] = sum_c dx[m,c] * (s[n,g(c)] * sum_j xq[m,32c+j] q[n,32c+j] + mn[n,g(c)] * sum_j xq)
 // 8-bit codes are stored as q + 128 (vpdpbusd multiplies unsigned by signed bytes) and
-// the offset leaves as a min of -128 s.
+// the offset leaves as a min of -128 s. 8-bit groups of 16 (Q6_K): each 32-chunk's two
+// halves are summed apart (two int32 sums) and scaled by their own scales.
 //
 // Tile layout (quant/tiled.py writes it; tile t = rows 16t .. 16t+15, K % 32 == 0):
 //   codes [N/16, K * bits / 8 * 16] uint8: per tile, per 32-chunk c, vectors v of 64 bytes,
@@ -43,9 +44,11 @@ template <typename T>
 void quantize_rows(const T* x, int64_t b, int64_t e, int64_t K, const Act& a) {
   auto* codes = reinterpret_cast<int8_t*>(a.xq);
   for (int64_t i = b * K / 32; i < e * K / 32; ++i) {
-    const auto [d, sum] = kvstack_quant::quantize_chunk(x + 32 * i, codes + 32 * i);
+    const auto [d, sum, lo] = kvstack_quant::quantize_chunk(x + 32 * i, codes + 32 * i);
     a.dx[i] = d;
     a.xs[i] = d * static_cast<float>(sum);
+    a.xh[2 * i] = d * static_cast<float>(lo);
+    a.xh[2 * i + 1] = d * static_cast<float>(sum - lo);
   }
 }
 
@@ -69,11 +72,13 @@ inline void chunk_codes(const uint8_t* tile, int64_t c, __m512i* w) {
   }
 }
 
-// acc[m] (16 rows) += the tile's dot products with activation rows m0 .. m0+MT-1.
-template <int BITS, int MT, typename S>
+// acc[m] (16 rows) += the tile's dot products with activation rows m0 .. m0+MT-1. G16:
+// 8-bit groups of 16 (Q6_K): each 32-chunk's halves (vectors 0-3 and 4-7) are summed apart
+// and scaled by their own group's scale, the +128 offset removed per half (xh).
+template <int BITS, int MT, bool G16, typename S>
 void tile_rows(const uint8_t* tile, const S* sc, const S* mn, int64_t K, int64_t G,
                const Act& a, int64_t m0, __m512* acc) {
-  const int64_t nc = K / 32, per_group = G / 32;
+  const int64_t nc = K / 32, per_group = G16 ? 1 : G / 32;
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0, g = 0, left = per_group; c < nc; ++c) {
     __m512i w[8];
@@ -82,9 +87,31 @@ void tile_rows(const uint8_t* tile, const S* sc, const S* mn, int64_t K, int64_t
     // prefetcher alone (2-core AMD EPYC Zen 5, 1 KiB 0.95x, 2 and 4 KiB 0.9x)
     const char* next = reinterpret_cast<const char*>(tile + BITS * c * 64) + kPrefetch;
     for (int v = 0; v < BITS; ++v) _mm_prefetch(next + 64 * v, _MM_HINT_T0);
-    if ((c & 1) == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(sc + g * kRows) + kPrefetch / 8, _MM_HINT_T0);
+    if (G16 || (c & 1) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(sc + (G16 ? 2 * c : g) * kRows) + kPrefetch / 8,
+                   _MM_HINT_T0);
     chunk_codes<BITS>(tile, c, w);
+    if constexpr (G16) {
+      const __m512 s0 = load_scales(sc + 2 * c * kRows), s1 = load_scales(sc + (2 * c + 1) * kRows);
+      const __m512 m128 = _mm512_set1_ps(-128.f);
+      const __m512 mw0 = _mm512_mul_ps(s0, m128), mw1 = _mm512_mul_ps(s1, m128);
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* xi = a.xq + (m0 + m) * (K / 4) + 8 * c;
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xi[0]));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(xi[4]));
+        for (int i = 1; i < 4; ++i) {
+          i0 = _mm512_dpbusd_epi32(i0, w[i], _mm512_set1_epi32(xi[i]));
+          i1 = _mm512_dpbusd_epi32(i1, w[i + 4], _mm512_set1_epi32(xi[i + 4]));
+        }
+        const int64_t at = (m0 + m) * nc + c;
+        const __m512 dx = _mm512_set1_ps(a.dx[at]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, dx), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, dx), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mw0, _mm512_set1_ps(a.xh[2 * at]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mw1, _mm512_set1_ps(a.xh[2 * at + 1]), acc[m]);
+      }
+      continue;
+    }
     const __m512 s = load_scales(sc + g * kRows);
     const __m512 mw =
         BITS == 4 ? load_scales(mn + g * kRows) : _mm512_mul_ps(s, _mm512_set1_ps(-128.f));
@@ -105,15 +132,24 @@ void tile_rows(const uint8_t* tile, const S* sc, const S* mn, int64_t K, int64_t
   }
 }
 
+template <int BITS, bool G16, typename S>
+void run_rows_g(int64_t mt, const uint8_t* tile, const S* sc, const S* mn, int64_t K, int64_t G,
+                const Act& a, int64_t m0, __m512* acc) {
+  switch (mt) {
+    case 1: return tile_rows<BITS, 1, G16>(tile, sc, mn, K, G, a, m0, acc);
+    case 2: return tile_rows<BITS, 2, G16>(tile, sc, mn, K, G, a, m0, acc);
+    case 3: return tile_rows<BITS, 3, G16>(tile, sc, mn, K, G, a, m0, acc);
+    default: return tile_rows<BITS, 4, G16>(tile, sc, mn, K, G, a, m0, acc);
+  }
+}
+
 template <int BITS, typename S>
 void run_rows(int64_t mt, const uint8_t* tile, const S* sc, const S* mn, int64_t K, int64_t G,
               const Act& a, int64_t m0, __m512* acc) {
-  switch (mt) {
-    case 1: return tile_rows<BITS, 1>(tile, sc, mn, K, G, a, m0, acc);
-    case 2: return tile_rows<BITS, 2>(tile, sc, mn, K, G, a, m0, acc);
-    case 3: return tile_rows<BITS, 3>(tile, sc, mn, K, G, a, m0, acc);
-    default: return tile_rows<BITS, 4>(tile, sc, mn, K, G, a, m0, acc);
+  if constexpr (BITS == 8) {
+    if (G == 16) return run_rows_g<8, true>(mt, tile, sc, mn, K, G, a, m0, acc);
   }
+  run_rows_g<BITS, false>(mt, tile, sc, mn, K, G, a, m0, acc);
 }
 
 // Output tiles [b, e) (rows 16 b .. 16 e - 1 of the weight) for every activation row.
@@ -136,8 +172,8 @@ template <int BITS, typename S, typename T>
 void gemv_impl(const T* x, T* out, int64_t M, int64_t N, int64_t K, int64_t G,
                const uint8_t* codes, const S* sc, const S* mn) {
   std::vector<int32_t> xq(M * K / 4);
-  std::vector<float> dx(M * K / 32), xs(M * K / 32);
-  const Act a{xq.data(), dx.data(), xs.data()};
+  std::vector<float> dx(M * K / 32), xs(M * K / 32), xh(M * K / 16);
+  const Act a{xq.data(), dx.data(), xs.data(), xh.data()};
   quantize_rows(x, 0, M, K, a);
   at::parallel_for(0, N / kRows, 1, [&](int64_t b, int64_t e) {
     gemv_tiles<BITS>(a, out, M, N, K, G, codes, sc, mn, b, e);
@@ -160,8 +196,8 @@ void gemv_dispatch(const T* x, T* out, int64_t M, int64_t N, int64_t K, int64_t 
 
 bool quant_gemv_ok(int64_t out_features, int64_t in_features, int64_t group, int64_t bits) {
 #if defined(KVSTACK_GEMV_VNNI)
-  return out_features % 16 == 0 && in_features % 32 == 0 && group % 32 == 0 &&
-         in_features % group == 0 && (bits == 4 || bits == 8);
+  return out_features % 16 == 0 && in_features % 32 == 0 && in_features % group == 0 &&
+         (group % 32 == 0 ? bits == 4 || bits == 8 : group == 16 && bits == 8);
 #else
   (void)out_features, (void)in_features, (void)group, (void)bits;
   return false;
@@ -175,7 +211,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   const int64_t K = x.size(1), N = 16 * codes.size(0);
   TORCH_CHECK(quant_gemv_ok(N, K, group, bits),
               "quant_gemv needs AVX512-VNNI, out_features % 16 == 0, in_features % 32 == 0 "
-              "and group % 32 == 0 dividing in_features");
+              "and group % 32 == 0 (or 16 for 8 bits) dividing in_features");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
                   codes.size(1) == K * bits / 8 * 16,
               "codes must be uint8 [out_features / 16, in_features * bits / 8 * 16]");

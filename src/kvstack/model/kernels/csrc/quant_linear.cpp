@@ -22,6 +22,9 @@
 // So at every M a row's result depends only on that row (never on batch mates); the
 // prefill path (quant_dequant + oneDNN) multiplies the same weights.
 //
+// 8-bit groups need not be whole 32-chunks: Q6_K's are 16 (two scales per 32-chunk, both
+// paths; the AVX-512 loop masks any other tail).
+//
 // Decode (M = 1..32) is memory-bound: each thread takes rows n of W, reads the row's
 // packed bytes once per tile of up to 8 rows of x (kept in 8 zmm accumulators), so the
 // bytes are read from memory once and from L1 for the further tiles. Without AVX-512 (AMD
@@ -79,10 +82,11 @@ Packed check_packed(const torch::Tensor& q, const torch::Tensor& scale,
 
 #if defined(KVSTACK_AVX512)
 // The 32 weights of row `qrow` from k0 as float32: lo = k0..k0+15, hi = k0+16..k0+31.
-// `mask` (8 bits only) marks the ones inside the group; the others are 0.
+// `mask` (8 bits only) marks the ones inside the group; the others are 0. 8 bits: `s_hi`
+// scales hi (groups of 16: the next group's scale; else s).
 template <int BITS>
-inline void dequant32(const uint8_t* qrow, int64_t k0, __m512 s, __m512 mn, __mmask32 mask,
-                      __m512& lo, __m512& hi) {
+inline void dequant32(const uint8_t* qrow, int64_t k0, __m512 s, __m512 s_hi, __m512 mn,
+                      __mmask32 mask, __m512& lo, __m512& hi) {
   if constexpr (BITS == 4) {
     const __m512i v =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k0 / 2)));
@@ -92,7 +96,7 @@ inline void dequant32(const uint8_t* qrow, int64_t k0, __m512 s, __m512 mn, __mm
     const __m256i b = _mm256_maskz_loadu_epi8(mask, qrow + k0);
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), s);
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
-                       s);
+                       s_hi);
   }
 }
 
@@ -106,15 +110,19 @@ void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
   int parity = 0;
   const uint8_t* qrow = w.q + n * w.row_bytes();
   const int64_t ng = w.groups(), K = w.K;
-  for (int64_t g = 0; g < ng; ++g) {
+  // 8-bit groups of 16 (Q6_K) are taken in pairs: one 32-chunk, a scale per half
+  const bool pairs = BITS == 8 && w.G == 16;
+  for (int64_t g = 0; g < ng;) {
+    const int64_t step = pairs && g + 1 < ng ? 2 : 1;
     const __m512 s = _mm512_set1_ps(w.scale[n * ng + g]);
+    const __m512 s_hi = _mm512_set1_ps(w.scale[n * ng + g + step - 1]);
     const __m512 mn = BITS == 4 ? _mm512_set1_ps(w.mn[n * ng + g]) : _mm512_setzero_ps();
-    const int64_t end = (g + 1) * w.G;
+    const int64_t end = (g + step) * w.G;
     for (int64_t k0 = g * w.G; k0 < end; k0 += 32) {
       const int64_t len = std::min<int64_t>(32, end - k0);
       const __mmask32 mask = len == 32 ? 0xFFFFFFFFu : (1u << len) - 1u;
       __m512 lo, hi;
-      dequant32<BITS>(qrow, k0, s, mn, mask, lo, hi);
+      dequant32<BITS>(qrow, k0, s, s_hi, mn, mask, lo, hi);
       __m512* acc = acc2[parity];
       parity ^= 1;
       if constexpr (std::is_same_v<T, float>) {
@@ -146,6 +154,7 @@ void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
 #endif
       }
     }
+    g += step;
   }
   for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc2[0][m], acc2[1][m]));
 }
@@ -154,10 +163,12 @@ void tile_dot(const Packed& w, int64_t n, const T* x, float* out) {
 #if defined(KVSTACK_AVX2) && !defined(KVSTACK_AVX512)
 #define KVSTACK_QUANT_AVX2 1
 // AVX2 (no AVX-512: AMD Zen 2 / 3 ...): the same arithmetic 8 lanes at a time, for groups of
-// whole 32-chunks (G % 32 == 0, every format kvstack packs; others take the scalar path).
+// whole 32-chunks (G % 32 == 0) or 8-bit pairs of 16-groups in whole 32-chunks (Q6_K:
+// avx2_rows); other shapes take the scalar path. s_hi scales 8-bit weights k0+16..k0+31.
 // w[i] = weights k0 + 8i .. k0 + 8i + 7 of row `qrow`, as float32.
 template <int BITS>
-inline void dequant32_avx2(const uint8_t* qrow, int64_t k0, __m256 s, __m256 mn, __m256* w) {
+inline void dequant32_avx2(const uint8_t* qrow, int64_t k0, __m256 s, __m256 s_hi, __m256 mn,
+                           __m256* w) {
   if constexpr (BITS == 4) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k0 / 2));
     const __m128i m4 = _mm_set1_epi8(15);
@@ -168,7 +179,7 @@ inline void dequant32_avx2(const uint8_t* qrow, int64_t k0, __m256 s, __m256 mn,
   } else {
     for (int i = 0; i < 4; ++i) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qrow + k0 + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), i < 2 ? s : s_hi);
     }
   }
 }
@@ -183,13 +194,14 @@ void tile_dot_avx2(const Packed& w, int64_t n, const T* x, float* out) {
   for (int m = 0; m < MT; ++m)
     for (int p = 0; p < P; ++p) acc[m][p] = _mm256_setzero_ps();
   const uint8_t* qrow = w.q + n * w.row_bytes();
-  const int64_t ng = w.groups(), K = w.K;
-  for (int64_t g = 0; g < ng; ++g) {
+  const int64_t ng = w.groups(), K = w.K, step = w.G == 16 ? 2 : 1;  // 16: pairs of groups
+  for (int64_t g = 0; g < ng; g += step) {
     const __m256 s = _mm256_set1_ps(w.scale[n * ng + g]);
+    const __m256 s_hi = _mm256_set1_ps(w.scale[n * ng + g + step - 1]);
     const __m256 mn = BITS == 4 ? _mm256_set1_ps(w.mn[n * ng + g]) : _mm256_setzero_ps();
-    for (int64_t k0 = g * w.G; k0 < (g + 1) * w.G; k0 += 32) {
+    for (int64_t k0 = g * w.G; k0 < (g + step) * w.G; k0 += 32) {
       __m256 wv[4];
-      dequant32_avx2<BITS>(qrow, k0, s, mn, wv);
+      dequant32_avx2<BITS>(qrow, k0, s, s_hi, mn, wv);
       for (int i = 0; i < 4; ++i) {
         if constexpr (!std::is_same_v<T, float>) wv[i] = round_bf16_8(wv[i]);
         for (int m = 0; m < MT; ++m)
@@ -202,6 +214,13 @@ void tile_dot_avx2(const Packed& w, int64_t n, const T* x, float* out) {
     for (int p = 1; p < P; ++p) t = _mm256_add_ps(t, acc[m][p]);
     out[m] = hsum8(t);
   }
+}
+#endif
+
+#if defined(KVSTACK_QUANT_AVX2) || defined(KVSTACK_AVX512)
+// Whether a row is whole 32-chunks of one group, or (8 bits) of two groups of 16.
+inline bool avx2_rows(const Packed& w) {
+  return w.G % 32 == 0 || (w.bits == 8 && w.G == 16 && w.K % 32 == 0);
 }
 #endif
 
@@ -244,7 +263,7 @@ void run_tile(const Packed& w, int64_t n, const T* x, int mt, float* out) {
     default: return tile_dot<8, BITS>(w, n, x, out);
   }
 #elif defined(KVSTACK_QUANT_AVX2)
-  if (w.G % 32 == 0) {
+  if (avx2_rows(w)) {
     switch (mt) {
       case 1: return tile_dot_avx2<1, BITS>(w, n, x, out);
       case 2: return tile_dot_avx2<2, BITS>(w, n, x, out);
@@ -280,28 +299,32 @@ void dequant_impl(const Packed& w, T* out) {
       T* row = out + n * w.K;
       int64_t k = 0;
 #if defined(KVSTACK_AVX512)
-      if (w.bits == 4) {  // groups are whole 32-chunks
+      if (avx2_rows(w)) {  // whole 32-chunks: one group, or (8 bits) two of 16
         const uint8_t* qrow = w.q + n * w.row_bytes();
         for (; k < w.K; k += 32) {
-          const int64_t gi = n * w.groups() + k / w.G;
+          const int64_t gi = n * w.groups() + k / w.G, hi_gi = n * w.groups() + (k + 16) / w.G;
+          const __m512 s = _mm512_set1_ps(w.scale[gi]);
           __m512 lo, hi;
-          dequant32<4>(qrow, k, _mm512_set1_ps(w.scale[gi]), _mm512_set1_ps(w.mn[gi]),
-                       0xFFFFFFFFu, lo, hi);
+          if (w.bits == 4)
+            dequant32<4>(qrow, k, s, s, _mm512_set1_ps(w.mn[gi]), 0xFFFFFFFFu, lo, hi);
+          else
+            dequant32<8>(qrow, k, s, _mm512_set1_ps(w.scale[hi_gi]), _mm512_setzero_ps(),
+                         0xFFFFFFFFu, lo, hi);
           store16(row + k, lo);
           store16(row + k + 16, hi);
         }
       }
 #elif defined(KVSTACK_QUANT_AVX2)
-      if (w.G % 32 == 0) {
+      if (avx2_rows(w)) {
         const uint8_t* qrow = w.q + n * w.row_bytes();
         for (; k < w.K; k += 32) {
-          const int64_t gi = n * w.groups() + k / w.G;
+          const int64_t gi = n * w.groups() + k / w.G, hi_gi = n * w.groups() + (k + 16) / w.G;
           const __m256 s = _mm256_set1_ps(w.scale[gi]);
           __m256 wv[4];
           if (w.bits == 4)
-            dequant32_avx2<4>(qrow, k, s, _mm256_set1_ps(w.mn[gi]), wv);
+            dequant32_avx2<4>(qrow, k, s, s, _mm256_set1_ps(w.mn[gi]), wv);
           else
-            dequant32_avx2<8>(qrow, k, s, _mm256_setzero_ps(), wv);
+            dequant32_avx2<8>(qrow, k, s, _mm256_set1_ps(w.scale[hi_gi]), _mm256_setzero_ps(), wv);
           for (int i = 0; i < 4; ++i) store8(row + k + 8 * i, wv[i]);
         }
       }

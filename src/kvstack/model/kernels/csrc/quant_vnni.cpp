@@ -15,7 +15,10 @@
 // Deviation from the float path (quant_linear): the activations carry int8 rounding (a
 // relative error of <= 1/254 of each chunk's largest value), exactly as llama.cpp's CPU
 // path; the weights are not rounded. A row's result still depends only on that row.
-// Needs K % 64 == 0 and group % 32 == 0; quant_linear_vnni_ok says whether it applies.
+// 8-bit groups of 16 (Q6_K): the 4-lane int32 sums of a 32-chunk never straddle its two
+// 16-halves, so each takes its own group's scale (and, AVX-512, its own offset term).
+// Needs K % 64 == 0 and group % 32 == 0 (or 16, 8 bits); quant_linear_vnni_ok says whether
+// it applies.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -45,6 +48,7 @@ struct QuantAct {  // one call's quantized activations
   std::vector<float> dxv;  // [M, K/64, 16]: dx of chunk 2p in lanes 0-7, of 2p+1 in 8-15
   std::vector<float> xsv;  // [M, K/64, 16]: xs / 8 laid out as dxv (8 lanes sum to xs)
   std::vector<float> dxq;  // [M, K/32, 4]: dx of each chunk in 4 lanes (AVX2, 4 bits)
+  std::vector<float> xhv;  // [M, K/64, 16]: dx * sum(xq) of each 16-half / 4 in its 4 lanes
 };
 
 template <typename T>
@@ -52,14 +56,16 @@ QuantAct quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t chunks = M * K / 32;  // rows are whole chunks: K % 64 == 0
   QuantAct a{std::vector<int8_t>(M * K), std::vector<float>(chunks), std::vector<float>(chunks),
              std::vector<float>(8 * chunks), std::vector<float>(8 * chunks),
-             std::vector<float>(4 * chunks)};
+             std::vector<float>(4 * chunks), std::vector<float>(8 * chunks)};
   for (int64_t i = 0; i < chunks; ++i) {
-    const auto [d, sum] = kvstack_quant::quantize_chunk(x + 32 * i, a.xq.data() + 32 * i);
+    const auto [d, sum, lo] = kvstack_quant::quantize_chunk(x + 32 * i, a.xq.data() + 32 * i);
     a.dx[i] = d;
     a.xs[i] = d * static_cast<float>(sum);
     std::fill_n(a.dxv.begin() + 8 * i, 8, d);  // chunk i -> 8 lanes of its pair's vector
     std::fill_n(a.xsv.begin() + 8 * i, 8, a.xs[i] * 0.125f);  // exact: a power of two
     std::fill_n(a.dxq.begin() + 4 * i, 4, d);
+    std::fill_n(a.xhv.begin() + 8 * i, 4, d * static_cast<float>(lo) * 0.25f);
+    std::fill_n(a.xhv.begin() + 8 * i + 4, 4, d * static_cast<float>(sum - lo) * 0.25f);
   }
   return a;
 }
@@ -86,18 +92,30 @@ inline __m512 pair_ps(const float* v, int32_t a, int32_t b) {
   return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[a]), _mm512_set1_ps(v[b]));
 }
 
+// Lanes 4i .. 4i+3 = v[a + h * (i & 1)] for i < 2, v[b + h * (i & 1)] for i >= 2: the scales
+// of the 16-halves of chunks c (group a) and c+1 (group b); h = 1 for groups of 16.
+inline __m512 quad_ps(const float* v, int32_t a, int32_t b, int32_t h) {
+  const __m512 lo = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(v[a]), _mm512_set1_ps(v[a + h]));
+  const __m512 hi = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(v[b]), _mm512_set1_ps(v[b + h]));
+  return _mm512_mask_blend_ps(0xFF00, lo, hi);
+}
+
 // cg[c]: the weight group of 32-chunk c (precomputed: no division in the loop). The min
 // term sum_c mn[g(c)] * xs[c] (8 bits: mn = -128 s) rides in the same accumulator: xsv
 // holds xs / 8 in each of its chunk's 8 lanes.
+// h16 (8 bits only): groups of 16, each 16-half of a chunk with its own scale (quad_ps)
+// and offset term (xhv, the halves' sums); 4-lane int32 sums never straddle two halves.
 template <int MT, int BITS>
 void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const float* srow,
-               const float* mrow, const QuantAct& a, int64_t m0, float* out) {
+               const float* mrow, const QuantAct& a, int64_t m0, float* out, int32_t h16) {
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t nc = K / 32;
+  const float* xsrc = h16 != 0 ? a.xhv.data() : a.xsv.data();
   for (int64_t k0 = 0, c = 0; k0 < K; k0 += 64, c += 2) {
     const __m512i w = codes64<BITS>(qrow, k0);
-    const __m512 sw = pair_ps(srow, cg[c], cg[c + 1]);
+    const __m512 sw =
+        BITS == 4 ? pair_ps(srow, cg[c], cg[c + 1]) : quad_ps(srow, cg[c], cg[c + 1], h16);
     const __m512 mw =
         BITS == 4 ? pair_ps(mrow, cg[c], cg[c + 1]) : _mm512_mul_ps(sw, _mm512_set1_ps(-128.f));
     for (int m = 0; m < MT; ++m) {
@@ -105,7 +123,7 @@ void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const fl
       const __m512i xv = _mm512_loadu_si512(a.xq.data() + row * K + k0);
       const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
       const __m512 dx = _mm512_loadu_ps(a.dxv.data() + (row * nc + c) * 8);
-      const __m512 xs = _mm512_loadu_ps(a.xsv.data() + (row * nc + c) * 8);
+      const __m512 xs = _mm512_loadu_ps(xsrc + (row * nc + c) * 8);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx), acc[m]);
       acc[m] = _mm512_fmadd_ps(mw, xs, acc[m]);
     }
@@ -189,7 +207,7 @@ inline void to_nibble_order(QuantAct& a) {
 // here: no +128 offset, no min term; 4 bits go to tile_nibbles.
 template <int MT, int BITS>
 void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const float* srow,
-               const float* mrow, const QuantAct& a, int64_t m0, float* out) {
+               const float* mrow, const QuantAct& a, int64_t m0, float* out, int32_t h16) {
   if constexpr (BITS == 4) {
     return tile_nibbles<MT>(K, cg, qrow, srow, mrow, a, m0, out);
   } else {
@@ -202,15 +220,20 @@ void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const fl
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + k0 + 32));
       const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-      const float s0 = srow[cg[c]], s1 = srow[cg[c + 1]];
+      // lanes 0-3 sum the chunk's first 16 codes, 4-7 its last 16: with groups of 16
+      // (h16 = 1) each half takes its own group's scale
+      const __m256 s0 = _mm256_blend_ps(_mm256_broadcast_ss(srow + cg[c]),
+                                        _mm256_broadcast_ss(srow + cg[c] + h16), 0xF0);
+      const __m256 s1 = _mm256_blend_ps(_mm256_broadcast_ss(srow + cg[c + 1]),
+                                        _mm256_broadcast_ss(srow + cg[c + 1] + h16), 0xF0);
       for (int m = 0; m < MT; ++m) {
         const int8_t* xr = xq + m * K + k0;
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-        acc0[m] = _mm256_fmadd_ps(dot32_s8(a0, w0, x0), _mm256_set1_ps(s0 * dx[m * nc + c]),
-                                  acc0[m]);
+        acc0[m] = _mm256_fmadd_ps(dot32_s8(a0, w0, x0),
+                                  _mm256_mul_ps(s0, _mm256_set1_ps(dx[m * nc + c])), acc0[m]);
         acc1[m] = _mm256_fmadd_ps(dot32_s8(a1, w1, x1),
-                                  _mm256_set1_ps(s1 * dx[m * nc + c + 1]), acc1[m]);
+                                  _mm256_mul_ps(s1, _mm256_set1_ps(dx[m * nc + c + 1])), acc1[m]);
       }
     }
     for (int m = 0; m < MT; ++m) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m]));
@@ -221,12 +244,13 @@ void tile_vnni(const int64_t K, const int32_t* cg, const uint8_t* qrow, const fl
 #if defined(KVSTACK_INT8_DOT_AVX512) || defined(KVSTACK_INT8_DOT_AVX2)
 template <int BITS>
 void run_vnni(const int64_t mt, const int64_t K, const int32_t* cg, const uint8_t* qrow,
-              const float* srow, const float* mrow, const QuantAct& a, int64_t m0, float* out) {
+              const float* srow, const float* mrow, const QuantAct& a, int64_t m0, float* out,
+              int32_t h16) {
   switch (mt) {
-    case 1: return tile_vnni<1, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
-    case 2: return tile_vnni<2, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
-    case 3: return tile_vnni<3, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
-    default: return tile_vnni<4, BITS>(K, cg, qrow, srow, mrow, a, m0, out);
+    case 1: return tile_vnni<1, BITS>(K, cg, qrow, srow, mrow, a, m0, out, h16);
+    case 2: return tile_vnni<2, BITS>(K, cg, qrow, srow, mrow, a, m0, out, h16);
+    case 3: return tile_vnni<3, BITS>(K, cg, qrow, srow, mrow, a, m0, out, h16);
+    default: return tile_vnni<4, BITS>(K, cg, qrow, srow, mrow, a, m0, out, h16);
   }
 }
 
@@ -240,7 +264,8 @@ void vnni_impl(const T* x, T* out, int64_t M, const torch::Tensor& q, const floa
   const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const int64_t row_bytes = BITS == 8 ? K : K / 2, ng = K / G;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(M * K, 1));
-  std::vector<int32_t> cg(K / 32);  // 32-chunk -> its weight group
+  const int32_t h16 = G == 16 ? 1 : 0;  // 8 bits: a chunk's second half is the next group
+  std::vector<int32_t> cg(K / 32);  // 32-chunk -> its weight group (of its first half)
   for (int64_t c = 0; c < K / 32; ++c) cg[c] = static_cast<int32_t>(c * 32 / G);
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     float tmp[kTileV];
@@ -248,7 +273,7 @@ void vnni_impl(const T* x, T* out, int64_t M, const torch::Tensor& q, const floa
       for (int64_t m0 = 0; m0 < M; m0 += kTileV) {
         const int64_t mt = std::min<int64_t>(kTileV, M - m0);
         run_vnni<BITS>(mt, K, cg.data(), qp + n * row_bytes, scale + n * ng,
-                       mn != nullptr ? mn + n * ng : nullptr, a, m0, tmp);
+                       mn != nullptr ? mn + n * ng : nullptr, a, m0, tmp, h16);
         for (int64_t i = 0; i < mt; ++i) out[(m0 + i) * N + n] = static_cast<T>(tmp[i]);
       }
   });
@@ -259,7 +284,8 @@ void vnni_impl(const T* x, T* out, int64_t M, const torch::Tensor& q, const floa
 
 bool quant_linear_vnni_ok(int64_t in_features, int64_t group, int64_t bits) {
 #if defined(KVSTACK_INT8_DOT_AVX512) || defined(KVSTACK_INT8_DOT_AVX2)
-  return in_features % 64 == 0 && group % 32 == 0 && (bits == 4 || bits == 8);
+  return in_features % 64 == 0 &&
+         (group % 32 == 0 ? bits == 4 || bits == 8 : group == 16 && bits == 8);
 #else
   (void)in_features, (void)group, (void)bits;
   return false;
@@ -273,7 +299,7 @@ torch::Tensor quant_linear_vnni(torch::Tensor x, torch::Tensor q, torch::Tensor 
   const int64_t N = q.size(0), K = bits == 8 ? q.size(1) : 2 * q.size(1);
   TORCH_CHECK(quant_linear_vnni_ok(K, group, bits),
               "quant_linear_vnni needs AVX512-VNNI or AVX2 (without AVX-512), in_features % 64 == 0, "
-              "group % 32 == 0");
+              "group % 32 == 0 (or 16 for 8 bits)");
   TORCH_CHECK(K % group == 0 && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
                   scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / group,
               "scale must be float32 [N, K / group]");

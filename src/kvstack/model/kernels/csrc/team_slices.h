@@ -13,11 +13,13 @@ namespace team {
 using BF = c10::BFloat16;
 
 // Activations quantized for quant_gemv: int8 codes [M, K] (4 per int32), per 32-chunk scale
-// dx and dx * sum(codes) xs [M, K/32].
+// dx and dx * sum(codes) xs [M, K/32], and dx * sum(codes) of each 16-half xh [M, K/16]
+// (8-bit weights in groups of 16).
 struct GemvAct {
   int32_t* xq;
   float* dx;
   float* xs;
+  float* xh;
 };
 
 // A TiledWeight (model/quant/tiled.py) as quant_gemv takes it: N outputs, K inputs.
