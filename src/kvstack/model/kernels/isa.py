@@ -19,9 +19,12 @@ an illegal instruction). Every other ISA question of the model code is answered 
 from the level loaded (``active``): which bf16 tile kernel the linears use
 (``tile_kernel_name``), whether the int8 dot product is the AVX2 one
 (``int8_dot_is_avx2``), whether the causal prefill kernel exists (``causal_attention``),
-whether AMX may be asked for (``amx_level``), and whether oneDNN has native bf16
-(``onednn_bf16``). Invariant: a level is chosen only when every one of its ``cpu_flags``
-is in ``/proc/cpuinfo``, so the library loaded never holds an instruction this CPU lacks.
+whether AMX may be asked for (``amx_level``), whether oneDNN has native bf16
+(``onednn_bf16``), and which dtype ``--dtype auto`` picks (``auto_dtype``, from the fixed
+table ``AUTO_DTYPE``: bfloat16 with AVX512-BF16 or AMX, float32 on AVX2 and on AVX-512
+without BF16, where bf16 would be emulated). Invariant: a level is chosen only when every
+one of its ``cpu_flags`` is in ``/proc/cpuinfo``, so the library loaded never holds an
+instruction this CPU lacks.
 """
 
 from __future__ import annotations
@@ -220,3 +223,69 @@ def tile_kernel_name(compiled: str, amx_granted: bool, onednn: bool) -> str | No
     if compiled in ("avx512_fma", "avx2_fma") and not onednn:
         return compiled
     return None
+
+
+# ``--dtype auto``: the model dtype per ISA level, a fixed table (no start-up timing, so a
+# run is reproducible): bfloat16 where the CPU has bf16 instructions (AVX512-BF16
+# ``vdpbf16ps``, AMX-BF16 tiles), float32 elsewhere, where every bf16 product is widened
+# to float32 in software (kvstack's FMA tile kernels, ATen) and oneDNN has no native bf16
+# GEMM. "none": no AVX2, so no kernels at all. The level is the best one the CPU can run
+# (``runnable``), whether or not its kernels are built: oneDNN's bf16 depends on the CPU.
+AUTO_DTYPE: dict[str, str] = {
+    "none": "float32",
+    "avx2": "float32",
+    "avx512": "float32",
+    "avx512_bf16": "bfloat16",
+    "amx": "bfloat16",
+}
+# What forcing bf16 cost where it is emulated, as measured (not timed at start-up): the
+# figures and the machine they came from, quoted by ``emulated_bf16_warning``.
+EMULATED_BF16_MEASURED = (
+    "measured on a 2-core AMD Zen 3 (AVX2, no AVX-512), Qwen2.5-Coder-1.5B-Instruct Q4_K_M, "
+    "2 threads: a 512-token prompt took 19.9 s in bf16 vs 16.6 s in float32 (1.2x slower, "
+    "both --quantization gguf); decode ran 6.05 tok/s in bf16 vs 1.8 in float32 (bf16 "
+    "weights are half the bytes to read; 7.5-8.1 vs 3.7 with --quantization gguf)"
+)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What ``--dtype auto`` picks on a CPU: ``dtype`` from ``AUTO_DTYPE[level]``, where
+    ``level`` is the best ISA level the CPU runs ("none": not even AVX2). Invariant:
+    ``native_bf16`` is True exactly when ``dtype`` is bfloat16."""
+
+    dtype: str
+    level: str
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.dtype == "bfloat16"
+
+    def reason(self) -> str:
+        """Why, in words: ``CPU has avx2, no avx512_bf16/AMX: bf16 would be emulated``."""
+        if self.level == "amx":
+            return "CPU has AMX-BF16 tiles: bf16 runs natively"
+        if self.level == "avx512_bf16":
+            return "CPU has avx512_bf16: bf16 runs natively"
+        if self.level == "none":
+            return "CPU has no AVX2 (no kernels): bf16 would be emulated"
+        shown = "avx512f" if self.level == "avx512" else self.level
+        return f"CPU has {shown}, no avx512_bf16/AMX: bf16 would be emulated"
+
+
+def auto_dtype(flags: Iterable[str] | None = None) -> DtypeChoice:
+    """The dtype ``--dtype auto`` resolves to on a CPU with ``flags`` (default: this one's,
+    from ``/proc/cpuinfo``): the one place that decision is made (config resolution,
+    ``kvstack doctor`` and the start-up log all call it). Pure given ``flags``."""
+    levels = runnable(cpu_flags() if flags is None else flags)
+    name = levels[-1].name if levels else "none"
+    return DtypeChoice(AUTO_DTYPE[name], name)
+
+
+def emulated_bf16_warning(choice: DtypeChoice) -> str:
+    """The warning for bfloat16 asked for on a CPU without native bf16 (allowed)."""
+    return (
+        f"dtype bfloat16 on a CPU without native bf16 ({choice.reason()}): bf16 matmuls are "
+        f"widened to float32 in software; {EMULATED_BF16_MEASURED}. --dtype auto picks "
+        f"{choice.dtype} here"
+    )
