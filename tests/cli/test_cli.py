@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvstack.cli import main
+from kvstack.model.kernels.isa import auto_dtype
 from kvstack.spec.config import SpeculativeConfig
 
 
@@ -118,10 +119,12 @@ def test_chat_streams_and_exits_on_eof(
 # Non-default values of every engine option, as (flag arguments, expected value). Two
 # command lines: the contiguous layout excludes the presses, codecs and offload tiers.
 KEY_FILE = Path(tempfile.gettempdir()) / "kvstack-test-cli-tier.key"  # written by the test
+# The default dtype is --dtype auto's choice for this CPU, so the non-default is the other.
+OTHER_DTYPE = "bfloat16" if auto_dtype().dtype == "float32" else "float32"
 NON_DEFAULT: list[dict[str, tuple[list[str], object]]] = [
     {
         "model": (["/models/m.gguf"], "/models/m.gguf"),
-        "dtype": (["float32"], "float32"),
+        "dtype": ([OTHER_DTYPE], OTHER_DTYPE),
         "tokenizer": (["/models/tok"], "/models/tok"),
         "chat_template": (["/models/chat.jinja"], "/models/chat.jinja"),
         "generation_config": (["vllm"], "vllm"),

@@ -26,6 +26,8 @@ def test_report_names_cpu_kernels_versions_and_pool(
     monkeypatch.setenv("HF_TOKEN", "hf_very_secret_value")
     monkeypatch.setenv("KVSTACK_API_KEY", "sk-also-secret")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    # A CPU without AVX2: --dtype auto gives float32 there, and the pool is sized in it.
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"sse4_2"}))
     assert main(["doctor", "--json", "--kv-cache-memory", "64MiB"]) == 0
     out = capsys.readouterr().out
     assert "very_secret" not in out and "also-secret" not in out
@@ -34,7 +36,8 @@ def test_report_names_cpu_kernels_versions_and_pool(
     assert report["cpu"] == (model or "unknown")
     assert report["torch"] == torch.__version__
     assert report["onednn"].startswith("v") or report["onednn"] == "not built in"
-    assert report["dtype_auto"] == "bfloat16"
+    assert report["dtype_auto"] == "float32 (CPU has no AVX2 (no kernels): bf16 would be emulated)"
+    assert report["kv_pool"].endswith("float32)")
     assert report["kv_cache_memory"].startswith("0.06 GiB")
     assert "blocks of 16 tokens" in report["kv_pool"]
     active = isa.active()

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from kvstack.cli import build_parser, main
 from kvstack.cli.config_file import expand_config_file
 from kvstack.config.engine import EngineConfig
+from kvstack.model.kernels.isa import auto_dtype
 from kvstack.serve.server import ServerOptions, build_server
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
@@ -34,7 +35,7 @@ def test_a_vllm_serve_command_line_parses_to_kvstacks_options() -> None:
     assert a.model_tag == "some/model.gguf"
     e = EngineConfig.from_cli_args(a)
     assert e.cache.prefix_cache == "none" and not e.scheduler.enable_chunked_prefill
-    assert e.cache.kv_cache_dtype == "fp8" and e.dtype == "bfloat16"
+    assert e.cache.kv_cache_dtype == "fp8" and e.dtype == auto_dtype().dtype  # --dtype auto
     assert e.cache.kv_cache_memory is not None and e.cache.kv_cache_memory > 0
     s = ServerOptions.from_cli_args(a)
     assert s.served_model_name == ("m", "alias") and s.enable_auto_tool_choice

@@ -19,6 +19,7 @@ from kvstack import LLM, SamplingParams
 from kvstack.config.engine import EngineConfig
 from kvstack.config.vllm_args import VLLM_KEYWORDS, available_memory, meminfo, translate
 from kvstack.core.errors import ConfigError, InvalidRequestError
+from kvstack.model.kernels.isa import auto_dtype
 from kvstack.testing.tiny_models import random_llama_weights, tiny_llama_config, write_hf_folder
 
 OPTS: dict[str, Any] = {"dtype": "float32", "num_blocks": 64, "max_model_len": 256}
@@ -140,7 +141,7 @@ def test_vllm_keywords_map_or_fail_naming_the_keyword() -> None:
 def test_vllm_kv_cache_dtype_and_dtype_spellings() -> None:
     assert EngineConfig.from_options(kv_cache_dtype="fp8_e4m3").cache.kv_cache_dtype == "fp8"
     assert EngineConfig.from_options(kv_cache_dtype="fp8_e5m2").cache.kv_cache_dtype == "fp8_e5m2"
-    assert EngineConfig.from_options(dtype="auto").dtype == "bfloat16"
+    assert EngineConfig.from_options(dtype="auto").dtype == auto_dtype().dtype  # the CPU's
     # float16 / half run as bfloat16, the CPU kernels' 16-bit type (kvstack serve logs it).
     assert EngineConfig.from_options(dtype="float16").dtype == "bfloat16"
     assert EngineConfig.from_options(dtype="half").dtype == "bfloat16"

@@ -90,7 +90,7 @@ def test_pin_is_checked_on_the_engine_thread(
     from fastapi.testclient import TestClient
 
     # 8 blocks of 16 tokens, max_pinned_fraction 0.5: pins may hold at most 4 blocks.
-    llm = LLM("default", max_model_len=256, num_blocks=8, prefix_cache=prefix_cache)
+    llm = LLM("default", max_model_len=128, num_blocks=8, prefix_cache=prefix_cache)
     eng = llm.engine
     threads: list[str] = []
 

@@ -3,11 +3,12 @@
 The CPU (model, the ISA flags the kernels care about, the kernel levels it can run), the
 C++ kernels (levels built, where, whether current with the sources, the level loaded or
 why none: ``model/kernels/isa.py``, ``model/kernels/loader.py``), torch and oneDNN
-versions and threads,
-the dtype ``--dtype auto`` gives and whether oneDNN runs it natively, free memory and the
-KV pool ``--kv-cache-memory`` would size for ``--model``. Environment variables that
-steer kvstack or its thread pools are listed with any value whose name looks like a
-secret (token, key, password, ...) redacted. Read-only: it loads the kernels, never builds.
+versions and threads, the dtype ``--dtype auto`` gives and why (``isa.auto_dtype``, the
+function the engine's config resolves it with), whether oneDNN runs bf16 natively, free
+memory and the KV pool ``--kv-cache-memory`` would size for ``--model`` in that dtype.
+Environment variables that steer kvstack or its thread pools are listed with any value
+whose name looks like a secret (token, key, password, ...) redacted. Read-only: it loads
+the kernels, never builds.
 """
 
 from __future__ import annotations
@@ -100,19 +101,20 @@ def kernel_section() -> dict[str, Any]:
 def memory_section(model: str, kv_memory: str | None) -> dict[str, Any]:
     import torch
 
-    from kvstack.config.choices import VLLM_DTYPES
     from kvstack.config.engine import DEFAULT_KV_CACHE_MEMORY
     from kvstack.config.vllm_args import available_memory
     from kvstack.core.errors import KvstackError
     from kvstack.core.units import parse_size
     from kvstack.kv.storage import KVStorage
+    from kvstack.model.kernels.isa import auto_dtype
     from kvstack.model.loader.registry import read_model_config
 
-    dtype = VLLM_DTYPES["auto"]
+    choice = auto_dtype()  # what --dtype auto resolves to in EngineConfig
+    dtype = choice.dtype
     memory = parse_size(kv_memory) if kv_memory else DEFAULT_KV_CACHE_MEMORY
     free = available_memory()
     out: dict[str, Any] = {
-        "dtype_auto": dtype,
+        "dtype_auto": f"{dtype} ({choice.reason()})",
         "memory_available": f"{free / GIB:.1f} GiB",
         "kv_cache_memory": f"{memory / GIB:.2f} GiB"
         + (" (more than is available)" if memory > free else ""),

@@ -27,7 +27,10 @@ OWN_NOTES = {
     "--host": "differs: default 127.0.0.1 (vLLM: all interfaces); --host 0.0.0.0 gives vLLM's",
     "--allowed-origins": 'differs: default no CORS (vLLM: ["*"]); \'["*"]\' gives vLLM\'s',
     "--api-key": "same for /v1/*; kvstack also keys /invocations, /tokenize, /load (SECURITY.md)",
-    "--dtype": "differs: auto/half/float16 run as bfloat16 (CPU kernels), float32 as is",
+    "--dtype": "differs: auto (the default) is bfloat16 on every CPU with AVX2 (native "
+    "with AVX512-BF16 or AMX, else bf16 storage with float32 compute), float32 without AVX2 "
+    "(a fixed table per ISA, `kvstack doctor` shows it); half/float16 run as bfloat16 (CPU "
+    "kernels), float32 as is",
     "--gpu-memory-utilization": "same as vLLM's CPU backend: a share of total RAM for "
     "weights, runtime and KV; capped at 80 % of the RAM available after the weights",
     "--max-logprobs": "same, at most 20 (vLLM: -1 for the whole vocabulary)",

@@ -32,18 +32,26 @@ def codecs() -> Iterable[str]:
     return CODECS.names()
 
 
-# vLLM's spellings of kvstack's values (``--dtype auto``, ``--kv-cache-dtype fp8_e4m3``):
-# accepted as choices and converted to kvstack's name (idempotent, as ``convert`` must be).
+# vLLM's spellings of kvstack's values (``--kv-cache-dtype fp8_e4m3``): accepted as
+# choices and converted to kvstack's name (idempotent, as ``convert`` must be).
 # float16 / half: kvstack's CPU kernels compute in bfloat16, the other 16-bit format (same
 # memory, wider exponent range), so a vLLM command line asking for fp16 gets bfloat16.
 VLLM_DTYPES = {
-    "auto": "bfloat16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
+    "bf16": "bfloat16", "float": "float32", "fp32": "float32",
     "half": "bfloat16", "float16": "bfloat16", "fp16": "bfloat16",
 }  # fmt: skip
 VLLM_KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "bfloat16": "bf16"}
+DTYPES = ("auto", "bfloat16", "float32", *VLLM_DTYPES)
 
 
 def to_dtype(value: str) -> str:
+    """kvstack's dtype for ``value``: ``auto`` is resolved here, from this CPU's ISA
+    (``model/kernels/isa.py``'s ``auto_dtype``: bfloat16 with AVX2 or better, native or
+    as storage; float32 without AVX2), so every config holds a concrete dtype. Idempotent."""
+    if value == "auto":
+        from kvstack.model.kernels.isa import auto_dtype
+
+        return auto_dtype().dtype
     return VLLM_DTYPES.get(value, value)
 
 

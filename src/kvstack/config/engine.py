@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.config.choices import (
-    VLLM_DTYPES,
+    DTYPES,
     codecs_and_aliases,
     eviction_policies,
     kv_layouts,
@@ -279,11 +279,13 @@ class EngineConfig:
         group=ENGINE,
     )
     dtype: str = option(
-        "bfloat16",
-        "weights, activations and KV cache dtype (float32 for exact comparisons; vLLM's "
-        "'auto' is bfloat16 here; float16/half run as bfloat16, the CPU kernels' 16-bit type)",
-        group=ENGINE, choices=lambda: ("bfloat16", "float32", *VLLM_DTYPES),
-        convert=to_dtype,
+        "auto",
+        "weights, activations and KV cache dtype: 'auto' (default) = bfloat16 on every CPU "
+        "with AVX2 (computed natively with AVX512-BF16 or AMX, else stored as bf16 and "
+        "computed in float32: half the bytes a decode step reads), float32 without AVX2; "
+        "float32 for exact comparisons (a float32 KV cache holds half the tokens); "
+        "float16/half run as bfloat16, the CPU kernels' 16-bit type",
+        group=ENGINE, choices=lambda: DTYPES, convert=to_dtype,
     )  # fmt: skip
     tokenizer: str | None = option(None, "tokenizer source if not the model's", group=ENGINE)
     chat_template: str | None = option(
@@ -335,6 +337,8 @@ class EngineConfig:
     segments: SegmentConfig = field(default_factory=SegmentConfig)
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":  # the default, which ``build`` does not convert: the ISA's
+            object.__setattr__(self, "dtype", to_dtype(self.dtype))
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         check_choices(self)

@@ -24,6 +24,7 @@ from kvstack.engine.hybrid import num_pages, plan_kv_groups, token_capacity
 from kvstack.engine.output_processor import OutputProcessor, ParentState, record_logprobs
 from kvstack.engine.segments import enable_segments, request_marks
 from kvstack.engine.snapshot import engine_stats
+from kvstack.engine.startup import fit_max_model_len, log_dtype
 from kvstack.engine.stats import EngineStats, UsageTracker
 from kvstack.engine.step_isolation import recover_step
 from kvstack.kv.base import KVCacheStats, KVManager, KVRoutingInfo
@@ -89,6 +90,12 @@ class LLMEngine:
         )  # fmt: skip
         self.residency = params.residency  # vLLM's --kv-cache-metrics sampler, or None
         self.kv_manager: KVManager = build_kv_manager(cc.kv_layout, params)
+        given = config.scheduler.max_model_len is not None
+        fit = fit_max_model_len(self.kv_manager, max_len, given, self.kv_storage.nbytes)
+        if fit < max_len:
+            max_len = self.max_model_len = fit  # the model's context, lowered: a warning
+            params = replace(params, max_model_len=fit)
+            self.kv_manager = build_kv_manager(cc.kv_layout, params)
         if not codec.identity:  # KIVI frees the residual of a block that dies unfilled
             self.kv_manager.set_block_free_hook(codec.on_block_freed)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, max_len)
@@ -154,6 +161,7 @@ class LLMEngine:
 
     def _log_loaded(self, seconds: float) -> None:
         mc, cc, config = self.model_config, self.config.cache, self.config
+        log_dtype(config.dtype, cc.kv_cache_dtype)  # the ISA that decided it; fp32 KV
         groups = self.kv_groups  # hybrid: blocks of every layer, held as pages of a few
         num_blocks = self.kv_manager.num_blocks // (groups.num_groups if groups else 1)
         plain = mc.kv_bytes_per_token(self.dtype.itemsize)

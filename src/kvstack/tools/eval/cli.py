@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import kvstack.tools.eval.report as rep
+from kvstack.config.choices import to_dtype
 from kvstack.core.errors import ConfigError
 from kvstack.core.units import parse_size
 from kvstack.tools.command import run_tool
@@ -73,7 +74,13 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
         "alone or stacked with a KV codec as SCHEME+CODEC (e.g. gguf+int8)",
     )
     parser.add_argument("--model", default="default", help="model (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        type=to_dtype,  # 'auto' resolved from the CPU's ISA, as the engine's --dtype
+        choices=("auto", "bfloat16", "float32"),
+        help="model dtype (default auto: bfloat16 with AVX512-BF16 or AMX, else float32)",
+    )
     parser.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")
     for name, what in (
         ("contexts", "text lengths in tokens for teacher-forced quality and greedy agreement"),

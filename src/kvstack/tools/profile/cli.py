@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstack.config.choices import quantizations
+from kvstack.config.choices import quantizations, to_dtype
 from kvstack.core.errors import ConfigError
 from kvstack.kv.codecs import KV_CACHE_DTYPES
 from kvstack.tools.command import run_tool
@@ -36,7 +36,11 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV codec (default auto)"
     )
     p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="default bfloat16"
+        "--dtype",
+        default="auto",
+        type=to_dtype,  # 'auto' resolved from the CPU's ISA, as the engine's --dtype
+        choices=["auto", "bfloat16", "float32"],
+        help="default auto: bfloat16 with AVX512-BF16 or AMX, else float32",
     )
     p.add_argument(
         "--quantization",
