@@ -10,6 +10,8 @@ the text between ``<!-- generated:NAME -->`` and ``<!-- /generated -->`` markers
 * ``offline``, ``latency``, ``serve``, ``speculative`` (docs/performance.md): the newest
   result of that benchmark on each CPU, in full;
 * ``latency_real`` (docs/performance.md): per real model and CPU, the newest latency result;
+* ``headline_real`` (README.md): from the same results, kvstack's fastest variant against
+  llama.cpp on the same GGUF;
 * ``index`` (docs/performance.md): the newest result file of every benchmark on every CPU;
 * ``eras`` (docs/design.md): per workload, the newest comparison of the KV-cache eras.
 
@@ -304,6 +306,37 @@ def real_models_section(results: list[Result]) -> str:
     return "\n".join(out).rstrip() or "_No result yet._"
 
 
+def real_models_headline(results: list[Result]) -> str:
+    """Per real model and CPU (newest ``latency-<model>`` result): kvstack's best decode
+    variant against llama.cpp on the same GGUF, each prompt."""
+    newest: dict[tuple[str, str], Result] = {}
+    for r in results:
+        if r.bench.startswith("latency-") and UNRECORDED not in r.cpu:
+            newest[(r.bench, r.cpu)] = r
+    rows = [
+        "| model | CPU | prompt | kvstack decode tok/s | llama.cpp | ratio | kvstack TTFT ms "
+        "| llama.cpp | measured |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for bench, cpu in sorted(newest):
+        r = newest[(bench, cpu)]
+        ok = [e for e in r.doc.get("results", []) if "error" not in e]
+        peer = next((e for e in ok if e.get("engine") == "llamacpp"), None)
+        ours = [e for e in ok if e.get("engine") == "kvstack"]
+        if peer is None or not ours:
+            continue
+        for prompt, p in peer["prompts"].items():
+            best = max(ours, key=lambda e: e["prompts"][prompt]["decode_tok_s"])
+            b = best["prompts"][prompt]
+            rows.append(
+                f"| {r.doc.get('model', bench)} | {cpu} | {prompt} | {b['decode_tok_s']:.1f} "
+                f"({best['name']}) | {p['decode_tok_s']:.1f} "
+                f"| **{b['decode_tok_s'] / p['decode_tok_s']:.2f}×** | {1e3 * b['ttft_s']:.0f} "
+                f"| {1e3 * p['ttft_s']:.0f} | {r.date}, {r.commit} |"
+            )
+    return "\n".join(rows) if len(rows) > 2 else "_No result yet._"
+
+
 def eras_section(results: list[Result]) -> str:
     """Per workload, the newest ``eras`` result (any recorded CPU): every era side by side."""
     newest: dict[str, Result] = {}
@@ -344,6 +377,7 @@ def blocks(results: list[Result]) -> dict[str, str]:
         "offline": offline_section(results),
         "latency": per_cpu_section(results, "latency", latency_table),
         "latency_real": real_models_section(results),
+        "headline_real": real_models_headline(results),
         "serve": per_cpu_section(results, "serve", serve_markdown_table),
         "speculative": per_cpu_section(results, "speculative", speculative_table),
         "index": index_section(results),

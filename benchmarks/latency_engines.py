@@ -109,9 +109,13 @@ def model_summary(model: Any) -> str:
     for layer in [model.lm_head] + [
         getattr(x, n) for x in model.layers for n in ("qkv", "o", "gate_up", "down")
     ]:
-        packed = getattr(layer, "packed", None)  # a QuantLinear's PackedWeight
-        source = getattr(packed, "source", None)  # (a dense Linear's is oneDNN's tensor)
-        kinds[f"{source} {packed.bits}-bit" if source is not None else "dense"] += 1
+        parts = getattr(layer, "parts", [layer])  # a StackedLinear's runs (Q4_K q/k + Q6_K v)
+        names = []
+        for part in parts:
+            packed = getattr(part, "packed", None)  # a QuantLinear's PackedWeight
+            source = getattr(packed, "source", None)  # (a dense Linear's is oneDNN's tensor)
+            names.append(f"{source} {packed.bits}-bit" if source is not None else "dense")
+        kinds[" + ".join(names)] += 1
     return ", ".join(f"{n} x {k}" for k, n in kinds.items())
 
 
