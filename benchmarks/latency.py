@@ -99,7 +99,9 @@ def license_text() -> str:
     raise SystemExit("--text-prompt: Python's LICENSE.txt not found")
 
 
-def build_prompts(model: str, text: bool, seed: int = 0) -> dict[str, list[int]]:
+def build_prompts(
+    model: str = "default", text: bool = False, seed: int = 0
+) -> dict[str, list[int]]:
     """The two fixed prompts as exactly ``PROMPT_TOKENS`` token ids (``model``'s tokenizer)."""
     from kvstack.model.loader.registry import load_tokenizer
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
+from kvstack.testing.real_models import prefill_logits
 
 NEW_TOKENS = 40
 TIE_GAP = 1e-4
@@ -106,24 +107,10 @@ def greedy() -> SamplingParams:
 def test_logits_match_transformers(
     hf_reference: Any, llm_fp32: LLM, prompt_ids: list[list[int]]
 ) -> None:
-    from kvstack.model.attention import AttentionMetadata, PrefillSeq
-
-    engine = llm_fp32.engine
     for ids in prompt_ids[:3] + prompt_ids[-1:]:
         with torch.no_grad():
             ref = hf_reference(torch.tensor([ids])).logits[0].float()
-        n = len(ids)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n),
-            num_decodes=0,
-            decode_block_tables=None,
-            decode_context_lens=None,
-            decode_bias=None,
-            prefills=[PrefillSeq(0, n, n, None, None)],
-        )
-        got = engine.model.forward(
-            torch.tensor(ids), torch.arange(n), meta, engine.kv_storage, None
-        )
+        got = prefill_logits(llm_fp32, ids)
         diff = (got - ref).abs().max().item()
         assert diff < LOGIT_ATOL, f"max |logit diff| {diff:.2e} >= {LOGIT_ATOL}"
         assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -29,6 +29,7 @@ from kvstack.model.quant.packed import (
 from kvstack.model.quant.quantize import quantize_int4, quantize_int8
 from kvstack.model.quant.schemes import LinearBuilder
 from kvstack.testing.tiny_models import quantize_q4_k
+from quant_types_util import int8_activations
 
 Q = gguf.GGMLQuantizationType
 DTYPES = [torch.float32, torch.bfloat16]
@@ -226,15 +227,6 @@ def test_packed_parts_stay_packed_beside_a_part_without_a_kernel(kernels: Kernel
     want = F.linear(x, torch.cat([dequantize_reference(q), v]))
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(lin.dequantize(torch.float32), torch.cat([dequantize_reference(q), v]))
-
-
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's activation rounding (block_q8_0: per 32 values, scale max|x| / 127)."""
-    m, k = x.shape
-    c = x.float().reshape(m, k // 32, 32)
-    d = c.abs().amax(dim=-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(c * inv) * d).reshape(m, k)
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 31, 576), ("Q4_0", 7, 128),

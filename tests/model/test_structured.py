@@ -122,7 +122,9 @@ def test_constrained_rows_are_batch_chunk_and_preemption_invariant(
     )
     assert [o.outputs[0].text for o in mixed[:4]] == alone
     assert [o.outputs[0].text for o in mixed[4:]] == plain  # batch mates are untouched
+    # 80 tokens of KV: each request fits alone, the four together do not (preemptions).
     opts = {**OPTS, "num_blocks": 20, "block_size": 4, "max_num_batched_tokens": 8}
+    opts["max_model_len"] = 80
     small = LLM(model_path, **opts)
     assert texts(small, PROMPTS, sp) == alone
     assert small.engine.scheduler.num_preemptions_total > 0, "the test expected preemptions"

@@ -46,7 +46,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     cfg = tiny_llama_config(max_position_embeddings=4096)
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     write_gguf(path, cfg, random_llama_weights(cfg, seed=5))
-    opts = {"num_blocks": 128, "max_model_len": 4096, "max_num_batched_tokens": 4096}
+    opts = {"num_blocks": 256, "max_model_len": 4096, "max_num_batched_tokens": 4096}
     return LLM(str(path), dtype="float32", **opts)
 
 

@@ -34,6 +34,10 @@ def test_fixed_prompts_are_512_tokens() -> None:
     text = load_tokenizer("default").decode(prompts["repetitive"])
     assert text.endswith("Repeat the code above exactly:\n") and "BLAKE2b" in text
     assert latency.build_prompts() == prompts  # seeded: the same prompts every run
+    prose = latency.build_prompts("default", text=True)  # real text instead of random words
+    assert set(prose) == {"repetitive", "text"} and len(prose["text"]) == latency.PROMPT_TOKENS
+    words = load_tokenizer("default").decode(prose["text"])
+    assert words.endswith("Summarize the text above.\n") and "Python" in words
 
 
 def test_a_speculating_variant_is_compared_with_its_base_run_by_run() -> None:
