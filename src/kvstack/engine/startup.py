@@ -5,9 +5,10 @@ The dtype line: ``--dtype auto`` was resolved by the config (``config/choices.py
 ``to_dtype`` asks ``model/kernels/isa.py``'s ``auto_dtype``), so the engine sees a concrete
 dtype; ``dtype_note`` says which, what ``auto`` picks on this CPU and why, and what the KV
 cache holds with it (``--kv-cache-dtype auto`` is the model dtype: float32 K/V take 4 bytes
-a value, so the same ``--kv-cache-memory`` holds half the tokens of bf16). bfloat16 asked
-for on a CPU without bf16 instructions is allowed, with one warning quoting what it cost
-where it was measured (``isa.emulated_bf16_warning``).
+a value, so the same ``--kv-cache-memory`` holds half the tokens of bf16). On a CPU with
+AVX2 but no bf16 instructions ``auto`` is bf16 storage with float32 compute (the table in
+``isa.py`` says why); bfloat16 asked for where ``auto`` picks float32 (no AVX2) is allowed,
+with one warning (``isa.emulated_bf16_warning``).
 
 The pool check follows vLLM's ``check_enough_kv_cache_memory`` (``vllm/v1/core/
 kv_cache_utils.py``): a ``--max-model-len`` the pool cannot hold for one sequence is one
